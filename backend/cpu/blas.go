@@ -1,0 +1,628 @@
+package cpu
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/x448/float16"
+	"gonum.org/v1/gonum/blas"
+	"gonum.org/v1/gonum/blas/gonum"
+
+	"github.com/gpuctx/gpuctx/internal/hal"
+)
+
+// blasHandle mirrors a cuBLAS handle. Like cuBLAS it has no lock: concurrent
+// use is the caller's bug, and the race detector reports it.
+type blasHandle struct {
+	dev       *device
+	stream    *stream
+	ws        hal.Ptr
+	wsSize    int
+	math      hal.MathMode
+	destroyed bool
+}
+
+// NewBlasHandle creates a BLAS handle bound to no stream; call SetStream before
+// any operation. Safe for concurrent use; the handle itself is not.
+func (d *device) NewBlasHandle() (hal.BlasHandle, error) {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return nil, d.errClosed("NewBlasHandle")
+	}
+	return &blasHandle{dev: d}, nil
+}
+
+func (h *blasHandle) live(call string) error {
+	if h.destroyed {
+		return fmt.Errorf("cpu: BlasHandle.%s: handle is destroyed; create a new one", call)
+	}
+	return nil
+}
+
+// SetStream binds the handle to s: later operations queue on s. Like
+// cublasSetStream it resets the workspace to the library default (none here):
+// call SetWorkspace right after.
+func (h *blasHandle) SetStream(s hal.Stream) error {
+	if err := h.live("SetStream"); err != nil {
+		return err
+	}
+	st, ok := s.(*stream)
+	if !ok || st == nil || st.dev != h.dev {
+		return fmt.Errorf("cpu: BlasHandle.SetStream: stream %v does not come from this device's NewStream", s)
+	}
+	h.stream = st
+	h.ws, h.wsSize = 0, 0
+	return nil
+}
+
+// SetWorkspace makes [p, p+n) the handle's workspace; it must lie inside one
+// live allocation and p must be 256-byte aligned (as cuBLAS requires). p == 0
+// with n == 0 removes the workspace. Operations read it when they are queued.
+func (h *blasHandle) SetWorkspace(p hal.Ptr, n int) error {
+	if err := h.live("SetWorkspace"); err != nil {
+		return err
+	}
+	if p == 0 && n == 0 {
+		h.ws, h.wsSize = 0, 0
+		return nil
+	}
+	if n <= 0 {
+		return fmt.Errorf("cpu: BlasHandle.SetWorkspace(%#x, %d): size must be positive (or pass 0, 0 for none)", uintptr(p), n)
+	}
+	if _, err := h.dev.mem("BlasHandle.SetWorkspace", p, n, 256); err != nil {
+		return err
+	}
+	h.ws, h.wsSize = p, n
+	return nil
+}
+
+// SetMathMode records the math mode; MathTF32 makes f32 GEMMs round their
+// inputs to TF32 (10-bit mantissa), as tensor cores do.
+func (h *blasHandle) SetMathMode(m hal.MathMode) error {
+	if err := h.live("SetMathMode"); err != nil {
+		return err
+	}
+	switch m {
+	case hal.MathDefault, hal.MathTensorOp, hal.MathTF32:
+		h.math = m
+		return nil
+	}
+	return fmt.Errorf("cpu: BlasHandle.SetMathMode(%d): unknown math mode", m)
+}
+
+// bound returns the handle's stream, or an error when it has none.
+func (h *blasHandle) bound(call string) (*stream, error) {
+	if err := h.live(call); err != nil {
+		return nil, err
+	}
+	if h.stream == nil {
+		return nil, fmt.Errorf("cpu: BlasHandle.%s: handle is bound to no stream; call SetStream first", call)
+	}
+	return h.stream, nil
+}
+
+// Gemm queues C = alpha*op(A)*op(B) + beta*C on the bound stream.
+func (h *blasHandle) Gemm(g hal.GemmDesc) error {
+	s, err := h.bound("Gemm")
+	if err != nil {
+		return err
+	}
+	return h.dev.queueGemms("BlasHandle.Gemm", s, []hal.GemmDesc{g}, h.math, h.ws, h.wsSize)
+}
+
+// GemmStridedBatched queues b.Count GEMMs on the bound stream, matrix i at
+// A + i*StrideA elements (likewise B and C).
+func (h *blasHandle) GemmStridedBatched(g hal.GemmDesc, b hal.StridedBatch) error {
+	s, err := h.bound("GemmStridedBatched")
+	if err != nil {
+		return err
+	}
+	if b.Count < 0 {
+		return fmt.Errorf("cpu: BlasHandle.GemmStridedBatched: negative batch count %d", b.Count)
+	}
+	ds := make([]hal.GemmDesc, b.Count)
+	for i := range ds {
+		ds[i] = g
+		ds[i].A += hal.Ptr(int64(i) * b.StrideA * int64(g.AB.Size()))
+		ds[i].B += hal.Ptr(int64(i) * b.StrideB * int64(g.AB.Size()))
+		ds[i].C += hal.Ptr(int64(i) * b.StrideC * int64(g.CType.Size()))
+	}
+	return h.dev.queueGemms("BlasHandle.GemmStridedBatched", s, ds, h.math, h.ws, h.wsSize)
+}
+
+// GemmGrouped queues the GEMMs ds, one after the other, on the bound stream.
+func (h *blasHandle) GemmGrouped(ds []hal.GemmDesc) error {
+	s, err := h.bound("GemmGrouped")
+	if err != nil {
+		return err
+	}
+	return h.dev.queueGemms("BlasHandle.GemmGrouped", s, append([]hal.GemmDesc(nil), ds...), h.math, h.ws, h.wsSize)
+}
+
+// GroupedNative reports false: GemmGrouped is a loop of GEMMs.
+func (h *blasHandle) GroupedNative() bool { return false }
+
+// Geam queues C = alpha*op(A) + beta*op(B) on the bound stream. C may be A
+// (or B) when that operand is not transposed and has C's leading dimension.
+func (h *blasHandle) Geam(g hal.GeamDesc) error {
+	s, err := h.bound("Geam")
+	if err != nil {
+		return err
+	}
+	if err := validateGeam(g); err != nil {
+		return err
+	}
+	d := h.dev
+	return s.enqueueFn("BlasHandle.Geam", func() error { return d.geam(g) })
+}
+
+// Destroy releases the handle; work already queued still runs.
+func (h *blasHandle) Destroy() error {
+	if err := h.live("Destroy"); err != nil {
+		return err
+	}
+	h.destroyed = true
+	h.stream = nil
+	return nil
+}
+
+// ltHandle mirrors a cuBLASLt handle: stream and workspace come with each call.
+type ltHandle struct {
+	dev       *device
+	destroyed bool
+}
+
+// NewLtHandle creates a cuBLASLt-style handle. Safe for concurrent use; the
+// handle itself is not.
+func (d *device) NewLtHandle() (hal.LtHandle, error) {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return nil, d.errClosed("NewLtHandle")
+	}
+	return &ltHandle{dev: d}, nil
+}
+
+// Matmul queues the GEMM d on s with [ws, ws+wsSize) as workspace (wsSize 0:
+// none). AB must be F32, F16 or BF16 and CType AB or F32; compute is f32.
+func (h *ltHandle) Matmul(s hal.Stream, g hal.GemmDesc, ws hal.Ptr, wsSize int) error {
+	if h.destroyed {
+		return errors.New("cpu: LtHandle.Matmul: handle is destroyed; create a new one")
+	}
+	st, ok := s.(*stream)
+	if !ok || st == nil || st.dev != h.dev {
+		return fmt.Errorf("cpu: LtHandle.Matmul: stream %v does not come from this device's NewStream", s)
+	}
+	if g.AB != hal.F32 && g.AB != hal.F16 && g.AB != hal.BF16 {
+		return fmt.Errorf("cpu: LtHandle.Matmul: AB type %v is not supported; use f32, f16 or bf16", g.AB)
+	}
+	if wsSize < 0 {
+		return fmt.Errorf("cpu: LtHandle.Matmul: negative workspace size %d", wsSize)
+	}
+	if wsSize > 0 {
+		if _, err := h.dev.mem("LtHandle.Matmul workspace", ws, wsSize, 16); err != nil {
+			return err
+		}
+	}
+	return h.dev.queueGemms("LtHandle.Matmul", st, []hal.GemmDesc{g}, hal.MathDefault, ws, wsSize)
+}
+
+// Destroy releases the handle; work already queued still runs.
+func (h *ltHandle) Destroy() error {
+	if h.destroyed {
+		return errors.New("cpu: LtHandle.Destroy: handle is already destroyed")
+	}
+	h.destroyed = true
+	return nil
+}
+
+// dims returns the stored shape (rows, cols) of a column-major operand whose
+// op() is r×c.
+func dims(t hal.Op, r, c int) (int, int) {
+	if t == hal.Trans {
+		return c, r
+	}
+	return r, c
+}
+
+// extent is the number of elements a column-major rows×cols matrix spans.
+func extent(rows, cols, ld int) int {
+	if rows == 0 || cols == 0 {
+		return 0
+	}
+	return (cols-1)*ld + rows
+}
+
+func validateGemm(call string, g hal.GemmDesc) error {
+	ok := false
+	switch g.AB {
+	case hal.F32, hal.F64:
+		ok = g.CType == g.AB
+	case hal.F16, hal.BF16:
+		ok = g.CType == g.AB || g.CType == hal.F32
+	}
+	if !ok {
+		return fmt.Errorf("cpu: %s: types AB=%v C=%v are not supported; use f32/f32, f64/f64, or f16/bf16 with C the same or f32", call, g.AB, g.CType)
+	}
+	if g.TransA != hal.NoTrans && g.TransA != hal.Trans || g.TransB != hal.NoTrans && g.TransB != hal.Trans {
+		return fmt.Errorf("cpu: %s: bad transpose flags %d, %d", call, g.TransA, g.TransB)
+	}
+	if g.M < 0 || g.N < 0 || g.K < 0 {
+		return fmt.Errorf("cpu: %s: negative shape m=%d n=%d k=%d", call, g.M, g.N, g.K)
+	}
+	ra, _ := dims(g.TransA, g.M, g.K)
+	rb, _ := dims(g.TransB, g.K, g.N)
+	for _, l := range []struct {
+		name     string
+		ld, rows int
+	}{{"lda", g.LDA, ra}, {"ldb", g.LDB, rb}, {"ldc", g.LDC, g.M}} {
+		if l.ld < max(1, l.rows) {
+			return fmt.Errorf("cpu: %s: %s=%d is less than max(1, %d rows)", call, l.name, l.ld, l.rows)
+		}
+	}
+	return nil
+}
+
+// queueGemms validates ds and queues them as one operation on s. While it runs
+// the operation holds the workspace (conflict detection), reads it when it
+// computes split-K, and fails with a sticky error if any range is not live.
+func (d *device) queueGemms(call string, s *stream, ds []hal.GemmDesc, mode hal.MathMode, ws hal.Ptr, wsSize int) error {
+	for i, g := range ds {
+		if err := validateGemm(fmt.Sprintf("%s[%d]", call, i), g); err != nil {
+			return err
+		}
+	}
+	tf32 := mode == hal.MathTF32
+	return s.enqueueFn(call, func() error {
+		var wsBuf []byte
+		if wsSize > 0 {
+			release := d.acquireWorkspace(ws, s.id)
+			defer release()
+			if d.wsHook != nil {
+				d.wsHook()
+			}
+			var err error
+			if wsBuf, err = d.mem(call+" workspace", ws, wsSize, 8); err != nil {
+				return err
+			}
+		}
+		for i, g := range ds {
+			if err := d.gemm(g, tf32, wsBuf); err != nil {
+				return fmt.Errorf("%s[%d]: %w", call, i, err)
+			}
+		}
+		return nil
+	})
+}
+
+// splitCount is the number of K slices a GEMM is split into given the
+// workspace bytes available (1: no split-K).
+func splitCount(m, n, k, wsBytes, elemSize int) int {
+	if k < 1024 || k < 8*max(m, n) {
+		return 1
+	}
+	for s := 4; s >= 2; s /= 2 {
+		if wsBytes >= s*m*n*elemSize {
+			return s
+		}
+	}
+	return 1
+}
+
+// gemm computes one GEMM; it runs on a stream goroutine.
+func (d *device) gemm(g hal.GemmDesc, tf32 bool, ws []byte) error {
+	if g.AB == hal.F64 {
+		return gemmT(d, g, false, ws, gonum.Implementation{}.Dgemm)
+	}
+	return gemmT(d, g, tf32 && g.AB == hal.F32, ws, gonum.Implementation{}.Sgemm)
+}
+
+type gemmFunc[T float32 | float64] func(tA, tB blas.Transpose, m, n, k int, alpha T, a []T, lda int, b []T, ldb int, beta T, c []T, ldc int)
+
+func blasOp(t hal.Op) blas.Transpose {
+	if t == hal.Trans {
+		return blas.Trans
+	}
+	return blas.NoTrans
+}
+
+// gemmT computes a column-major GEMM with row-major gonum by computing
+// Cᵀ = op(B)ᵀ op(A)ᵀ: B's memory read row-major is Bᵀ, and likewise A and C.
+func gemmT[T float32 | float64](d *device, g hal.GemmDesc, tf32 bool, ws []byte, f gemmFunc[T]) error {
+	m, n, k := g.M, g.N, g.K
+	if m == 0 || n == 0 {
+		return nil
+	}
+	cb, err := d.mem("C", g.C, extent(m, n, g.LDC)*g.CType.Size(), g.CType.Size())
+	if err != nil {
+		return err
+	}
+	c := make([]T, m*n) // packed column-major, ld = m
+	if g.Beta != 0 {
+		get := reader(cb, g.CType)
+		for j := range n {
+			for i := range m {
+				c[i+j*m] = T(get(i + j*g.LDC))
+			}
+		}
+	}
+	alpha, beta := T(g.Alpha), T(g.Beta)
+	if k == 0 || g.Alpha == 0 {
+		for i := range c {
+			c[i] *= beta
+		}
+	} else {
+		ra, ca := dims(g.TransA, m, k)
+		rb, cbols := dims(g.TransB, k, n)
+		a, err := loadMatrix[T](d, "A", g.A, g.AB, extent(ra, ca, g.LDA), tf32)
+		if err != nil {
+			return err
+		}
+		b, err := loadMatrix[T](d, "B", g.B, g.AB, extent(rb, cbols, g.LDB), tf32)
+		if err != nil {
+			return err
+		}
+		tA, tB := blasOp(g.TransB), blasOp(g.TransA)
+		var zero T
+		esz := int(unsafe.Sizeof(zero))
+		if splits := splitCount(m, n, k, len(ws), esz); splits > 1 {
+			d.splitKOps.Add(1)
+			part := make([]T, m*n)
+			kc := (k + splits - 1) / splits
+			for s := range splits {
+				k0, k1 := s*kc, min(k, (s+1)*kc)
+				offA, offB := k0*g.LDA, k0 // op(A)[:, k0:k1] and op(B)[k0:k1, :]
+				if g.TransA == hal.Trans {
+					offA = k0
+				}
+				if g.TransB == hal.Trans {
+					offB = k0 * g.LDB
+				}
+				f(tA, tB, n, m, k1-k0, 1, b[offB:], g.LDB, a[offA:], g.LDA, 0, part, m)
+				wsStore(ws, s*m*n, part)
+			}
+			// Reduce the partial products from the workspace, as a split-K
+			// GEMM's second kernel does; another stream writing the same
+			// workspace meanwhile corrupts the result.
+			sum := make([]T, m*n)
+			for s := range splits {
+				wsAdd(ws, s*m*n, sum)
+			}
+			for i := range c {
+				c[i] = alpha*sum[i] + beta*c[i]
+			}
+		} else {
+			f(tA, tB, n, m, k, alpha, b, g.LDB, a, g.LDA, beta, c, m)
+		}
+	}
+	put := writer(cb, g.CType)
+	for j := range n {
+		for i := range m {
+			put(i+j*g.LDC, float64(c[i+j*m]))
+		}
+	}
+	return nil
+}
+
+// loadMatrix reads n elements of dtype dt at p into a new []T, rounding f32
+// values to TF32 when tf32 is set.
+func loadMatrix[T float32 | float64](d *device, what string, p hal.Ptr, dt hal.DType, n int, tf32 bool) ([]T, error) {
+	b, err := d.mem(what, p, n*dt.Size(), dt.Size())
+	if err != nil {
+		return nil, err
+	}
+	out := make([]T, n)
+	if dt == hal.F32 && tf32 {
+		src := view[float32](b)
+		for i := range out {
+			out[i] = T(roundTF32(src[i]))
+		}
+		return out, nil
+	}
+	get := reader(b, dt)
+	for i := range out {
+		out[i] = T(get(i))
+	}
+	return out, nil
+}
+
+// view reinterprets b as []T; b's start must be aligned for T.
+func view[T any](b []byte) []T {
+	var zero T
+	if len(b) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*T)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/int(unsafe.Sizeof(zero)))
+}
+
+// reader returns a function reading element i of b (dtype dt) exactly as float64.
+func reader(b []byte, dt hal.DType) func(i int) float64 {
+	switch dt {
+	case hal.F32:
+		v := view[float32](b)
+		return func(i int) float64 { return float64(v[i]) }
+	case hal.F64:
+		v := view[float64](b)
+		return func(i int) float64 { return v[i] }
+	case hal.F16:
+		v := view[uint16](b)
+		return func(i int) float64 { return float64(float16.Frombits(v[i]).Float32()) }
+	case hal.BF16:
+		v := view[uint16](b)
+		return func(i int) float64 { return float64(bf16ToF32(v[i])) }
+	}
+	panic("cpu: reader: unsupported dtype " + dt.String()) // validateGemm excludes it
+}
+
+// writer returns a function storing v as element i of b (dtype dt), rounding
+// to nearest even.
+func writer(b []byte, dt hal.DType) func(i int, v float64) {
+	switch dt {
+	case hal.F32:
+		o := view[float32](b)
+		return func(i int, v float64) { o[i] = float32(v) }
+	case hal.F64:
+		o := view[float64](b)
+		return func(i int, v float64) { o[i] = v }
+	case hal.F16:
+		o := view[uint16](b)
+		return func(i int, v float64) { o[i] = float16.Fromfloat32(float32(v)).Bits() }
+	case hal.BF16:
+		o := view[uint16](b)
+		return func(i int, v float64) { o[i] = f32ToBF16(float32(v)) }
+	}
+	panic("cpu: writer: unsupported dtype " + dt.String())
+}
+
+func bf16ToF32(h uint16) float32 { return math.Float32frombits(uint32(h) << 16) }
+
+// f32ToBF16 rounds f to bfloat16, to nearest even; NaN stays NaN.
+func f32ToBF16(f float32) uint16 {
+	b := math.Float32bits(f)
+	if b&0x7fffffff > 0x7f800000 {
+		return uint16(b>>16) | 0x40
+	}
+	b += 0x7fff + (b>>16)&1
+	return uint16(b >> 16)
+}
+
+// roundTF32 rounds f to TF32 precision (10 explicit mantissa bits), to nearest
+// even, as tensor cores do with f32 inputs in TF32 mode.
+func roundTF32(f float32) float32 {
+	b := math.Float32bits(f)
+	if b&0x7f800000 == 0x7f800000 {
+		return f
+	}
+	b += 0xfff + (b>>13)&1
+	return math.Float32frombits(b &^ 0x1fff)
+}
+
+// wsStore writes v into the workspace starting at element off, atomically per
+// element (the workspace may be shared by another stream by mistake; the
+// conflict counter reports that, the race detector need not).
+func wsStore[T float32 | float64](ws []byte, off int, v []T) {
+	switch v := any(v).(type) {
+	case []float32:
+		u := view[uint32](ws)[off : off+len(v)]
+		for i, x := range v {
+			atomic.StoreUint32(&u[i], math.Float32bits(x))
+		}
+	case []float64:
+		u := view[uint64](ws)[off : off+len(v)]
+		for i, x := range v {
+			atomic.StoreUint64(&u[i], math.Float64bits(x))
+		}
+	}
+}
+
+// wsAdd adds the workspace elements [off, off+len(sum)) into sum.
+func wsAdd[T float32 | float64](ws []byte, off int, sum []T) {
+	switch sum := any(sum).(type) {
+	case []float32:
+		u := view[uint32](ws)[off : off+len(sum)]
+		for i := range sum {
+			sum[i] += math.Float32frombits(atomic.LoadUint32(&u[i]))
+		}
+	case []float64:
+		u := view[uint64](ws)[off : off+len(sum)]
+		for i := range sum {
+			sum[i] += math.Float64frombits(atomic.LoadUint64(&u[i]))
+		}
+	}
+}
+
+func validateGeam(g hal.GeamDesc) error {
+	switch g.Type {
+	case hal.F32, hal.F64, hal.C64, hal.C128:
+	default:
+		return fmt.Errorf("cpu: BlasHandle.Geam: type %v is not supported; use f32, f64, c64 or c128", g.Type)
+	}
+	if g.TransA != hal.NoTrans && g.TransA != hal.Trans || g.TransB != hal.NoTrans && g.TransB != hal.Trans {
+		return fmt.Errorf("cpu: BlasHandle.Geam: bad transpose flags %d, %d", g.TransA, g.TransB)
+	}
+	if g.M < 0 || g.N < 0 {
+		return fmt.Errorf("cpu: BlasHandle.Geam: negative shape m=%d n=%d", g.M, g.N)
+	}
+	ra, _ := dims(g.TransA, g.M, g.N)
+	rb, _ := dims(g.TransB, g.M, g.N)
+	for _, l := range []struct {
+		name     string
+		ld, rows int
+	}{{"lda", g.LDA, ra}, {"ldb", g.LDB, rb}, {"ldc", g.LDC, g.M}} {
+		if l.ld < max(1, l.rows) {
+			return fmt.Errorf("cpu: BlasHandle.Geam: %s=%d is less than max(1, %d rows)", l.name, l.ld, l.rows)
+		}
+	}
+	return nil
+}
+
+// geam computes one Geam; it runs on a stream goroutine.
+func (d *device) geam(g hal.GeamDesc) error {
+	switch g.Type {
+	case hal.F32:
+		return geamT(d, g, float32(real(g.Alpha)), float32(real(g.Beta)))
+	case hal.F64:
+		return geamT(d, g, real(g.Alpha), real(g.Beta))
+	case hal.C64:
+		return geamT(d, g, complex64(g.Alpha), complex64(g.Beta))
+	default:
+		return geamT(d, g, g.Alpha, g.Beta)
+	}
+}
+
+func geamT[T float32 | float64 | complex64 | complex128](d *device, g hal.GeamDesc, alpha, beta T) error {
+	m, n := g.M, g.N
+	if m == 0 || n == 0 {
+		return nil
+	}
+	// operand reads op(X) into a packed m×n matrix scaled by s; X is not read
+	// when s is 0 (as cuBLAS, which allows a nil operand then).
+	operand := func(what string, p hal.Ptr, t hal.Op, ld int, s T) ([]T, error) {
+		out := make([]T, m*n)
+		if s == 0 {
+			return out, nil
+		}
+		r, c := dims(t, m, n)
+		x, err := deviceSlice[T](d, what, p, int64(extent(r, c, ld)))
+		if err != nil {
+			return nil, err
+		}
+		for j := range n {
+			for i := range m {
+				if t == hal.Trans {
+					out[i+j*m] = s * x[j+i*ld]
+				} else {
+					out[i+j*m] = s * x[i+j*ld]
+				}
+			}
+		}
+		return out, nil
+	}
+	a, err := operand("A", g.A, g.TransA, g.LDA, alpha)
+	if err != nil {
+		return err
+	}
+	b, err := operand("B", g.B, g.TransB, g.LDB, beta)
+	if err != nil {
+		return err
+	}
+	c, err := deviceSlice[T](d, "C", g.C, int64(extent(m, n, g.LDC)))
+	if err != nil {
+		return err
+	}
+	for j := range n {
+		for i := range m {
+			c[i+j*g.LDC] = a[i+j*m] + b[i+j*m]
+		}
+	}
+	return nil
+}
+
+var (
+	_ hal.BlasHandle = (*blasHandle)(nil)
+	_ hal.LtHandle   = (*ltHandle)(nil)
+)

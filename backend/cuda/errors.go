@@ -1,0 +1,128 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/gpuctx/gpuctx/internal/dynload"
+	"github.com/gpuctx/gpuctx/internal/hal"
+)
+
+// CUresult values this package treats specially (cuda.h).
+const (
+	cudaSuccess              = 0
+	cudaErrorInvalidValue    = 1
+	cudaErrorOutOfMemory     = 2
+	cudaErrorNotInitialized  = 3
+	cudaErrorDeinitialized   = 4
+	cudaErrorStubLibrary     = 34
+	cudaErrorInsufficientDrv = 35
+	cudaErrorNoDevice        = 100
+	cudaErrorInvalidDevice   = 101
+	cudaErrorNoBinaryForGPU  = 209
+	cudaErrorInvalidPTX      = 218
+	cudaErrorUnsupportedPTX  = 222
+	cudaErrorInvalidHandle   = 400
+	cudaErrorNotFound        = 500
+	cudaErrorNotReady        = 600
+	cudaErrorLaunchFailed    = 700
+)
+
+// errorNames are used when cuGetErrorName is unavailable (the driver failed to
+// load far enough) so that errors still name the status.
+var errorNames = map[int32]string{
+	cudaErrorInvalidValue:    "CUDA_ERROR_INVALID_VALUE",
+	cudaErrorOutOfMemory:     "CUDA_ERROR_OUT_OF_MEMORY",
+	cudaErrorNotInitialized:  "CUDA_ERROR_NOT_INITIALIZED",
+	cudaErrorDeinitialized:   "CUDA_ERROR_DEINITIALIZED",
+	cudaErrorStubLibrary:     "CUDA_ERROR_STUB_LIBRARY",
+	cudaErrorInsufficientDrv: "CUDA_ERROR_INSUFFICIENT_DRIVER",
+	cudaErrorNoDevice:        "CUDA_ERROR_NO_DEVICE",
+	cudaErrorInvalidDevice:   "CUDA_ERROR_INVALID_DEVICE",
+	cudaErrorNoBinaryForGPU:  "CUDA_ERROR_NO_BINARY_FOR_GPU",
+	cudaErrorInvalidPTX:      "CUDA_ERROR_INVALID_PTX",
+	cudaErrorUnsupportedPTX:  "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+	cudaErrorInvalidHandle:   "CUDA_ERROR_INVALID_HANDLE",
+	cudaErrorNotFound:        "CUDA_ERROR_NOT_FOUND",
+	cudaErrorNotReady:        "CUDA_ERROR_NOT_READY",
+	cudaErrorLaunchFailed:    "CUDA_ERROR_LAUNCH_FAILED",
+}
+
+// Error is a failed CUDA driver call. It formats as
+// "cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory".
+type Error struct {
+	Call string // driver function, e.g. "cuMemAlloc_v2"
+	Code int32  // the CUresult
+	Name string // cuGetErrorName, e.g. "CUDA_ERROR_OUT_OF_MEMORY"
+	Desc string // cuGetErrorString, may be empty
+}
+
+// Error formats the call, the status name and number, and the description.
+func (e *Error) Error() string {
+	name := e.Name
+	if name == "" {
+		name = "CUDA_ERROR_UNKNOWN_STATUS"
+	}
+	s := fmt.Sprintf("%s: %s (%d)", e.Call, name, e.Code)
+	if e.Desc != "" {
+		s += ": " + e.Desc
+	}
+	return s
+}
+
+// Is reports whether target is the same status: a *Error with the same Code
+// (the sentinels below), or the hal error the status means
+// (hal.ErrUnavailable for a missing device or driver).
+func (e *Error) Is(target error) bool {
+	if t, ok := target.(*Error); ok {
+		return t.Code == e.Code && (t.Call == "" || t.Call == e.Call)
+	}
+	switch target {
+	case hal.ErrUnavailable:
+		switch e.Code {
+		case cudaErrorNoDevice, cudaErrorStubLibrary, cudaErrorInsufficientDrv, cudaErrorNotInitialized, cudaErrorDeinitialized:
+			return true
+		}
+	case hal.ErrNoKernel:
+		return e.Code == cudaErrorNotFound && e.Call == "cuModuleGetFunction"
+	}
+	return false
+}
+
+// Sentinels for errors.Is; they match any call that failed with that status.
+var (
+	ErrOutOfMemory   = &Error{Code: cudaErrorOutOfMemory, Name: "CUDA_ERROR_OUT_OF_MEMORY"}
+	ErrInvalidValue  = &Error{Code: cudaErrorInvalidValue, Name: "CUDA_ERROR_INVALID_VALUE"}
+	ErrInvalidHandle = &Error{Code: cudaErrorInvalidHandle, Name: "CUDA_ERROR_INVALID_HANDLE"}
+	ErrLaunchFailed  = &Error{Code: cudaErrorLaunchFailed, Name: "CUDA_ERROR_LAUNCH_FAILED"}
+	ErrNoDevice      = &Error{Code: cudaErrorNoDevice, Name: "CUDA_ERROR_NO_DEVICE"}
+)
+
+// ErrClosed is returned by every call on a closed backend, device, stream or
+// event.
+var ErrClosed = errors.New("cuda: use after Close/Destroy")
+
+// check turns a CUresult into nil or an *Error naming call. api may be nil or
+// partly bound; then the fallback name table is used.
+func check(api *driverAPI, call string, r int32) error {
+	if r == cudaSuccess {
+		return nil
+	}
+	e := &Error{Call: call, Code: r}
+	if api != nil && api.cuGetErrorName != nil {
+		var p *byte
+		if api.cuGetErrorName(r, &p) == cudaSuccess {
+			e.Name = dynload.CString(p)
+		}
+	}
+	if api != nil && api.cuGetErrorString != nil {
+		var p *byte
+		if api.cuGetErrorString(r, &p) == cudaSuccess {
+			e.Desc = dynload.CString(p)
+		}
+	}
+	if e.Name == "" {
+		e.Name = errorNames[r]
+	}
+	return e
+}

@@ -1,0 +1,319 @@
+// Package blas holds backend-neutral BLAS operation descriptors, their shape
+// validation, the row-major to column-major mapping every backend relies on, and
+// a float64 reference implementation used by tests and by the CLI's checks.
+//
+// Nothing here touches a device. Package gpuctx validates every operation with
+// this package before it reaches a backend, so backends never see a bad shape.
+package blas
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/cmplx"
+
+	"github.com/gpuctx/gpuctx/internal/hal"
+)
+
+// ErrInvalid is wrapped by every validation error of this package.
+var ErrInvalid = errors.New("invalid BLAS argument")
+
+// Layout says how a matrix is laid out in memory.
+type Layout int
+
+const (
+	// RowMajor: element (i, j) of an r×c matrix is at i*ld + j, ld >= c.
+	RowMajor Layout = iota
+	// ColMajor: element (i, j) is at i + j*ld, ld >= r (cuBLAS convention).
+	ColMajor
+)
+
+func (l Layout) String() string {
+	if l == ColMajor {
+		return "col-major"
+	}
+	return "row-major"
+}
+
+// GemmShape is everything about a GEMM but its memory: C = alpha*op(A)*op(B) + beta*C
+// with C m×n, op(A) m×k, op(B) k×n. LD values of 0 mean "packed" and are filled
+// in by Normalize. ALen, BLen and CLen are the number of elements available in
+// each operand's memory (from its offset to the end of its buffer).
+type GemmShape struct {
+	Layout         Layout
+	TransA, TransB bool
+	M, N, K        int
+	LDA, LDB, LDC  int
+	AB, C          hal.DType
+	ALen, BLen     int
+	CLen           int
+	// TF32 is true when the caller asked for TF32 math; it is only valid for f32.
+	TF32 bool
+}
+
+func bad(format string, args ...any) error {
+	return fmt.Errorf("%w: "+format, append([]any{ErrInvalid}, args...)...)
+}
+
+// stored returns rows and columns of A or B as stored (before op).
+func stored(trans bool, r, c int) (int, int) {
+	if trans {
+		return c, r
+	}
+	return r, c
+}
+
+// minLD returns the smallest legal leading dimension for an r×c stored matrix.
+func minLD(l Layout, r, c int) int {
+	if l == ColMajor {
+		return max(1, r)
+	}
+	return max(1, c)
+}
+
+// need returns the number of elements an r×c stored matrix with leading
+// dimension ld spans.
+func need(l Layout, r, c, ld int) int {
+	if r == 0 || c == 0 {
+		return 0
+	}
+	if l == ColMajor {
+		return (c-1)*ld + r
+	}
+	return (r-1)*ld + c
+}
+
+// SupportedGemm reports whether a GEMM with inputs ab and output c is supported:
+// f32->f32, f64->f64, f16->f16|f32, bf16->bf16|f32.
+func SupportedGemm(ab, c hal.DType) bool {
+	switch ab {
+	case hal.F32:
+		return c == hal.F32
+	case hal.F64:
+		return c == hal.F64
+	case hal.F16:
+		return c == hal.F16 || c == hal.F32
+	case hal.BF16:
+		return c == hal.BF16 || c == hal.F32
+	}
+	return false
+}
+
+// Normalize fills packed leading dimensions and validates g. The error names
+// the bad field and its value.
+func (g *GemmShape) Normalize() error {
+	if g.M < 0 || g.N < 0 || g.K < 0 {
+		return bad("gemm dimensions must be >= 0, got m=%d n=%d k=%d", g.M, g.N, g.K)
+	}
+	if g.Layout != RowMajor && g.Layout != ColMajor {
+		return bad("gemm layout %d is neither RowMajor nor ColMajor", g.Layout)
+	}
+	if !SupportedGemm(g.AB, g.C) {
+		return bad("gemm dtypes A/B=%v C=%v are not supported (f32->f32, f64->f64, f16->f16|f32, bf16->bf16|f32)", g.AB, g.C)
+	}
+	if g.TF32 && g.AB != hal.F32 {
+		return bad("TF32 math applies to f32 GEMMs only, got A/B=%v", g.AB)
+	}
+	ar, ac := stored(g.TransA, g.M, g.K)
+	br, bc := stored(g.TransB, g.K, g.N)
+	type op struct {
+		name   string
+		r, c   int
+		ld     *int
+		length int
+	}
+	for _, o := range []op{{"A", ar, ac, &g.LDA, g.ALen}, {"B", br, bc, &g.LDB, g.BLen}, {"C", g.M, g.N, &g.LDC, g.CLen}} {
+		lo := minLD(g.Layout, o.r, o.c)
+		if *o.ld == 0 {
+			*o.ld = lo
+		}
+		if *o.ld < lo {
+			return bad("ld%s=%d is smaller than %d, the minimum for a %s %d×%d matrix", lowerName(o.name), *o.ld, lo, g.Layout, o.r, o.c)
+		}
+		if n := need(g.Layout, o.r, o.c, *o.ld); n > o.length {
+			return bad("%s needs %d elements (%d×%d, ld %d, %s) but its buffer holds %d", o.name, n, o.r, o.c, *o.ld, g.Layout, o.length)
+		}
+	}
+	return nil
+}
+
+func lowerName(s string) string {
+	switch s {
+	case "A":
+		return "a"
+	case "B":
+		return "b"
+	}
+	return "c"
+}
+
+// ColMajorDesc maps a normalized shape onto the column-major GemmDesc that
+// backends execute. Row-major C = op(A)op(B) is computed as the column-major
+// C^T = op(B)^T op(A)^T: operands swapped, m and n swapped, same transposes.
+func (g *GemmShape) ColMajorDesc(a, b, c hal.Ptr, alpha, beta float64) hal.GemmDesc {
+	ta, tb := op(g.TransA), op(g.TransB)
+	if g.Layout == ColMajor {
+		return hal.GemmDesc{TransA: ta, TransB: tb, M: g.M, N: g.N, K: g.K, Alpha: alpha, Beta: beta,
+			A: a, LDA: g.LDA, B: b, LDB: g.LDB, C: c, LDC: g.LDC, AB: g.AB, CType: g.C}
+	}
+	return hal.GemmDesc{TransA: tb, TransB: ta, M: g.N, N: g.M, K: g.K, Alpha: alpha, Beta: beta,
+		A: b, LDA: g.LDB, B: a, LDB: g.LDA, C: c, LDC: g.LDC, AB: g.AB, CType: g.C}
+}
+
+func op(t bool) hal.Op {
+	if t {
+		return hal.Trans
+	}
+	return hal.NoTrans
+}
+
+// GeamShape is C = alpha*op(A) + beta*op(B) with C m×n, for f32, f64, c64, c128.
+type GeamShape struct {
+	Layout           Layout
+	TransA, TransB   bool
+	M, N             int
+	LDA, LDB, LDC    int
+	Type             hal.DType
+	ALen, BLen, CLen int
+}
+
+// Normalize fills packed leading dimensions and validates g.
+func (g *GeamShape) Normalize() error {
+	if g.M < 0 || g.N < 0 {
+		return bad("geam dimensions must be >= 0, got m=%d n=%d", g.M, g.N)
+	}
+	switch g.Type {
+	case hal.F32, hal.F64, hal.C64, hal.C128:
+	default:
+		return bad("geam dtype %v is not supported (f32, f64, c64, c128)", g.Type)
+	}
+	ar, ac := stored(g.TransA, g.M, g.N)
+	br, bc := stored(g.TransB, g.M, g.N)
+	for _, o := range []struct {
+		name   string
+		r, c   int
+		ld     *int
+		length int
+	}{{"A", ar, ac, &g.LDA, g.ALen}, {"B", br, bc, &g.LDB, g.BLen}, {"C", g.M, g.N, &g.LDC, g.CLen}} {
+		lo := minLD(g.Layout, o.r, o.c)
+		if *o.ld == 0 {
+			*o.ld = lo
+		}
+		if *o.ld < lo {
+			return bad("ld%s=%d is smaller than %d, the minimum for a %s %d×%d matrix", lowerName(o.name), *o.ld, lo, g.Layout, o.r, o.c)
+		}
+		if n := need(g.Layout, o.r, o.c, *o.ld); n > o.length {
+			return bad("%s needs %d elements (%d×%d, ld %d, %s) but its buffer holds %d", o.name, n, o.r, o.c, *o.ld, g.Layout, o.length)
+		}
+	}
+	return nil
+}
+
+// ColMajorDesc maps a normalized geam onto the column-major descriptor. A
+// row-major geam is the column-major geam of the transposes: C^T = a op(A)^T + b op(B)^T,
+// so only m and n swap.
+func (g *GeamShape) ColMajorDesc(a, b, c hal.Ptr, alpha, beta complex128) hal.GeamDesc {
+	d := hal.GeamDesc{TransA: op(g.TransA), TransB: op(g.TransB), M: g.M, N: g.N, Alpha: alpha, Beta: beta,
+		A: a, LDA: g.LDA, B: b, LDB: g.LDB, C: c, LDC: g.LDC, Type: g.Type}
+	if g.Layout == RowMajor {
+		d.M, d.N = g.N, g.M
+	}
+	return d
+}
+
+// RefGemm computes C = alpha*op(A)*op(B) + beta*C in float64 on host slices laid
+// out as g says (g must be normalized).
+func RefGemm(g GemmShape, alpha float64, a, b []float64, beta float64, c []float64) {
+	at := func(l Layout, x []float64, ld, i, j int) float64 {
+		if l == ColMajor {
+			return x[i+j*ld]
+		}
+		return x[i*ld+j]
+	}
+	for i := 0; i < g.M; i++ {
+		for j := 0; j < g.N; j++ {
+			var s float64
+			for p := 0; p < g.K; p++ {
+				var av, bv float64
+				if g.TransA {
+					av = at(g.Layout, a, g.LDA, p, i)
+				} else {
+					av = at(g.Layout, a, g.LDA, i, p)
+				}
+				if g.TransB {
+					bv = at(g.Layout, b, g.LDB, j, p)
+				} else {
+					bv = at(g.Layout, b, g.LDB, p, j)
+				}
+				s += av * bv
+			}
+			idx := i*g.LDC + j
+			if g.Layout == ColMajor {
+				idx = i + j*g.LDC
+			}
+			if beta == 0 {
+				c[idx] = alpha * s
+			} else {
+				c[idx] = alpha*s + beta*c[idx]
+			}
+		}
+	}
+}
+
+// RefGeam computes C = alpha*op(A) + beta*op(B) in complex128 (g normalized).
+func RefGeam(g GeamShape, alpha complex128, a []complex128, beta complex128, b []complex128, c []complex128) {
+	at := func(x []complex128, ld int, trans bool, i, j int) complex128 {
+		if trans {
+			i, j = j, i
+		}
+		if g.Layout == ColMajor {
+			return x[i+j*ld]
+		}
+		return x[i*ld+j]
+	}
+	for i := 0; i < g.M; i++ {
+		for j := 0; j < g.N; j++ {
+			idx := i*g.LDC + j
+			if g.Layout == ColMajor {
+				idx = i + j*g.LDC
+			}
+			c[idx] = alpha*at(a, g.LDA, g.TransA, i, j) + beta*at(b, g.LDB, g.TransB, i, j)
+		}
+	}
+}
+
+// RelErr returns ||got-want||_F / ||want||_F (or ||got-want|| when want is 0).
+// NaN in got gives +Inf so that it never passes a tolerance.
+func RelErr(got, want []float64) float64 {
+	var num, den float64
+	for i := range want {
+		if math.IsNaN(got[i]) || math.IsInf(got[i], 0) {
+			return math.Inf(1)
+		}
+		d := got[i] - want[i]
+		num += d * d
+		den += want[i] * want[i]
+	}
+	if den == 0 {
+		return math.Sqrt(num)
+	}
+	return math.Sqrt(num / den)
+}
+
+// RelErrComplex is RelErr for complex values.
+func RelErrComplex(got, want []complex128) float64 {
+	var num, den float64
+	for i := range want {
+		if cmplx.IsNaN(got[i]) || cmplx.IsInf(got[i]) {
+			return math.Inf(1)
+		}
+		d := cmplx.Abs(got[i] - want[i])
+		num += d * d
+		w := cmplx.Abs(want[i])
+		den += w * w
+	}
+	if den == 0 {
+		return math.Sqrt(num)
+	}
+	return math.Sqrt(num / den)
+}

@@ -1,0 +1,290 @@
+package gpuctx
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/gpuctx/gpuctx/blas"
+	"github.com/gpuctx/gpuctx/internal/hal"
+)
+
+// Layout says how matrices are laid out in memory.
+type Layout = blas.Layout
+
+// Matrix layouts.
+const (
+	RowMajor = blas.RowMajor
+	ColMajor = blas.ColMajor
+)
+
+// Gemm describes C = Alpha*op(A)*op(B) + Beta*C with C M×N, op(A) M×K and
+// op(B) K×N. A and B hold elements of type AB, C of type C. Leading dimensions
+// of 0 mean packed. Supported: f32->f32, f64->f64, f16->f16|f32, bf16->bf16|f32;
+// f16/bf16/f32 compute in f32 (TF32 only in the TF32 flavour of a Context that
+// allows it), f64 in f64.
+type Gemm struct {
+	Layout         Layout
+	TransA, TransB bool
+	M, N, K        int
+	Alpha, Beta    float64
+	A, B, C        *Buffer
+	LDA, LDB, LDC  int
+	AB, CType      DType
+}
+
+// Geam describes C = Alpha*op(A) + Beta*op(B) with C M×N, for f32, f64, c64 and
+// c128 (real types use the real parts of Alpha and Beta).
+type Geam struct {
+	Layout         Layout
+	TransA, TransB bool
+	M, N           int
+	Alpha, Beta    complex128
+	A, B, C        *Buffer
+	LDA, LDB, LDC  int
+	Type           DType
+}
+
+// Blas is a BLAS handle lent to a callback, bound to one stream. Every method
+// queues work on Stream() and returns without waiting. It is valid only until
+// the callback returns; after that every method returns ErrHandleExpired. Its
+// methods may be called from several goroutines inside the callback; they are
+// serialised on the handle.
+type Blas struct {
+	c    *Context
+	sl   *slot
+	s    *Stream
+	tf32 bool
+	live atomic.Bool
+	opMu sync.Mutex // serialises calls made from several goroutines inside one callback
+}
+
+// Stream returns the stream this handle's work is queued on.
+func (h *Blas) Stream() *Stream { return h.s }
+
+// Native reports whether GemmGrouped uses the library's grouped GEMM (cuBLAS
+// cublasGemmGroupedBatchedEx) rather than a loop of GEMMs.
+func (h *Blas) Native() bool { return h.sl.blas.GroupedNative() }
+
+func (h *Blas) enter(op string) (func(), error) {
+	if h == nil || !h.live.Load() {
+		return nil, fmt.Errorf("gpuctx: Blas.%s: %w", op, ErrHandleExpired)
+	}
+	h.opMu.Lock()
+	if !h.live.Load() {
+		h.opMu.Unlock()
+		return nil, fmt.Errorf("gpuctx: Blas.%s: %w", op, ErrHandleExpired)
+	}
+	unlock, err := h.s.use("Blas." + op)
+	if err != nil {
+		h.opMu.Unlock()
+		return nil, err
+	}
+	return func() { unlock(); h.opMu.Unlock() }, nil
+}
+
+func elems(op, name string, b *Buffer, t DType, d *Device) (int, error) {
+	if b == nil {
+		return 0, fmt.Errorf("%w: gpuctx: %s: %s is nil", ErrInvalid, op, name)
+	}
+	if err := b.onDevice(op+" "+name, d); err != nil {
+		return 0, err
+	}
+	if es := t.Size(); es == 0 {
+		return 0, fmt.Errorf("%w: gpuctx: %s: %s has invalid dtype %v", ErrInvalid, op, name, t)
+	} else if uintptr(b.ptr())%uintptr(es) != 0 {
+		return 0, fmt.Errorf("%w: gpuctx: %s: %s address %#x is not aligned to its %d-byte %v elements", ErrInvalid, op, name, b.ptr(), es, t)
+	} else {
+		return b.size / es, nil
+	}
+}
+
+func (h *Blas) gemmDesc(op string, g *Gemm) (hal.GemmDesc, error) {
+	d := h.c.dev
+	var err error
+	sh := blas.GemmShape{Layout: g.Layout, TransA: g.TransA, TransB: g.TransB, M: g.M, N: g.N, K: g.K,
+		LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, AB: g.AB, C: g.CType}
+	if sh.ALen, err = elems(op, "A", g.A, g.AB, d); err != nil {
+		return hal.GemmDesc{}, err
+	}
+	if sh.BLen, err = elems(op, "B", g.B, g.AB, d); err != nil {
+		return hal.GemmDesc{}, err
+	}
+	if sh.CLen, err = elems(op, "C", g.C, g.CType, d); err != nil {
+		return hal.GemmDesc{}, err
+	}
+	if err := sh.Normalize(); err != nil {
+		return hal.GemmDesc{}, fmt.Errorf("gpuctx: %s: %w", op, err)
+	}
+	return sh.ColMajorDesc(g.A.ptr(), g.B.ptr(), g.C.ptr(), g.Alpha, g.Beta), nil
+}
+
+// Gemm queues one GEMM on the handle's stream.
+func (h *Blas) Gemm(g Gemm) error {
+	unlock, err := h.enter("Gemm")
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	desc, err := h.gemmDesc("Blas.Gemm", &g)
+	if err != nil {
+		return err
+	}
+	if err := h.sl.blas.Gemm(desc); err != nil {
+		return fmt.Errorf("gpuctx: Blas.Gemm %dx%dx%d %v->%v: %w", g.M, g.N, g.K, g.AB, g.CType, err)
+	}
+	return nil
+}
+
+// GemmStridedBatched queues count GEMMs of the shape g describes; matrix i of A
+// starts strideA elements after matrix i-1 (likewise B and C). g's buffers must
+// hold every matrix of the batch.
+func (h *Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC int) error {
+	const op = "Blas.GemmStridedBatched"
+	unlock, err := h.enter("GemmStridedBatched")
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if count < 1 || strideA < 0 || strideB < 0 || strideC < 0 {
+		return fmt.Errorf("%w: gpuctx: %s: count=%d strides=(%d,%d,%d): count must be >= 1 and strides >= 0", ErrInvalid, op, count, strideA, strideB, strideC)
+	}
+	// Validate the last matrix of the batch: views of the buffers at its offset.
+	last := g
+	for _, v := range []struct {
+		b      **Buffer
+		stride int
+		t      DType
+		name   string
+	}{{&last.A, strideA, g.AB, "A"}, {&last.B, strideB, g.AB, "B"}, {&last.C, strideC, g.CType, "C"}} {
+		if *v.b == nil {
+			return fmt.Errorf("%w: gpuctx: %s: %s is nil", ErrInvalid, op, v.name)
+		}
+		off := (count - 1) * v.stride * v.t.Size()
+		if off > (*v.b).size {
+			return fmt.Errorf("%w: gpuctx: %s: %s holds %d bytes but matrix %d starts at byte %d (stride %d elements)", ErrSize, op, v.name, (*v.b).size, count-1, off, v.stride)
+		}
+		view, err := (*v.b).Slice(off, (*v.b).size-off)
+		if err != nil {
+			return err
+		}
+		*v.b = view
+	}
+	if _, err := h.gemmDesc(op, &last); err != nil {
+		return err
+	}
+	desc, err := h.gemmDesc(op, &g)
+	if err != nil {
+		return err
+	}
+	return h.sl.blas.GemmStridedBatched(desc, hal.StridedBatch{Count: count, StrideA: int64(strideA), StrideB: int64(strideB), StrideC: int64(strideC)})
+}
+
+// GemmGrouped queues independent GEMMs of different shapes (one per element of
+// gs) on the handle's stream: cublasGemmGroupedBatchedEx where the library has
+// it, otherwise one GEMM per group, with identical results. All groups share
+// dtypes, Alpha and Beta.
+func (h *Blas) GemmGrouped(gs []Gemm) error {
+	const op = "Blas.GemmGrouped"
+	unlock, err := h.enter("GemmGrouped")
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	descs := make([]hal.GemmDesc, 0, len(gs))
+	for i := range gs {
+		g := &gs[i]
+		if g.AB != gs[0].AB || g.CType != gs[0].CType || g.Alpha != gs[0].Alpha || g.Beta != gs[0].Beta {
+			return fmt.Errorf("%w: gpuctx: %s: group %d has dtypes %v->%v alpha %g beta %g but group 0 has %v->%v alpha %g beta %g; all groups must share them",
+				ErrInvalid, op, i, g.AB, g.CType, g.Alpha, g.Beta, gs[0].AB, gs[0].CType, gs[0].Alpha, gs[0].Beta)
+		}
+		desc, err := h.gemmDesc(fmt.Sprintf("%s group %d", op, i), g)
+		if err != nil {
+			return err
+		}
+		if desc.M == 0 || desc.N == 0 {
+			continue // nothing to compute (an expert with no tokens)
+		}
+		descs = append(descs, desc)
+	}
+	if len(descs) == 0 {
+		return nil
+	}
+	return h.sl.blas.GemmGrouped(descs)
+}
+
+// Geam queues C = Alpha*op(A) + Beta*op(B) on the handle's stream.
+func (h *Blas) Geam(g Geam) error {
+	const op = "Blas.Geam"
+	unlock, err := h.enter("Geam")
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	d := h.c.dev
+	sh := blas.GeamShape{Layout: g.Layout, TransA: g.TransA, TransB: g.TransB, M: g.M, N: g.N,
+		LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, Type: g.Type}
+	if sh.ALen, err = elems(op, "A", g.A, g.Type, d); err != nil {
+		return err
+	}
+	if sh.BLen, err = elems(op, "B", g.B, g.Type, d); err != nil {
+		return err
+	}
+	if sh.CLen, err = elems(op, "C", g.C, g.Type, d); err != nil {
+		return err
+	}
+	if err := sh.Normalize(); err != nil {
+		return fmt.Errorf("gpuctx: %s: %w", op, err)
+	}
+	return h.sl.blas.Geam(sh.ColMajorDesc(g.A.ptr(), g.B.ptr(), g.C.ptr(), g.Alpha, g.Beta))
+}
+
+// BlasLt is a cuBLASLt handle lent to a BlasLt callback. Matmul queues work on
+// Stream(). It is valid only until the callback returns (ErrHandleExpired after).
+type BlasLt struct {
+	c    *Context
+	sl   *slot
+	s    *Stream
+	live atomic.Bool
+}
+
+// Stream returns the stream this handle's work is queued on.
+func (lt *BlasLt) Stream() *Stream { return lt.s }
+
+// Matmul queues the GEMM g on the stream with the stream's cuBLASLt workspace
+// (at least the device's workspace size; Reserve grows it). Supports f32, f16
+// and bf16 inputs with f32 compute.
+func (lt *BlasLt) Matmul(g Gemm) error {
+	const op = "BlasLt.Matmul"
+	if lt == nil || !lt.live.Load() {
+		return fmt.Errorf("gpuctx: %s: %w", op, ErrHandleExpired)
+	}
+	unlock, err := lt.s.use(op)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if g.AB == F64 {
+		return fmt.Errorf("%w: gpuctx: %s: f64 is not supported by the cuBLASLt path; use Context.Blas", ErrInvalid, op)
+	}
+	h := &Blas{c: lt.c, s: lt.s}
+	desc, err := h.gemmDesc(op, &g)
+	if err != nil {
+		return err
+	}
+	ws, err := lt.c.dev.blas.ltWorkspace(lt.s, 0)
+	if err != nil {
+		return err
+	}
+	return lt.sl.lt.Matmul(lt.s.hs, desc, ws.ptr, ws.size)
+}
+
+// Reserve grows the stream's cuBLASLt workspace to at least n bytes. The old
+// workspace is kept until the device closes, because queued work may use it.
+func (lt *BlasLt) Reserve(n int) error {
+	if lt == nil || !lt.live.Load() {
+		return fmt.Errorf("gpuctx: BlasLt.Reserve: %w", ErrHandleExpired)
+	}
+	_, err := lt.c.dev.blas.ltWorkspace(lt.s, n)
+	return err
+}

@@ -1,0 +1,690 @@
+package gpuctx
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/gpuctx/gpuctx/internal/hal"
+)
+
+// HandlePolicy says how a Context gets BLAS handles.
+type HandlePolicy int
+
+const (
+	// PooledHandles (the default): each device keeps, per flavour, a bounded pool
+	// of handles shared by all its Contexts. A callback takes a free handle,
+	// preferring one already bound to its stream, else creates one while the pool
+	// is under its limit, else rebinds a free one, else waits. With no more
+	// concurrent streams than the limit, steady state has no rebinds and no lock
+	// waits: streams never serialise on one handle.
+	PooledHandles HandlePolicy = iota
+	// SharedHandle: one handle per flavour per Context, shared by all of the
+	// Context's streams (the original framework's design). Every stream switch
+	// rebinds it and concurrent callbacks on one Context serialise on its lock.
+	// Kept so that benchmarks can compare the two.
+	SharedHandle
+)
+
+func (p HandlePolicy) String() string {
+	if p == SharedHandle {
+		return "shared"
+	}
+	return "pooled"
+}
+
+// Flavour selects a BLAS handle's math mode.
+type Flavour int
+
+const (
+	// Default math: full-precision f32 and f64.
+	Default Flavour = iota
+	// TensorOp: tensor cores where the device has them (f16/bf16 inputs), default
+	// math otherwise.
+	TensorOp
+	// TF32: TF32 tensor-core math for f32 GEMMs when the Context allows it
+	// (ContextOptions.AllowTF32, off by default); default math otherwise.
+	TF32
+	numFlavours
+)
+
+func (f Flavour) String() string {
+	return [...]string{"default", "tensor-op", "tf32"}[f]
+}
+
+// Workspace sizes: 32 MiB for compute capability >= 9.0, 4 MiB otherwise
+// (cuBLAS's own recommendation), overridable with GPUCTX_BLAS_WORKSPACE (bytes)
+// or ContextOptions.WorkspaceBytes.
+const (
+	WorkspaceHopper  = 32 << 20
+	WorkspaceDefault = 4 << 20
+	// WorkspaceEnv overrides the per-stream workspace size in bytes.
+	WorkspaceEnv = "GPUCTX_BLAS_WORKSPACE"
+	// MaxHandlesEnv overrides the per-device, per-flavour handle pool limit.
+	MaxHandlesEnv = "GPUCTX_MAX_BLAS_HANDLES"
+	// DefaultMaxHandles is the default pool limit per flavour per device. A cuBLAS
+	// handle costs some device memory (its own state; the workspace is ours), so
+	// the pool is bounded; 16 covers 16 concurrently busy streams without rebinds.
+	DefaultMaxHandles = 16
+)
+
+// ContextOptions configures a Context.
+type ContextOptions struct {
+	// Stream is the initial current stream. If nil the Context makes a stream of
+	// its own, which it closes at Close (or at SetStreamRelease).
+	Stream *Stream
+	// Policy chooses pooled handles (default) or one shared handle.
+	Policy HandlePolicy
+	// AllowTF32 lets the TF32 flavour use TF32 math for f32 GEMMs.
+	AllowTF32 bool
+	// UnsafeSharedWorkspace gives each handle one workspace for every stream, the
+	// bug this package exists to prevent: two streams can then use the same
+	// workspace at once. It exists only so tests can prove that the CPU backend's
+	// detector catches it. Never set it in real code.
+	UnsafeSharedWorkspace bool
+}
+
+// ContextStats are a Context's counters since it was made.
+type ContextStats struct {
+	Callbacks        int64         // BLAS callbacks run
+	HandlesCreated   int64         // library handles created on behalf of this Context
+	Binds            int64         // SetStream calls on handles (first binds included)
+	Rebinds          int64         // binds that moved a handle from another stream
+	WorkspaceApplies int64         // SetWorkspace calls (after every bind on CUDA)
+	LockWaits        int64         // callbacks that had to wait for a handle
+	LockWait         time.Duration // total time spent waiting
+}
+
+// Context runs BLAS work on its current stream. Library handles are reached only
+// through callbacks (Blas, BlasFlavour, BlasLt) that bind a handle to the stream
+// that is current when the callback starts and hold the handle's lock until the
+// callback returns. A Context is safe for concurrent use: SetStream may race with
+// callbacks; each callback uses the stream it read when it started.
+type Context struct {
+	*ctxCore
+	stream atomic.Pointer[Stream]
+}
+
+// ctxCore is what a Context shares with its views (WithStream): handles,
+// policy, counters and lifetime.
+type ctxCore struct {
+	dev   *Device
+	opts  ContextOptions
+	owned atomic.Pointer[Stream] // the stream the Context made, if any
+
+	closed atomic.Bool
+	mu     sync.Mutex             // guards shared
+	shared [numFlavours + 1]*slot // SharedHandle policy: index numFlavours is Lt
+
+	callbacks, created, binds, rebinds, applies, waits atomic.Int64
+	waitNanos                                          atomic.Int64
+}
+
+// NewContext makes a Context on d.
+func (d *Device) NewContext(o ContextOptions) (*Context, error) {
+	if err := d.check("Device.NewContext"); err != nil {
+		return nil, err
+	}
+	c := &Context{ctxCore: &ctxCore{dev: d, opts: o}}
+	s := o.Stream
+	if s == nil {
+		var err error
+		if s, err = d.NewStream(StreamOptions{}); err != nil {
+			return nil, err
+		}
+		c.owned.Store(s)
+	} else if err := c.checkStream("Device.NewContext", s); err != nil {
+		return nil, err
+	}
+	c.stream.Store(s)
+	d.mu.Lock()
+	d.contexts[c.ctxCore] = struct{}{}
+	d.mu.Unlock()
+	return c, nil
+}
+
+func (c *Context) checkStream(op string, s *Stream) error {
+	unlock, err := s.use(op)
+	if err != nil {
+		return err
+	}
+	unlock()
+	if s.dev != c.dev {
+		return fmt.Errorf("gpuctx: %s: stream of device %d given to a context of device %d: %w", op, s.dev.info.Index, c.dev.info.Index, ErrWrongDevice)
+	}
+	return nil
+}
+
+// WithStream returns a view of c whose current stream is s. The view shares c's
+// handles, policy, counters and lifetime (closing either closes both); only the
+// current stream is its own. Use one view per goroutine to drive several streams
+// through one Context.
+func (c *Context) WithStream(s *Stream) (*Context, error) {
+	if err := c.check("Context.WithStream"); err != nil {
+		return nil, err
+	}
+	if err := c.checkStream("Context.WithStream", s); err != nil {
+		return nil, err
+	}
+	v := &Context{ctxCore: c.ctxCore}
+	v.stream.Store(s)
+	return v, nil
+}
+
+// Device returns the Context's device.
+func (c *Context) Device() *Device { return c.dev }
+
+// Stream returns the current stream.
+func (c *Context) Stream() *Stream { return c.stream.Load() }
+
+// SetStream makes s the current stream for callbacks that start after it
+// returns; callbacks already running keep theirs. It returns the previous stream.
+// A stream the Context made itself stays open until Close.
+func (c *Context) SetStream(s *Stream) (prev *Stream, err error) {
+	if err := c.check("Context.SetStream"); err != nil {
+		return nil, err
+	}
+	if err := c.checkStream("Context.SetStream", s); err != nil {
+		return nil, err
+	}
+	return c.stream.Swap(s), nil
+}
+
+// SetStreamRelease is SetStream that also closes the stream the Context made
+// itself, if that was the current one (waiting for its queued work first).
+func (c *Context) SetStreamRelease(s *Stream) error {
+	prev, err := c.SetStream(s)
+	if err != nil {
+		return err
+	}
+	if own := c.owned.Load(); own != nil && own == prev && c.owned.CompareAndSwap(own, nil) {
+		return own.Close()
+	}
+	return nil
+}
+
+// Stats returns the Context's counters.
+func (c *Context) Stats() ContextStats {
+	return ContextStats{
+		Callbacks: c.callbacks.Load(), HandlesCreated: c.created.Load(), Binds: c.binds.Load(),
+		Rebinds: c.rebinds.Load(), WorkspaceApplies: c.applies.Load(), LockWaits: c.waits.Load(),
+		LockWait: time.Duration(c.waitNanos.Load()),
+	}
+}
+
+func (c *Context) check(op string) error {
+	if c.closed.Load() {
+		return fmt.Errorf("gpuctx: %s: context: %w", op, ErrClosed)
+	}
+	return nil
+}
+
+// Close waits for nothing itself but releases the Context: its shared handles
+// (SharedHandle policy) and the stream it made (which waits for that stream's
+// work). Pooled handles stay with the device for other Contexts. Double Close is
+// harmless; callbacks after Close return ErrClosed.
+func (c *Context) Close() error { return c.ctxCore.close() }
+
+func (c *ctxCore) close() error {
+	if !c.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	c.mu.Lock()
+	shared := c.shared
+	c.mu.Unlock()
+	var errs []error
+	for _, sl := range shared {
+		if sl != nil {
+			sl.mu.Lock() // wait for a running callback
+			errs = append(errs, sl.destroy(c.dev))
+			sl.mu.Unlock()
+		}
+	}
+	if own := c.owned.Swap(nil); own != nil {
+		errs = append(errs, own.Close())
+	}
+	c.dev.mu.Lock()
+	delete(c.dev.contexts, c)
+	c.dev.mu.Unlock()
+	return errors.Join(errs...)
+}
+
+// slot is one library handle and what it is bound to. Its mu is the handle's
+// lock: held from binding until the callback that uses it returns.
+type slot struct {
+	mu      sync.Mutex
+	blas    hal.BlasHandle // nil for an Lt slot
+	lt      hal.LtHandle
+	flavour Flavour
+	inUse   bool // pooled: guarded by blasState.mu
+
+	bound   *Stream    // stream the handle is bound to (nil: none yet)
+	applied *workspace // workspace applied since the last bind
+	ownWS   *workspace // UnsafeSharedWorkspace only
+}
+
+func (sl *slot) destroy(d *Device) error {
+	var errs []error
+	if sl.blas != nil {
+		errs = append(errs, sl.blas.Destroy())
+	}
+	if sl.lt != nil {
+		errs = append(errs, sl.lt.Destroy())
+	}
+	if sl.ownWS != nil {
+		errs = append(errs, sl.ownWS.free(d))
+	}
+	sl.blas, sl.lt = nil, nil
+	return errors.Join(errs...)
+}
+
+// workspace is device memory for one stream's BLAS calls.
+type workspace struct {
+	ptr  hal.Ptr
+	size int
+}
+
+func (w *workspace) free(d *Device) error {
+	if w.ptr == 0 {
+		return nil
+	}
+	p := w.ptr
+	w.ptr = 0
+	return d.hd.Free(p)
+}
+
+// blasState is a device's BLAS pools and per-stream workspaces.
+type blasState struct {
+	dev      *Device
+	mu       sync.Mutex
+	cond     *sync.Cond
+	pools    [numFlavours + 1][]*slot // index numFlavours: cuBLASLt
+	creating [numFlavours + 1]int
+	maxSlots int
+	wsSize   int
+	ws       map[*Stream]*workspace // one workspace per stream: never shared by two streams
+	ltWS     map[*Stream]*workspace // grow-only cuBLASLt workspace per stream
+	retired  []*workspace           // grown-out Lt workspaces, freed at device Close
+	closed   bool
+}
+
+func (bs *blasState) init(d *Device) {
+	bs.dev = d
+	bs.cond = sync.NewCond(&bs.mu)
+	bs.ws = map[*Stream]*workspace{}
+	bs.ltWS = map[*Stream]*workspace{}
+	bs.maxSlots = envInt(MaxHandlesEnv, DefaultMaxHandles)
+	bs.wsSize = WorkspaceDefault
+	if d.info.ComputeMajor >= 9 {
+		bs.wsSize = WorkspaceHopper
+	}
+	bs.wsSize = envInt(WorkspaceEnv, bs.wsSize)
+}
+
+func envInt(name string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v > 0 {
+		return v
+	}
+	return def
+}
+
+// SetBlasHandleLimit sets the per-flavour pool limit of pooled BLAS handles
+// (default DefaultMaxHandles or $GPUCTX_MAX_BLAS_HANDLES). Handles already
+// created are kept.
+func (d *Device) SetBlasHandleLimit(n int) error {
+	if n < 1 {
+		return fmt.Errorf("%w: gpuctx: Device.SetBlasHandleLimit(%d): the limit must be >= 1", ErrInvalid, n)
+	}
+	d.blas.mu.Lock()
+	d.blas.maxSlots = n
+	d.blas.cond.Broadcast()
+	d.blas.mu.Unlock()
+	return nil
+}
+
+// WorkspaceBytes is the size of each stream's BLAS workspace on d.
+func (d *Device) WorkspaceBytes() int { return d.blas.wsSize }
+
+// alignUp rounds n up to a multiple of 256 bytes.
+func alignUp(n int) int { return (n + 255) &^ 255 }
+
+// workspaceFor returns the workspace s uses (created on first use). Keyed by
+// stream: handles bound to the same stream share it safely because the stream
+// orders their kernels; two streams never share one.
+func (bs *blasState) workspaceFor(s *Stream) (*workspace, error) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	if w := bs.ws[s]; w != nil {
+		return w, nil
+	}
+	n := alignUp(bs.wsSize)
+	p, err := bs.dev.hd.Alloc(n)
+	if err != nil {
+		return nil, fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace for stream %d: %w", n, s.ID(), err)
+	}
+	w := &workspace{ptr: p, size: n}
+	bs.ws[s] = w
+	return w, nil
+}
+
+// ltWorkspace returns s's cuBLASLt workspace, grown to at least n bytes.
+func (bs *blasState) ltWorkspace(s *Stream, n int) (*workspace, error) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	w := bs.ltWS[s]
+	if w != nil && w.size >= n {
+		return w, nil
+	}
+	n = alignUp(max(n, bs.wsSize))
+	p, err := bs.dev.hd.Alloc(n)
+	if err != nil {
+		return nil, fmt.Errorf("gpuctx: allocating a %d-byte cuBLASLt workspace for stream %d: %w", n, s.ID(), err)
+	}
+	if w != nil {
+		// Work already queued on s may still use the old one: keep it until Close.
+		bs.retired = append(bs.retired, w)
+	}
+	w = &workspace{ptr: p, size: n}
+	bs.ltWS[s] = w
+	return w, nil
+}
+
+// streamClosed frees s's workspaces; s's work has completed.
+func (bs *blasState) streamClosed(s *Stream) error {
+	bs.mu.Lock()
+	w, lw := bs.ws[s], bs.ltWS[s]
+	delete(bs.ws, s)
+	delete(bs.ltWS, s)
+	bs.mu.Unlock()
+	var errs []error
+	if w != nil {
+		errs = append(errs, w.free(bs.dev))
+	}
+	if lw != nil {
+		errs = append(errs, lw.free(bs.dev))
+	}
+	return errors.Join(errs...)
+}
+
+func (bs *blasState) close() error {
+	bs.mu.Lock()
+	bs.closed = true
+	var slots []*slot
+	for _, p := range bs.pools {
+		slots = append(slots, p...)
+	}
+	bs.pools = [numFlavours + 1][]*slot{}
+	ws := append([]*workspace{}, bs.retired...)
+	for _, w := range bs.ws {
+		ws = append(ws, w)
+	}
+	for _, w := range bs.ltWS {
+		ws = append(ws, w)
+	}
+	bs.ws, bs.ltWS, bs.retired = map[*Stream]*workspace{}, map[*Stream]*workspace{}, nil
+	bs.cond.Broadcast()
+	bs.mu.Unlock()
+	var errs []error
+	for _, sl := range slots {
+		sl.mu.Lock()
+		errs = append(errs, sl.destroy(bs.dev))
+		sl.mu.Unlock()
+	}
+	for _, w := range ws {
+		errs = append(errs, w.free(bs.dev))
+	}
+	return errors.Join(errs...)
+}
+
+// newSlot creates a handle of flavour f (f == numFlavours: cuBLASLt).
+func (c *Context) newSlot(f Flavour) (*slot, error) {
+	d := c.dev
+	sl := &slot{flavour: f}
+	if f == numFlavours {
+		h, err := d.hd.NewLtHandle()
+		if err != nil {
+			return nil, fmt.Errorf("gpuctx: creating a cuBLASLt handle: %w", err)
+		}
+		sl.lt = h
+	} else {
+		h, err := d.hd.NewBlasHandle()
+		if err != nil {
+			return nil, fmt.Errorf("gpuctx: creating a BLAS handle: %w", err)
+		}
+		mode := hal.MathDefault
+		switch f {
+		case TensorOp:
+			mode = hal.MathTensorOp
+		case TF32:
+			mode = hal.MathTF32
+		}
+		if err := h.SetMathMode(mode); err != nil {
+			_ = h.Destroy()
+			return nil, fmt.Errorf("gpuctx: setting BLAS math mode %v: %w", f, err)
+		}
+		sl.blas = h
+	}
+	if c.opts.UnsafeSharedWorkspace && sl.blas != nil {
+		n := alignUp(d.blas.wsSize)
+		p, err := d.hd.Alloc(n)
+		if err != nil {
+			_ = sl.destroy(d)
+			return nil, err
+		}
+		sl.ownWS = &workspace{ptr: p, size: n}
+	}
+	c.created.Add(1)
+	return sl, nil
+}
+
+// acquire returns a slot of flavour f locked for the caller, preferring one bound
+// to s. The caller must call c.release(sl).
+func (c *Context) acquire(f Flavour, s *Stream) (*slot, error) {
+	if c.opts.Policy == SharedHandle {
+		return c.acquireShared(f)
+	}
+	bs := &c.dev.blas
+	bs.mu.Lock()
+	var waitStart time.Time
+	for {
+		if bs.closed {
+			bs.mu.Unlock()
+			return nil, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
+		}
+		var pick, free *slot
+		for _, sl := range bs.pools[f] {
+			if sl.inUse || (sl.blas != nil && (sl.ownWS != nil) != c.opts.UnsafeSharedWorkspace) {
+				continue
+			}
+			if sl.bound == s {
+				pick = sl
+				break
+			}
+			if free == nil {
+				free = sl
+			}
+		}
+		if pick == nil && len(bs.pools[f])+bs.creating[f] < bs.maxSlots {
+			bs.creating[f]++
+			bs.mu.Unlock()
+			sl, err := c.newSlot(f)
+			bs.mu.Lock()
+			bs.creating[f]--
+			if err != nil {
+				bs.cond.Broadcast()
+				bs.mu.Unlock()
+				return nil, err
+			}
+			bs.pools[f] = append(bs.pools[f], sl)
+			pick = sl
+		}
+		if pick == nil {
+			pick = free
+		}
+		if pick != nil {
+			pick.inUse = true
+			bs.mu.Unlock()
+			if !waitStart.IsZero() {
+				c.waitNanos.Add(int64(time.Since(waitStart)))
+			}
+			pick.mu.Lock() // uncontended: inUse gives ownership
+			return pick, nil
+		}
+		if waitStart.IsZero() {
+			waitStart = time.Now()
+			c.waits.Add(1)
+		}
+		bs.cond.Wait()
+	}
+}
+
+func (c *Context) acquireShared(f Flavour) (*slot, error) {
+	c.mu.Lock()
+	if c.closed.Load() {
+		c.mu.Unlock()
+		return nil, fmt.Errorf("gpuctx: BLAS callback: context: %w", ErrClosed)
+	}
+	sl := c.shared[f]
+	if sl == nil {
+		var err error
+		if sl, err = c.newSlot(f); err != nil {
+			c.mu.Unlock()
+			return nil, err
+		}
+		c.shared[f] = sl
+	}
+	c.mu.Unlock()
+	if !sl.mu.TryLock() {
+		c.waits.Add(1)
+		t := time.Now()
+		sl.mu.Lock()
+		c.waitNanos.Add(int64(time.Since(t)))
+	}
+	if sl.blas == nil && sl.lt == nil { // destroyed by Close while we waited
+		sl.mu.Unlock()
+		return nil, fmt.Errorf("gpuctx: BLAS callback: context: %w", ErrClosed)
+	}
+	return sl, nil
+}
+
+func (c *Context) release(sl *slot) {
+	sl.mu.Unlock()
+	if c.opts.Policy == SharedHandle {
+		return
+	}
+	bs := &c.dev.blas
+	bs.mu.Lock()
+	sl.inUse = false
+	bs.cond.Broadcast()
+	bs.mu.Unlock()
+}
+
+// bind makes sl's handle run on s with s's workspace: cublasSetStream only when
+// the bound stream differs (lazy), then the workspace again after every bind
+// because cublasSetStream resets it. s is passed in, read once by the caller.
+func (c *Context) bind(sl *slot, s *Stream) error {
+	if sl.blas == nil {
+		return nil // cuBLASLt takes the stream per call
+	}
+	if sl.bound == s && sl.applied != nil && sl.ownWS == nil {
+		return nil // fast path: bound to s with s's workspace applied
+	}
+	ws := sl.ownWS
+	if ws == nil {
+		var err error
+		if ws, err = c.dev.blas.workspaceFor(s); err != nil {
+			return err
+		}
+	}
+	if sl.bound != s {
+		if err := sl.blas.SetStream(s.hs); err != nil {
+			sl.bound, sl.applied = nil, nil
+			return fmt.Errorf("gpuctx: binding a BLAS handle to stream %d: %w", s.ID(), err)
+		}
+		if sl.bound != nil {
+			c.rebinds.Add(1)
+		}
+		c.binds.Add(1)
+		sl.bound, sl.applied = s, nil
+	}
+	if sl.applied != ws {
+		if err := sl.blas.SetWorkspace(ws.ptr, ws.size); err != nil {
+			return fmt.Errorf("gpuctx: applying the %d-byte workspace of stream %d: %w", ws.size, s.ID(), err)
+		}
+		c.applies.Add(1)
+		sl.applied = ws
+	}
+	return nil
+}
+
+// Blas runs fn with a default-math BLAS handle bound to the Context's current
+// stream (read once, when Blas starts). Every call made through h inside fn is
+// queued on that stream; Blas does not wait for the work to finish. The handle's
+// lock is held until fn returns (or panics), so no other goroutine can rebind it
+// in between; h is unusable after fn returns. Blas returns fn's error.
+func (c *Context) Blas(fn func(h *Blas) error) error { return c.BlasFlavour(Default, fn) }
+
+// BlasFlavour is Blas with a chosen math flavour (Default, TensorOp, TF32).
+func (c *Context) BlasFlavour(f Flavour, fn func(h *Blas) error) (err error) {
+	if f < 0 || f >= numFlavours {
+		return fmt.Errorf("%w: gpuctx: Context.BlasFlavour: unknown flavour %d", ErrInvalid, f)
+	}
+	if f == TF32 && !c.opts.AllowTF32 {
+		f = Default
+	}
+	if err := c.check("Context.Blas"); err != nil {
+		return err
+	}
+	s := c.stream.Load()
+	sl, err := c.acquire(f, s)
+	if err != nil {
+		return err
+	}
+	defer c.release(sl)
+	if err := c.bind(sl, s); err != nil {
+		return err
+	}
+	c.callbacks.Add(1)
+	h := &Blas{c: c, sl: sl, s: s, tf32: f == TF32}
+	h.live.Store(true)
+	defer func() { // runs before release: no call through h can follow it
+		h.opMu.Lock()
+		h.live.Store(false)
+		h.opMu.Unlock()
+	}()
+	return fn(h)
+}
+
+// BlasLt runs fn with a cuBLASLt handle for the Context's current stream (read
+// once). Matmuls made through lt are queued on that stream with its persistent,
+// grow-only workspace (freed when the stream or device closes). Lock and
+// lifetime rules are those of Blas.
+func (c *Context) BlasLt(fn func(lt *BlasLt) error) error {
+	if err := c.check("Context.BlasLt"); err != nil {
+		return err
+	}
+	s := c.stream.Load()
+	sl, err := c.acquire(numFlavours, s)
+	if err != nil {
+		return err
+	}
+	defer c.release(sl)
+	c.callbacks.Add(1)
+	lt := &BlasLt{c: c, sl: sl, s: s}
+	lt.live.Store(true)
+	defer lt.live.Store(false)
+	return fn(lt)
+}
+
+// WorkspaceConflicts reports how many times the backend saw one BLAS workspace
+// used by two streams at once, or -1 when the backend cannot tell (CUDA).
+func (d *Device) WorkspaceConflicts() int64 {
+	if wc, ok := d.hd.(hal.WorkspaceChecker); ok {
+		return wc.WorkspaceConflicts()
+	}
+	return -1
+}

@@ -1,0 +1,574 @@
+package gpuctx_test
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"unsafe"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/blas"
+)
+
+// blasDevices returns the CPU device and, where one works, the first CUDA
+// device, each closed at the end of the test.
+func blasDevices(t *testing.T) []*gpuctx.Device {
+	t.Helper()
+	var devs []*gpuctx.Device
+	for _, name := range []string{"cpu", "cuda"} {
+		rt, err := gpuctx.OpenBackend(name)
+		if err != nil {
+			t.Logf("backend %s not run: %v", name, err)
+			continue
+		}
+		t.Cleanup(func() { _ = rt.Close() })
+		d, err := rt.Device(0)
+		if err != nil {
+			t.Fatalf("%s: Device(0): %v", name, err)
+		}
+		t.Logf("backend %s: %s", name, d.Info().Name)
+		devs = append(devs, d)
+	}
+	return devs
+}
+
+func eachDevice(t *testing.T, fn func(t *testing.T, d *gpuctx.Device)) {
+	for _, d := range blasDevices(t) {
+		t.Run(d.Backend(), func(t *testing.T) { fn(t, d) })
+	}
+}
+
+func f32bytes(x []float32) []byte { return unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), 4*len(x)) }
+
+func randF32(r *rand.Rand, n int) []float32 {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(r.NormFloat64())
+	}
+	return x
+}
+
+func upload(t *testing.T, d *gpuctx.Device, x []float32) *gpuctx.Buffer {
+	t.Helper()
+	b, err := d.Alloc(4 * len(x))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.CopyFromHost(f32bytes(x)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Free() })
+	return b
+}
+
+func download(t *testing.T, b *gpuctx.Buffer) []float32 {
+	t.Helper()
+	x := make([]float32, b.Size()/4)
+	if err := b.CopyToHost(f32bytes(x)); err != nil {
+		t.Fatal(err)
+	}
+	return x
+}
+
+func poison(t *testing.T, d *gpuctx.Device, n int) *gpuctx.Buffer {
+	t.Helper()
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(math.NaN())
+	}
+	return upload(t, d, x)
+}
+
+func to64(x []float32) []float64 {
+	y := make([]float64, len(x))
+	for i, v := range x {
+		y[i] = float64(v)
+	}
+	return y
+}
+
+// refGemm is the float64 reference of a packed f32 GEMM.
+func refGemm(layout gpuctx.Layout, ta, tb bool, m, n, k int, a, b []float32) []float64 {
+	sh := blas.GemmShape{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k, AB: gpuctx.F32, C: gpuctx.F32,
+		ALen: len(a), BLen: len(b), CLen: m * n}
+	if err := sh.Normalize(); err != nil {
+		panic(err)
+	}
+	c := make([]float64, m*n)
+	blas.RefGemm(sh, 1, to64(a), to64(b), 0, c)
+	return c
+}
+
+func checkClose(t *testing.T, what string, got []float32, want []float64, tol float64) {
+	t.Helper()
+	if e := blas.RelErr(to64(got), want); !(e <= tol) {
+		t.Fatalf("%s: relative error %.3g > %.1g", what, e, tol)
+	}
+}
+
+// busy queues a long chain of kernels on s so that work misrouted to s would
+// not have completed when another stream is synchronised.
+func busy(t *testing.T, d *gpuctx.Device, s *gpuctx.Stream, scratch *gpuctx.Buffer, launches int) {
+	t.Helper()
+	k, err := d.Kernel("gpuctx_axpby_f32")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := int64(scratch.Size() / 4)
+	for range launches {
+		if err := s.Launch(k, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0, scratch, scratch, float32(0.5), float32(0.5), n); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func newStream(t *testing.T, d *gpuctx.Device) *gpuctx.Stream {
+	t.Helper()
+	s, err := d.NewStream(gpuctx.StreamOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+func newContext(t *testing.T, d *gpuctx.Device, o gpuctx.ContextOptions) *gpuctx.Context {
+	t.Helper()
+	c, err := d.NewContext(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// Test 1: a GEMM queued through the callback on a non-default stream, behind an
+// event wait, runs after the event: its input is written on another stream just
+// before the event is recorded.
+func TestGemmOrderedBehindEvent(t *testing.T) {
+	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+		r := rand.New(rand.NewPCG(1, 2))
+		const m, n, k = 64, 48, 96
+		a, b := randF32(r, m*k), randF32(r, k*n)
+		aDev := poison(t, d, m*k) // holds NaN until the producer stream writes a
+		bDev := upload(t, d, b)
+		cDev := poison(t, d, m*n)
+		producer, consumer := newStream(t, d), newStream(t, d)
+		host, err := d.AllocHost(4 * m * k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		copy(host.Bytes(), f32bytes(a))
+		scratch := poison(t, d, 1<<20)
+		if err := producer.Memset(scratch, 0); err != nil {
+			t.Fatal(err)
+		}
+		busy(t, d, producer, scratch, 200)
+		if err := producer.CopyHtoD(aDev, 0, host, 0, 4*m*k); err != nil {
+			t.Fatal(err)
+		}
+		ev, err := d.NewEvent(false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ev.Record(producer); err != nil {
+			t.Fatal(err)
+		}
+		if err := consumer.Wait(ev); err != nil {
+			t.Fatal(err)
+		}
+		ctx := newContext(t, d, gpuctx.ContextOptions{Stream: consumer})
+		err = ctx.Blas(func(h *gpuctx.Blas) error {
+			if h.Stream() != consumer {
+				return fmt.Errorf("handle on stream %d, want consumer %d", h.Stream().ID(), consumer.ID())
+			}
+			return h.Gemm(gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: aDev, B: bDev, C: cDev, AB: gpuctx.F32, CType: gpuctx.F32})
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := consumer.Synchronize(); err != nil {
+			t.Fatal(err)
+		}
+		checkClose(t, "gemm behind event", download(t, cDev), refGemm(gpuctx.RowMajor, false, false, m, n, k, a, b), 1e-5)
+	})
+}
+
+// Test 2: one Context, the same object throughout, switched between streams A
+// and B; each GEMM is checked after synchronising only its own stream while the
+// other stream is kept busy, so a GEMM issued on the wrong stream shows up.
+func TestContextSwitchesStreams(t *testing.T) {
+	const iters = 10
+	for _, pol := range []gpuctx.HandlePolicy{gpuctx.SharedHandle, gpuctx.PooledHandles} {
+		t.Run(pol.String(), func(t *testing.T) {
+			eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+				r := rand.New(rand.NewPCG(3, 4))
+				sA, sB := newStream(t, d), newStream(t, d)
+				ctx := newContext(t, d, gpuctx.ContextOptions{Stream: sA, Policy: pol})
+				scratch := upload(t, d, randF32(r, 1<<20))
+				const m, n, k = 33, 65, 129
+				for i := range iters {
+					cur, other := sA, sB
+					if i%2 == 1 {
+						cur, other = sB, sA
+					}
+					if _, err := ctx.SetStream(cur); err != nil {
+						t.Fatal(err)
+					}
+					busy(t, d, other, scratch, 100)
+					layout := []gpuctx.Layout{gpuctx.RowMajor, gpuctx.ColMajor}[i%2]
+					ta, tb := i%3 == 0, i%4 == 1
+					a, b := randF32(r, m*k), randF32(r, k*n)
+					aDev, bDev, cDev := upload(t, d, a), upload(t, d, b), poison(t, d, m*n)
+					err := ctx.Blas(func(h *gpuctx.Blas) error {
+						if h.Stream() != cur {
+							return fmt.Errorf("iteration %d: handle bound to stream %d, want %d", i, h.Stream().ID(), cur.ID())
+						}
+						return h.Gemm(gpuctx.Gemm{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k, Alpha: 1,
+							A: aDev, B: bDev, C: cDev, AB: gpuctx.F32, CType: gpuctx.F32})
+					})
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := cur.Synchronize(); err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, fmt.Sprintf("iteration %d (%v ta=%v tb=%v)", i, layout, ta, tb), download(t, cDev), refGemm(layout, ta, tb, m, n, k, a, b), 1e-5)
+				}
+				st := ctx.Stats()
+				t.Logf("%s/%s: %+v", d.Backend(), pol, st)
+				switch pol {
+				case gpuctx.SharedHandle:
+					// One handle: every switch is a rebind, and the workspace is applied
+					// again after each bind (cublasSetStream resets it).
+					if st.HandlesCreated != 1 || st.Rebinds != iters-1 || st.Binds != iters || st.WorkspaceApplies != iters {
+						t.Fatalf("shared policy: want 1 handle, %d rebinds, %d binds, %d workspace applications; got %+v", iters-1, iters, iters, st)
+					}
+				case gpuctx.PooledHandles:
+					// Pooled: each stream keeps its own handle, so switching costs no rebind.
+					if st.HandlesCreated > 2 || st.Rebinds != 0 || st.WorkspaceApplies != st.Binds {
+						t.Fatalf("pooled policy: want <= 2 handles and no rebinds; got %+v", st)
+					}
+				}
+			})
+		})
+	}
+}
+
+// concurrentGemms runs goroutines x perG split-K-prone GEMMs, each goroutine on
+// its own stream through ctxFor(g), and checks every result.
+func concurrentGemms(t *testing.T, d *gpuctx.Device, goroutines, perG int, ctxFor func(g int, s *gpuctx.Stream) *gpuctx.Context) (bad int) {
+	t.Helper()
+	const m, n, k, sets = 8, 8, 4096, 3
+	r := rand.New(rand.NewPCG(5, 6))
+	type input struct {
+		a, b *gpuctx.Buffer
+		want []float64
+	}
+	var ins [sets]input
+	for i := range ins {
+		a, b := randF32(r, m*k), randF32(r, k*n)
+		ins[i] = input{upload(t, d, a), upload(t, d, b), refGemm(gpuctx.RowMajor, false, false, m, n, k, a, b)}
+	}
+	outs := make([]*gpuctx.Buffer, goroutines)
+	for g := range outs {
+		outs[g] = poison(t, d, perG*m*n)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, goroutines)
+	for g := range goroutines {
+		s := newStream(t, d)
+		ctx := ctxFor(g, s)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range perG {
+				in := ins[(g+i)%sets]
+				c, err := outs[g].Slice(4*m*n*i, 4*m*n)
+				if err == nil {
+					err = ctx.Blas(func(h *gpuctx.Blas) error {
+						if h.Stream() != s {
+							return fmt.Errorf("goroutine %d: handle on stream %d, want %d", g, h.Stream().ID(), s.ID())
+						}
+						return h.Gemm(gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: in.a, B: in.b, C: c, AB: gpuctx.F32, CType: gpuctx.F32})
+					})
+				}
+				if err != nil {
+					errs[g] = err
+					return
+				}
+			}
+			errs[g] = s.Synchronize()
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	for g := range goroutines {
+		got := download(t, outs[g])
+		for i := range perG {
+			if e := blas.RelErr(to64(got[i*m*n:(i+1)*m*n]), ins[(g+i)%sets].want); !(e <= 1e-5) {
+				bad++
+			}
+		}
+	}
+	return bad
+}
+
+// Test 3: 8 goroutines, each on its own stream, 200 split-K-prone GEMMs each,
+// through one shared Context (a view per goroutine) and through separate
+// Contexts, for both handle policies. Every result must be right and no
+// workspace may be used by two streams at once.
+func TestConcurrentStreamsNoWorkspaceSharing(t *testing.T) {
+	const goroutines, perG = 8, 200
+	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+		for _, pol := range []gpuctx.HandlePolicy{gpuctx.PooledHandles, gpuctx.SharedHandle} {
+			for _, shared := range []bool{true, false} {
+				name := fmt.Sprintf("%s/sharedContext=%v", pol, shared)
+				t.Run(name, func(t *testing.T) {
+					before := d.WorkspaceConflicts()
+					root := newContext(t, d, gpuctx.ContextOptions{Policy: pol})
+					bad := concurrentGemms(t, d, goroutines, perG, func(g int, s *gpuctx.Stream) *gpuctx.Context {
+						if shared {
+							v, err := root.WithStream(s)
+							if err != nil {
+								t.Fatal(err)
+							}
+							return v
+						}
+						return newContext(t, d, gpuctx.ContextOptions{Stream: s, Policy: pol})
+					})
+					if bad != 0 {
+						t.Fatalf("%d of %d GEMMs wrong", bad, goroutines*perG)
+					}
+					if after := d.WorkspaceConflicts(); after >= 0 && after != before {
+						t.Fatalf("workspace used by two streams at once %d times", after-before)
+					}
+					t.Logf("%s: stats of the shared context: %+v", name, root.Stats())
+				})
+			}
+		}
+	})
+}
+
+// The detector behind test 3 is known to work: forcing the shared-workspace
+// design (one workspace for every stream) makes it fire on the CPU backend.
+func TestSharedWorkspaceIsDetected(t *testing.T) {
+	rt, err := gpuctx.OpenBackend("cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Close()
+	d, err := rt.Device(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := newContext(t, d, gpuctx.ContextOptions{Policy: gpuctx.SharedHandle, UnsafeSharedWorkspace: true})
+	before := d.WorkspaceConflicts()
+	bad := concurrentGemms(t, d, 8, 100, func(g int, s *gpuctx.Stream) *gpuctx.Context {
+		v, err := root.WithStream(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	})
+	conflicts := d.WorkspaceConflicts() - before
+	t.Logf("shared workspace: %d conflicts, %d wrong results", conflicts, bad)
+	if conflicts == 0 {
+		t.Fatal("the workspace-sharing detector did not fire although every stream shared one workspace")
+	}
+}
+
+// Test 4: grouped GEMM and Geam go through the same binding: one Context is
+// switched between two streams between calls; each call lands on the stream that
+// was current and is correct.
+func TestGroupedAndGeamFollowStream(t *testing.T) {
+	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+		r := rand.New(rand.NewPCG(7, 8))
+		sA, sB := newStream(t, d), newStream(t, d)
+		ctx := newContext(t, d, gpuctx.ContextOptions{Stream: sA, Policy: gpuctx.SharedHandle})
+		scratch := upload(t, d, randF32(r, 1<<20))
+		shapes := [][3]int{{5, 7, 9}, {16, 3, 64}, {1, 33, 17}, {0, 8, 8}}
+		for round, cur := range []*gpuctx.Stream{sA, sB, sA} {
+			other := sB
+			if cur == sB {
+				other = sA
+			}
+			if _, err := ctx.SetStream(cur); err != nil {
+				t.Fatal(err)
+			}
+			busy(t, d, other, scratch, 100)
+			var gs []gpuctx.Gemm
+			var wants [][]float64
+			var outs []*gpuctx.Buffer
+			for _, sh := range shapes {
+				m, n, k := sh[0], sh[1], sh[2]
+				a, b := randF32(r, max(1, m*k)), randF32(r, k*n)
+				c := poison(t, d, max(1, m*n))
+				gs = append(gs, gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: upload(t, d, a), B: upload(t, d, b), C: c, AB: gpuctx.F32, CType: gpuctx.F32})
+				wants = append(wants, refGemm(gpuctx.RowMajor, false, false, m, n, k, a[:m*k], b))
+				outs = append(outs, c)
+			}
+			const gm, gn = 19, 23
+			ga, gb := randF32(r, gm*gn), randF32(r, gm*gn)
+			gaDev, gbDev, gcDev := upload(t, d, ga), upload(t, d, gb), poison(t, d, gm*gn)
+			err := ctx.Blas(func(h *gpuctx.Blas) error {
+				if h.Stream() != cur {
+					return fmt.Errorf("round %d: handle on stream %d, want %d", round, h.Stream().ID(), cur.ID())
+				}
+				if err := h.GemmGrouped(gs); err != nil {
+					return err
+				}
+				// C = 2*A^T... here plain: C = 0.5*A - 2*B (row-major, no transposes).
+				return h.Geam(gpuctx.Geam{M: gm, N: gn, Alpha: 0.5, Beta: -2, A: gaDev, B: gbDev, C: gcDev, Type: gpuctx.F32})
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := cur.Synchronize(); err != nil {
+				t.Fatal(err)
+			}
+			for i, want := range wants {
+				if len(want) == 0 {
+					continue
+				}
+				checkClose(t, fmt.Sprintf("round %d group %d", round, i), download(t, outs[i])[:len(want)], want, 1e-5)
+			}
+			gwant := make([]float64, gm*gn)
+			for i := range gwant {
+				gwant[i] = 0.5*float64(ga[i]) - 2*float64(gb[i])
+			}
+			checkClose(t, fmt.Sprintf("round %d geam", round), download(t, gcDev), gwant, 1e-6)
+		}
+		if st := ctx.Stats(); st.Rebinds != 2 {
+			t.Fatalf("want 2 rebinds for A->B->A, got %+v", st)
+		}
+	})
+}
+
+// Test 5: a callback that panics or returns an error releases the handle's lock
+// and leaves the Context usable.
+func TestCallbackPanicOrErrorLeavesContextUsable(t *testing.T) {
+	boom := errors.New("boom")
+	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+		for _, pol := range []gpuctx.HandlePolicy{gpuctx.SharedHandle, gpuctx.PooledHandles} {
+			if err := d.SetBlasHandleLimit(1); err != nil { // pooled: a leaked lock would deadlock
+				t.Fatal(err)
+			}
+			ctx := newContext(t, d, gpuctx.ContextOptions{Policy: pol})
+			if err := ctx.Blas(func(*gpuctx.Blas) error { return boom }); !errors.Is(err, boom) {
+				t.Fatalf("%s: want the callback's error, got %v", pol, err)
+			}
+			func() {
+				defer func() {
+					if recover() == nil {
+						t.Fatalf("%s: the callback's panic was swallowed", pol)
+					}
+				}()
+				_ = ctx.Blas(func(*gpuctx.Blas) error { panic("callback panics") })
+			}()
+			a := upload(t, d, []float32{1, 2, 3, 4})
+			c := poison(t, d, 4)
+			err := ctx.Blas(func(h *gpuctx.Blas) error {
+				return h.Gemm(gpuctx.Gemm{M: 2, N: 2, K: 2, Alpha: 1, A: a, B: a, C: c, AB: gpuctx.F32, CType: gpuctx.F32})
+			})
+			if err != nil {
+				t.Fatalf("%s: context unusable after panic: %v", pol, err)
+			}
+			if err := ctx.Stream().Synchronize(); err != nil {
+				t.Fatal(err)
+			}
+			if got := download(t, c); got[0] != 7 || got[1] != 10 || got[2] != 15 || got[3] != 22 {
+				t.Fatalf("%s: [[1 2][3 4]]^2 = %v", pol, got)
+			}
+		}
+		if err := d.SetBlasHandleLimit(gpuctx.DefaultMaxHandles); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+// Test 6: a handle used after its callback returned gives ErrHandleExpired and
+// queues nothing.
+func TestHandleExpiresWithCallback(t *testing.T) {
+	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+		ctx := newContext(t, d, gpuctx.ContextOptions{})
+		var kept *gpuctx.Blas
+		var keptLt *gpuctx.BlasLt
+		if err := ctx.Blas(func(h *gpuctx.Blas) error { kept = h; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		if err := ctx.BlasLt(func(lt *gpuctx.BlasLt) error { keptLt = lt; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		a := upload(t, d, []float32{1, 2, 3, 4})
+		c := upload(t, d, []float32{9, 9, 9, 9})
+		g := gpuctx.Gemm{M: 2, N: 2, K: 2, Alpha: 1, A: a, B: a, C: c, AB: gpuctx.F32, CType: gpuctx.F32}
+		if err := kept.Gemm(g); !errors.Is(err, gpuctx.ErrHandleExpired) {
+			t.Fatalf("Gemm after the callback: want ErrHandleExpired, got %v", err)
+		}
+		if err := kept.GemmGrouped([]gpuctx.Gemm{g}); !errors.Is(err, gpuctx.ErrHandleExpired) {
+			t.Fatalf("GemmGrouped after the callback: want ErrHandleExpired, got %v", err)
+		}
+		if err := keptLt.Matmul(g); !errors.Is(err, gpuctx.ErrHandleExpired) {
+			t.Fatalf("Matmul after the callback: want ErrHandleExpired, got %v", err)
+		}
+		if err := ctx.Stream().Synchronize(); err != nil {
+			t.Fatal(err)
+		}
+		if got := download(t, c); got[0] != 9 || got[3] != 9 {
+			t.Fatalf("an expired handle wrote C: %v", got)
+		}
+	})
+}
+
+// Bad arguments are rejected before the library is called, with an error that
+// names the argument and its value.
+func TestGemmValidation(t *testing.T) {
+	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+		ctx := newContext(t, d, gpuctx.ContextOptions{})
+		small := upload(t, d, make([]float32, 8))
+		big := upload(t, d, make([]float32, 64))
+		freed, err := d.Alloc(256)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := freed.Free(); err != nil {
+			t.Fatal(err)
+		}
+		cases := []struct {
+			name string
+			g    gpuctx.Gemm
+			is   error
+			text string
+		}{
+			{"negative m", gpuctx.Gemm{M: -1, N: 2, K: 2, A: big, B: big, C: big, AB: gpuctx.F32, CType: gpuctx.F32}, gpuctx.ErrInvalid, "m=-1"},
+			{"A too small", gpuctx.Gemm{M: 4, N: 4, K: 4, A: small, B: big, C: big, AB: gpuctx.F32, CType: gpuctx.F32}, gpuctx.ErrInvalid, "A needs 16 elements"},
+			{"lda too small", gpuctx.Gemm{M: 4, N: 4, K: 4, LDA: 2, A: big, B: big, C: big, AB: gpuctx.F32, CType: gpuctx.F32}, gpuctx.ErrInvalid, "lda=2"},
+			{"bad dtypes", gpuctx.Gemm{M: 2, N: 2, K: 2, A: big, B: big, C: big, AB: gpuctx.F32, CType: gpuctx.BF16}, gpuctx.ErrInvalid, "A/B=f32 C=bf16"},
+			{"nil C", gpuctx.Gemm{M: 2, N: 2, K: 2, A: big, B: big, AB: gpuctx.F32, CType: gpuctx.F32}, gpuctx.ErrInvalid, "C is nil"},
+			{"freed B", gpuctx.Gemm{M: 2, N: 2, K: 2, A: big, B: freed, C: big, AB: gpuctx.F32, CType: gpuctx.F32}, gpuctx.ErrFreed, "B"},
+		}
+		for _, tc := range cases {
+			t.Run(tc.name, func(t *testing.T) {
+				err := ctx.Blas(func(h *gpuctx.Blas) error { return h.Gemm(tc.g) })
+				if !errors.Is(err, tc.is) || !contains(err.Error(), tc.text) {
+					t.Fatalf("want %v mentioning %q, got %v", tc.is, tc.text, err)
+				}
+			})
+		}
+	})
+}
+
+func contains(s, sub string) bool {
+	for i := 0; i+len(sub) <= len(s); i++ {
+		if s[i:i+len(sub)] == sub {
+			return true
+		}
+	}
+	return false
+}

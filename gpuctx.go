@@ -1,0 +1,164 @@
+// Package gpuctx is a pure-Go GPU runtime for inference work: devices, memory,
+// streams, events and kernels on NVIDIA GPUs (CUDA driver API, cuBLAS, cuBLASLt
+// and NVRTC, loaded at run time) or on a CPU backend that keeps the same
+// semantics, plus stream-safe BLAS Contexts whose library handles always run on
+// the stream the caller chose.
+//
+// Open picks a backend: CUDA when libcuda loads and a device exists, else the CPU
+// backend. GPUCTX_BACKEND=cuda|cpu forces one; a forced backend that is not
+// available is an error, never a silent fallback.
+//
+// Every method is safe for concurrent use by multiple goroutines unless its doc
+// says otherwise. Callers never need runtime.LockOSThread: the CUDA backend makes
+// the device's context current on whatever OS thread makes a driver call.
+package gpuctx
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+
+	"github.com/gpuctx/gpuctx/backend/cpu"
+	"github.com/gpuctx/gpuctx/backend/cuda"
+	"github.com/gpuctx/gpuctx/blas"
+	"github.com/gpuctx/gpuctx/internal/hal"
+)
+
+// Errors returned (wrapped, with detail) by gpuctx. Test with errors.Is.
+var (
+	// ErrClosed: the object (runtime, device, stream, event, context) was closed.
+	ErrClosed = errors.New("use of closed object")
+	// ErrFreed: the buffer was freed.
+	ErrFreed = errors.New("use of freed buffer")
+	// ErrWrongDevice: an object of one device was used with another device.
+	ErrWrongDevice = errors.New("object belongs to another device")
+	// ErrSize: a size, offset or length does not fit.
+	ErrSize = errors.New("size mismatch")
+	// ErrInvalid: a bad argument (shape, dtype, kernel argument, option).
+	ErrInvalid = blas.ErrInvalid
+	// ErrHandleExpired: a BLAS handle was used after its callback returned.
+	ErrHandleExpired = errors.New("BLAS handle used after its callback returned")
+	// ErrUnavailable: the backend or library cannot be used on this machine.
+	ErrUnavailable = hal.ErrUnavailable
+)
+
+// DType is an element type. It is an alias so that values flow to the BLAS
+// descriptors unchanged.
+type DType = hal.DType
+
+// Element types.
+const (
+	F32  = hal.F32
+	F64  = hal.F64
+	F16  = hal.F16
+	BF16 = hal.BF16
+	C64  = hal.C64
+	C128 = hal.C128
+	I32  = hal.I32
+	I64  = hal.I64
+	U8   = hal.U8
+)
+
+// Dim3 is a kernel launch grid or block shape.
+type Dim3 = hal.Dim3
+
+// Library describes a vendor library a backend loaded.
+type Library = hal.Library
+
+// DeviceInfo holds a device's static properties.
+type DeviceInfo = hal.DeviceInfo
+
+// Runtime is one opened backend and its devices.
+type Runtime struct {
+	be      hal.Backend
+	mu      sync.Mutex
+	devices map[int]*Device
+	closed  bool
+}
+
+// BackendEnv is the environment variable that forces a backend.
+const BackendEnv = "GPUCTX_BACKEND"
+
+// Open opens the backend named by $GPUCTX_BACKEND ("cuda", "cpu", or "auto"
+// when unset). Auto picks CUDA when libcuda loads and a device exists, else CPU.
+func Open() (*Runtime, error) {
+	return OpenBackend(os.Getenv(BackendEnv))
+}
+
+// OpenBackend opens the named backend: "cuda", "cpu", or "auto"/"" (see Open).
+// A forced backend that is unavailable returns its diagnosis as the error.
+func OpenBackend(name string) (*Runtime, error) {
+	var be hal.Backend
+	var err error
+	switch strings.ToLower(strings.TrimSpace(name)) {
+	case "", "auto":
+		if be, err = cuda.Open(); err != nil {
+			be, err = cpu.Open()
+		}
+	case "cuda":
+		if be, err = cuda.Open(); err != nil {
+			return nil, fmt.Errorf("gpuctx: backend cuda was requested (%s=cuda) but is unavailable: %w", BackendEnv, err)
+		}
+	case "cpu":
+		be, err = cpu.Open()
+	default:
+		return nil, fmt.Errorf("%w: gpuctx: unknown backend %q (want cuda, cpu or auto)", ErrInvalid, name)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &Runtime{be: be, devices: map[int]*Device{}}, nil
+}
+
+// Backend returns "cuda" or "cpu".
+func (r *Runtime) Backend() string { return r.be.Name() }
+
+// DeviceCount reports how many devices the backend sees.
+func (r *Runtime) DeviceCount() int { return r.be.DeviceCount() }
+
+// Libraries lists the vendor libraries loaded so far with their paths and versions.
+func (r *Runtime) Libraries() []Library { return r.be.Libraries() }
+
+// Device opens device i. Calling it again returns the same *Device.
+func (r *Runtime) Device(i int) (*Device, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, fmt.Errorf("gpuctx: Runtime.Device: %w", ErrClosed)
+	}
+	if d, ok := r.devices[i]; ok {
+		return d, nil
+	}
+	if i < 0 || i >= r.be.DeviceCount() {
+		return nil, fmt.Errorf("%w: gpuctx: device index %d out of range: the %s backend has %d device(s)", ErrInvalid, i, r.be.Name(), r.be.DeviceCount())
+	}
+	hd, err := r.be.Device(i)
+	if err != nil {
+		return nil, err
+	}
+	d := newDevice(r, hd)
+	r.devices[i] = d
+	return d, nil
+}
+
+// Close closes every device opened through r (see Device.Close) and releases the
+// backend. Double Close is harmless.
+func (r *Runtime) Close() error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil
+	}
+	r.closed = true
+	devs := r.devices
+	r.devices = nil
+	r.mu.Unlock()
+	var errs []error
+	for _, d := range devs {
+		errs = append(errs, d.Close())
+	}
+	errs = append(errs, r.be.Close())
+	return errors.Join(errs...)
+}

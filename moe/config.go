@@ -1,0 +1,447 @@
+package moe
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+)
+
+// Family is a Hugging Face model_type whose MoE block this package implements.
+type Family string
+
+// The supported families. Each follows the MoE block of its transformers 5.x
+// modeling file (DeepseekV2Moe, DeepseekV3MoE, Qwen2MoeSparseMoeBlock,
+// Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock).
+const (
+	DeepseekV2 Family = "deepseek_v2"
+	DeepseekV3 Family = "deepseek_v3"
+	Qwen2MoE   Family = "qwen2_moe"
+	Qwen3MoE   Family = "qwen3_moe"
+	Mixtral    Family = "mixtral"
+)
+
+// Scoring is how router logits become per-expert scores.
+type Scoring string
+
+// Scoring functions.
+const (
+	Softmax Scoring = "softmax" // softmax over all experts
+	Sigmoid Scoring = "sigmoid" // independent sigmoid per expert
+)
+
+// TopKMethod is how experts are selected from the scores.
+type TopKMethod string
+
+// Selection methods.
+const (
+	// Greedy takes the K highest scores.
+	Greedy TopKMethod = "greedy"
+	// GroupLimitedGreedy (DeepSeek-V2) scores each of NumGroups expert groups by
+	// its highest expert score, keeps the TopKGroups best groups, zeroes the
+	// scores of the others and then takes the K highest scores.
+	GroupLimitedGreedy TopKMethod = "group_limited_greedy"
+	// NoAuxTC (DeepSeek-V3) adds the correction bias to the sigmoid scores for
+	// selection only, scores each group by the sum of its two highest biased
+	// scores, keeps the TopKGroups best groups, zeroes the others and takes the K
+	// highest biased scores; the weights are the unbiased scores.
+	NoAuxTC TopKMethod = "noaux_tc"
+)
+
+// Config describes one MoE layer (and, for the dense/sparse layer pattern, the
+// model it comes from). It is plain data: safe to read from many goroutines, and
+// the device forward may keep a pointer to it as long as nobody mutates it.
+type Config struct {
+	// Family is the Hugging Face model_type.
+	Family Family
+	// HiddenSize is H, the token width.
+	HiddenSize int
+	// NumExperts is E, the number of routed experts.
+	NumExperts int
+	// TopK is K, the experts chosen per token (num_experts_per_tok).
+	TopK int
+	// Intermediate is I, the width of each routed expert's SwiGLU
+	// (moe_intermediate_size; Mixtral: intermediate_size).
+	Intermediate int
+	// SharedIntermediate is the width of the shared expert, 0 when there is none
+	// (DeepSeek: n_shared_experts x moe_intermediate_size; Qwen2-MoE:
+	// shared_expert_intermediate_size).
+	SharedIntermediate int
+	// SharedGate is true when the shared expert's output is scaled by
+	// sigmoid(shared_expert_gate . x) (Qwen2-MoE).
+	SharedGate bool
+	// Scoring turns router logits into scores.
+	Scoring Scoring
+	// TopKMethod selects the experts.
+	TopKMethod TopKMethod
+	// NumGroups (n_group) and TopKGroups (topk_group) are used by the grouped
+	// methods only; they are 1 otherwise.
+	NumGroups, TopKGroups int
+	// NormTopKProb renormalises the K selected weights to sum to 1 (DeepSeek-V3
+	// adds 1e-20 to the denominator).
+	NormTopKProb bool
+	// RoutedScalingFactor multiplies the routed weights after renormalisation
+	// (DeepSeek only; 1 elsewhere).
+	RoutedScalingFactor float64
+	// HiddenAct is the expert activation; only "silu" is supported.
+	HiddenAct string
+
+	// NumHiddenLayers is the number of decoder layers (0 when unknown).
+	NumHiddenLayers int
+	// FirstKDenseReplace and MoELayerFreq (DeepSeek): layer L is MoE when
+	// L >= FirstKDenseReplace and L % MoELayerFreq == 0.
+	FirstKDenseReplace, MoELayerFreq int
+	// DecoderSparseStep and MLPOnlyLayers (Qwen): layer L is MoE when L is not in
+	// MLPOnlyLayers and (L+1) % DecoderSparseStep == 0.
+	DecoderSparseStep int
+	MLPOnlyLayers     []int
+}
+
+// rawConfig holds the config.json fields we read. Pointers tell absent from zero.
+type rawConfig struct {
+	ModelType                    *string  `json:"model_type"`
+	HiddenSize                   *int     `json:"hidden_size"`
+	NRoutedExperts               *int     `json:"n_routed_experts"`
+	NumExperts                   *int     `json:"num_experts"`
+	NumLocalExperts              *int     `json:"num_local_experts"`
+	NumExpertsPerTok             *int     `json:"num_experts_per_tok"`
+	MoEIntermediateSize          *int     `json:"moe_intermediate_size"`
+	IntermediateSize             *int     `json:"intermediate_size"`
+	NSharedExperts               *int     `json:"n_shared_experts"`
+	SharedExpertIntermediateSize *int     `json:"shared_expert_intermediate_size"`
+	ScoringFunc                  *string  `json:"scoring_func"`
+	TopKMethod                   *string  `json:"topk_method"`
+	NGroup                       *int     `json:"n_group"`
+	TopKGroup                    *int     `json:"topk_group"`
+	NormTopKProb                 *bool    `json:"norm_topk_prob"`
+	RoutedScalingFactor          *float64 `json:"routed_scaling_factor"`
+	HiddenAct                    *string  `json:"hidden_act"`
+	NumHiddenLayers              *int     `json:"num_hidden_layers"`
+	FirstKDenseReplace           *int     `json:"first_k_dense_replace"`
+	MoELayerFreq                 *int     `json:"moe_layer_freq"`
+	DecoderSparseStep            *int     `json:"decoder_sparse_step"`
+	MLPOnlyLayers                []int    `json:"mlp_only_layers"`
+}
+
+// family defaults: exactly the defaults of the transformers 5.x configuration
+// classes (DeepseekV2Config, DeepseekV3Config, Qwen2MoeConfig, Qwen3MoeConfig,
+// MixtralConfig). nil pointers mean "no default" (the field is required).
+type defaults struct {
+	hidden, experts, intermediate, layers int
+	topK                                  *int
+	nShared, sharedIntermediate           int
+	nGroup, topkGroup                     *int
+	norm                                  bool
+	scale                                 float64
+	firstKDense                           int
+}
+
+func ip(v int) *int { return &v }
+
+var familyDefaults = map[Family]defaults{
+	// DeepseekV2Config: hidden 4096, n_routed 64, moe_intermediate 1407,
+	// n_shared 2, num_experts_per_tok None, n_group/topk_group None,
+	// topk_method greedy, norm_topk_prob False, routed_scaling_factor 1.0,
+	// first_k_dense_replace 0, num_hidden_layers 32.
+	DeepseekV2: {hidden: 4096, experts: 64, intermediate: 1407, layers: 32, nShared: 2, scale: 1.0},
+	// DeepseekV3Config: hidden 7168, n_routed 256, moe_intermediate 2048,
+	// n_shared 1, num_experts_per_tok 8, n_group 8, topk_group 4,
+	// norm_topk_prob True, routed_scaling_factor 2.5, first_k_dense_replace 3,
+	// num_hidden_layers 61.
+	DeepseekV3: {hidden: 7168, experts: 256, intermediate: 2048, layers: 61, topK: ip(8), nShared: 1,
+		nGroup: ip(8), topkGroup: ip(4), norm: true, scale: 2.5, firstKDense: 3},
+	// Qwen2MoeConfig: hidden 2048, num_experts 60, moe_intermediate 1408,
+	// shared_expert_intermediate_size 5632, num_experts_per_tok 4,
+	// norm_topk_prob False, num_hidden_layers 24, decoder_sparse_step 1.
+	Qwen2MoE: {hidden: 2048, experts: 60, intermediate: 1408, layers: 24, topK: ip(4), sharedIntermediate: 5632, scale: 1},
+	// Qwen3MoeConfig: hidden 2048, num_experts 128, moe_intermediate 768,
+	// num_experts_per_tok 8, norm_topk_prob False, num_hidden_layers 24.
+	Qwen3MoE: {hidden: 2048, experts: 128, intermediate: 768, layers: 24, topK: ip(8), scale: 1},
+	// MixtralConfig: hidden 4096, num_local_experts 8, intermediate 14336,
+	// num_experts_per_tok 2, num_hidden_layers 32; routing always renormalises.
+	Mixtral: {hidden: 4096, experts: 8, intermediate: 14336, layers: 32, topK: ip(2), norm: true, scale: 1},
+}
+
+// LoadConfig reads dir/config.json (a Hugging Face model configuration) and
+// returns the MoE layer configuration it describes. Absent fields take the
+// defaults of the family's transformers configuration class; unsupported values
+// are errors naming the field and the value. It runs on the calling goroutine and
+// touches no device.
+func LoadConfig(dir string) (*Config, error) {
+	p := filepath.Join(dir, "config.json")
+	data, err := os.ReadFile(p)
+	if err != nil {
+		return nil, fmt.Errorf("moe.LoadConfig: %w", err)
+	}
+	c, err := ParseConfig(data)
+	if err != nil {
+		return nil, fmt.Errorf("moe.LoadConfig %s: %w", p, err)
+	}
+	return c, nil
+}
+
+// ParseConfig parses the contents of a config.json; see LoadConfig.
+func ParseConfig(data []byte) (*Config, error) {
+	var r rawConfig
+	if err := json.Unmarshal(data, &r); err != nil {
+		return nil, fmt.Errorf("config.json is not valid JSON: %w", err)
+	}
+	if r.ModelType == nil {
+		return nil, errors.New("config.json has no model_type; want one of deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe, mixtral")
+	}
+	fam := Family(*r.ModelType)
+	d, ok := familyDefaults[fam]
+	if !ok {
+		return nil, fmt.Errorf("model_type %q is not supported; want one of deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe, mixtral", *r.ModelType)
+	}
+	or := func(p *int, def int) int {
+		if p != nil {
+			return *p
+		}
+		return def
+	}
+	c := &Config{
+		Family:          fam,
+		HiddenSize:      or(r.HiddenSize, d.hidden),
+		HiddenAct:       "silu",
+		NumHiddenLayers: or(r.NumHiddenLayers, d.layers),
+		NumGroups:       1, TopKGroups: 1,
+		MoELayerFreq: 1, DecoderSparseStep: 1,
+		RoutedScalingFactor: 1,
+		Scoring:             Softmax,
+		TopKMethod:          Greedy,
+	}
+	if r.HiddenAct != nil {
+		c.HiddenAct = *r.HiddenAct
+	}
+	// Expert count: the family's own field first, then the aliases.
+	var experts *int
+	for _, p := range []*int{r.NRoutedExperts, r.NumExperts, r.NumLocalExperts} {
+		if p != nil {
+			experts = p
+			break
+		}
+	}
+	switch fam {
+	case Qwen2MoE, Qwen3MoE:
+		if r.NumExperts != nil {
+			experts = r.NumExperts
+		}
+	case Mixtral:
+		if r.NumLocalExperts != nil {
+			experts = r.NumLocalExperts
+		}
+	}
+	c.NumExperts = or(experts, d.experts)
+	if r.NumExpertsPerTok != nil {
+		c.TopK = *r.NumExpertsPerTok
+	} else if d.topK != nil {
+		c.TopK = *d.topK
+	} else {
+		return nil, fmt.Errorf("num_experts_per_tok is absent and %s has no default (transformers treats the model as dense); set it", fam)
+	}
+	if fam == Mixtral {
+		c.Intermediate = or(r.IntermediateSize, d.intermediate)
+	} else {
+		c.Intermediate = or(r.MoEIntermediateSize, d.intermediate)
+	}
+	if r.NormTopKProb != nil {
+		c.NormTopKProb = *r.NormTopKProb
+	} else {
+		c.NormTopKProb = d.norm
+	}
+
+	switch fam {
+	case DeepseekV2, DeepseekV3:
+		nShared := or(r.NSharedExperts, d.nShared)
+		if nShared < 0 {
+			return nil, fmt.Errorf("n_shared_experts = %d: must be >= 0", nShared)
+		}
+		c.SharedIntermediate = nShared * c.Intermediate
+		c.RoutedScalingFactor = d.scale
+		if r.RoutedScalingFactor != nil {
+			c.RoutedScalingFactor = *r.RoutedScalingFactor
+		}
+		c.FirstKDenseReplace = or(r.FirstKDenseReplace, d.firstKDense)
+		c.MoELayerFreq = or(r.MoELayerFreq, 1)
+		if fam == DeepseekV2 {
+			c.Scoring = Softmax
+			if r.ScoringFunc != nil && *r.ScoringFunc != string(Softmax) {
+				return nil, fmt.Errorf("scoring_func = %q is not supported for deepseek_v2 (transformers' DeepseekV2Moe always uses softmax)", *r.ScoringFunc)
+			}
+			c.TopKMethod = Greedy
+			if r.TopKMethod != nil {
+				switch m := TopKMethod(*r.TopKMethod); m {
+				case Greedy, GroupLimitedGreedy:
+					c.TopKMethod = m
+				default:
+					return nil, fmt.Errorf("topk_method = %q is not supported for deepseek_v2; want greedy or group_limited_greedy", *r.TopKMethod)
+				}
+			}
+			if c.NormTopKProb {
+				// DeepSeek's own modeling code renormalises when this is set, but
+				// transformers' DeepseekV2Moe ignores it: refuse rather than pick one.
+				return nil, errors.New("norm_topk_prob = true is not supported for deepseek_v2: transformers' DeepseekV2Moe ignores it while DeepSeek's reference code renormalises; set it to false")
+			}
+		} else {
+			c.Scoring = Sigmoid
+			if r.ScoringFunc != nil && *r.ScoringFunc != string(Sigmoid) {
+				return nil, fmt.Errorf("scoring_func = %q is not supported for deepseek_v3 (transformers' DeepseekV3 router always uses sigmoid)", *r.ScoringFunc)
+			}
+			c.TopKMethod = NoAuxTC
+			if r.TopKMethod != nil && *r.TopKMethod != string(NoAuxTC) {
+				return nil, fmt.Errorf("topk_method = %q is not supported for deepseek_v3 (transformers' DeepseekV3 router always uses noaux_tc)", *r.TopKMethod)
+			}
+		}
+		if c.TopKMethod != Greedy {
+			// DeepseekV2Config has no default for n_group/topk_group (None); V3's are 8 and 4.
+			switch {
+			case r.NGroup != nil:
+				c.NumGroups = *r.NGroup
+			case d.nGroup != nil:
+				c.NumGroups = *d.nGroup
+			default:
+				return nil, fmt.Errorf("n_group is absent but topk_method = %s needs it", c.TopKMethod)
+			}
+			switch {
+			case r.TopKGroup != nil:
+				c.TopKGroups = *r.TopKGroup
+			case d.topkGroup != nil:
+				c.TopKGroups = *d.topkGroup
+			default:
+				return nil, fmt.Errorf("topk_group is absent but topk_method = %s needs it", c.TopKMethod)
+			}
+		}
+	case Qwen2MoE, Qwen3MoE:
+		if fam == Qwen2MoE {
+			c.SharedIntermediate = or(r.SharedExpertIntermediateSize, d.sharedIntermediate)
+			c.SharedGate = c.SharedIntermediate > 0
+		}
+		c.DecoderSparseStep = or(r.DecoderSparseStep, 1)
+		c.MLPOnlyLayers = append([]int(nil), r.MLPOnlyLayers...)
+		if r.ScoringFunc != nil && *r.ScoringFunc != string(Softmax) {
+			return nil, fmt.Errorf("scoring_func = %q is not supported for %s (softmax only)", *r.ScoringFunc, fam)
+		}
+	case Mixtral:
+		if !c.NormTopKProb {
+			return nil, errors.New("norm_topk_prob = false is not supported for mixtral: MixtralTopKRouter always renormalises")
+		}
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Validate checks that c describes a layer this package can run. It returns an
+// error naming the first bad field and its value.
+func (c *Config) Validate() error {
+	if c == nil {
+		return errors.New("moe: nil *Config")
+	}
+	if _, ok := familyDefaults[c.Family]; !ok {
+		return fmt.Errorf("model_type %q is not supported", c.Family)
+	}
+	pos := []struct {
+		name string
+		v    int
+	}{
+		{"hidden_size", c.HiddenSize}, {"num_experts", c.NumExperts}, {"num_experts_per_tok", c.TopK},
+		{"moe_intermediate_size", c.Intermediate}, {"n_group", c.NumGroups}, {"topk_group", c.TopKGroups},
+		{"moe_layer_freq", c.MoELayerFreq}, {"decoder_sparse_step", c.DecoderSparseStep},
+	}
+	for _, f := range pos {
+		if f.v <= 0 {
+			return fmt.Errorf("%s = %d: must be positive", f.name, f.v)
+		}
+	}
+	if c.HiddenAct != "silu" {
+		return fmt.Errorf("hidden_act = %q is not supported; only silu is", c.HiddenAct)
+	}
+	if c.TopK > c.NumExperts {
+		return fmt.Errorf("num_experts_per_tok = %d exceeds the %d experts", c.TopK, c.NumExperts)
+	}
+	if c.SharedIntermediate < 0 {
+		return fmt.Errorf("shared expert intermediate size = %d: must be >= 0", c.SharedIntermediate)
+	}
+	if c.SharedGate && c.SharedIntermediate == 0 {
+		return errors.New("shared_expert_gate set but the shared expert intermediate size is 0")
+	}
+	if c.NumHiddenLayers < 0 || c.FirstKDenseReplace < 0 {
+		return fmt.Errorf("num_hidden_layers = %d, first_k_dense_replace = %d: must be >= 0", c.NumHiddenLayers, c.FirstKDenseReplace)
+	}
+	if math.IsNaN(c.RoutedScalingFactor) || math.IsInf(c.RoutedScalingFactor, 0) {
+		return fmt.Errorf("routed_scaling_factor = %v: must be finite", c.RoutedScalingFactor)
+	}
+	switch c.Scoring {
+	case Softmax, Sigmoid:
+	default:
+		return fmt.Errorf("scoring_func = %q is not supported; want softmax or sigmoid", c.Scoring)
+	}
+	switch c.TopKMethod {
+	case Greedy:
+	case GroupLimitedGreedy, NoAuxTC:
+		if c.NumExperts%c.NumGroups != 0 {
+			return fmt.Errorf("n_group = %d does not divide the %d experts", c.NumGroups, c.NumExperts)
+		}
+		if c.TopKGroups > c.NumGroups {
+			return fmt.Errorf("topk_group = %d exceeds n_group = %d", c.TopKGroups, c.NumGroups)
+		}
+		if c.TopKMethod == NoAuxTC && c.NumExperts/c.NumGroups < 2 {
+			return fmt.Errorf("n_group = %d leaves %d expert per group; noaux_tc needs at least 2 (it sums the top 2)", c.NumGroups, c.NumExperts/c.NumGroups)
+		}
+		if c.TopK > c.TopKGroups*(c.NumExperts/c.NumGroups) {
+			return fmt.Errorf("num_experts_per_tok = %d exceeds the %d experts in topk_group = %d groups", c.TopK, c.TopKGroups*(c.NumExperts/c.NumGroups), c.TopKGroups)
+		}
+	default:
+		return fmt.Errorf("topk_method = %q is not supported; want greedy, group_limited_greedy or noaux_tc", c.TopKMethod)
+	}
+	return nil
+}
+
+// HasBias reports whether the router has an e_score_correction_bias (noaux_tc).
+func (c *Config) HasBias() bool { return c.TopKMethod == NoAuxTC }
+
+// CheckMoELayer returns nil when decoder layer `layer` is an MoE layer, and an
+// error saying why not (out of range, or a dense MLP layer by the family's rule)
+// otherwise.
+func (c *Config) CheckMoELayer(layer int) error {
+	if layer < 0 || (c.NumHiddenLayers > 0 && layer >= c.NumHiddenLayers) {
+		return fmt.Errorf("layer %d is out of range: the model has num_hidden_layers = %d", layer, c.NumHiddenLayers)
+	}
+	switch c.Family {
+	case DeepseekV2, DeepseekV3:
+		if layer < c.FirstKDenseReplace {
+			return fmt.Errorf("layer %d is a dense MLP layer, not MoE: first_k_dense_replace = %d; choose a layer >= %d", layer, c.FirstKDenseReplace, c.FirstKDenseReplace)
+		}
+		if layer%c.MoELayerFreq != 0 {
+			return fmt.Errorf("layer %d is a dense MLP layer, not MoE: moe_layer_freq = %d; choose a multiple of it", layer, c.MoELayerFreq)
+		}
+	case Qwen2MoE, Qwen3MoE:
+		if slices.Contains(c.MLPOnlyLayers, layer) {
+			return fmt.Errorf("layer %d is a dense MLP layer, not MoE: it is listed in mlp_only_layers %v", layer, c.MLPOnlyLayers)
+		}
+		if (layer+1)%c.DecoderSparseStep != 0 {
+			return fmt.Errorf("layer %d is a dense MLP layer, not MoE: decoder_sparse_step = %d needs (layer+1) divisible by it", layer, c.DecoderSparseStep)
+		}
+	}
+	return nil
+}
+
+// FirstMoELayer returns the lowest MoE layer index, or an error when the model
+// has none.
+func (c *Config) FirstMoELayer() (int, error) {
+	n := c.NumHiddenLayers
+	if n == 0 {
+		n = c.FirstKDenseReplace + c.MoELayerFreq*c.DecoderSparseStep + len(c.MLPOnlyLayers) + 1
+	}
+	for l := 0; l < n; l++ {
+		if c.CheckMoELayer(l) == nil {
+			return l, nil
+		}
+	}
+	return 0, fmt.Errorf("the model has no MoE layer among its %d layers", n)
+}

@@ -1,0 +1,18 @@
+// Package moe holds the host side of gpuctx's Mixture-of-Experts workload: the
+// layer configuration read from a Hugging Face config.json (LoadConfig, Preset),
+// one layer's weights read from safetensors checkpoints (LoadWeights) or drawn at
+// random for benchmarks (RandomWeights), and a float64 host reference of the
+// router (Route) and of the whole block (Reference) with the exact semantics of
+// the transformers 5.x MoE blocks of DeepSeek-V2, DeepSeek-V3, Qwen2-MoE
+// (Qwen1.5-MoE), Qwen3-MoE and Mixtral.
+//
+// Everything in this package runs on the host, on the calling goroutine (some
+// functions fan out over worker goroutines and wait for them); nothing here
+// touches a device or a stream. Config and Weights are plain data: once built
+// they are safe to read from many goroutines, and the device forward may keep
+// pointers to them as long as nobody mutates them.
+//
+// Weights layout: every matrix is row-major [out][in], the nn.Linear layout of
+// the checkpoint. Router is [E][H]; each Expert has Gate and Up [I][H] and Down
+// [H][I]; the shared expert has the same shape with its own width.
+package moe
