@@ -3,7 +3,6 @@ package gpuctx
 import (
 	"fmt"
 	"sync"
-	"sync/atomic"
 
 	"github.com/gpuctx/gpuctx/blas"
 	"github.com/gpuctx/gpuctx/internal/hal"
@@ -46,41 +45,63 @@ type Geam struct {
 }
 
 // Blas is a BLAS handle lent to a callback, bound to one stream. Every method
-// queues work on Stream() and returns without waiting. It is valid only until
-// the callback returns; after that every method returns ErrHandleExpired. Its
-// methods may be called from several goroutines inside the callback; they are
-// serialised on the handle.
+// queues work on Stream() and returns without waiting. It is a small value that
+// is valid only until the callback returns; after that every method returns
+// ErrHandleExpired, even on copies. Its methods may be called from several
+// goroutines inside the callback; they are serialised on the handle.
 type Blas struct {
-	c    *Context
-	sl   *slot
-	s    *Stream
-	tf32 bool
-	live atomic.Bool
-	opMu sync.Mutex // serialises calls made from several goroutines inside one callback
+	sl  *slot
+	gen uint64 // the slot's lease generation when lent
 }
 
-// Stream returns the stream this handle's work is queued on.
-func (h *Blas) Stream() *Stream { return h.s }
+// lease is what a slot lends to one callback. opMu serialises calls through the
+// lent handle and guards gen and the fields after it.
+type lease struct {
+	opMu sync.Mutex
+	gen  uint64 // incremented when a callback returns: older handles are expired
+	c    *Context
+	s    *Stream
+}
+
+// Stream returns the stream this handle's work is queued on (nil once expired).
+func (h Blas) Stream() *Stream {
+	if h.sl == nil {
+		return nil
+	}
+	h.sl.lease.opMu.Lock()
+	defer h.sl.lease.opMu.Unlock()
+	if h.sl.lease.gen != h.gen {
+		return nil
+	}
+	return h.sl.lease.s
+}
 
 // Native reports whether GemmGrouped uses the library's grouped GEMM (cuBLAS
 // cublasGemmGroupedBatchedEx) rather than a loop of GEMMs.
-func (h *Blas) Native() bool { return h.sl.blas.GroupedNative() }
+func (h Blas) Native() bool {
+	if h.sl == nil || h.sl.blas == nil {
+		return false
+	}
+	return h.sl.blas.GroupedNative()
+}
 
-func (h *Blas) enter(op string) (func(), error) {
-	if h == nil || !h.live.Load() {
-		return nil, fmt.Errorf("gpuctx: Blas.%s: %w", op, ErrHandleExpired)
+// enter locks the lease and checks h is current; the returned func unlocks.
+func enter(sl *slot, gen uint64, op string) (*lease, func(), error) {
+	if sl == nil {
+		return nil, nil, fmt.Errorf("gpuctx: %s: %w (zero handle)", op, ErrHandleExpired)
 	}
-	h.opMu.Lock()
-	if !h.live.Load() {
-		h.opMu.Unlock()
-		return nil, fmt.Errorf("gpuctx: Blas.%s: %w", op, ErrHandleExpired)
+	l := &sl.lease
+	l.opMu.Lock()
+	if l.gen != gen {
+		l.opMu.Unlock()
+		return nil, nil, fmt.Errorf("gpuctx: %s: %w", op, ErrHandleExpired)
 	}
-	unlock, err := h.s.use("Blas." + op)
+	unlock, err := l.s.use(op)
 	if err != nil {
-		h.opMu.Unlock()
-		return nil, err
+		l.opMu.Unlock()
+		return nil, nil, err
 	}
-	return func() { unlock(); h.opMu.Unlock() }, nil
+	return l, func() { unlock(); l.opMu.Unlock() }, nil
 }
 
 func elems(op, name string, b *Buffer, t DType, d *Device) (int, error) {
@@ -99,8 +120,7 @@ func elems(op, name string, b *Buffer, t DType, d *Device) (int, error) {
 	}
 }
 
-func (h *Blas) gemmDesc(op string, g *Gemm) (hal.GemmDesc, error) {
-	d := h.c.dev
+func gemmDesc(d *Device, op string, g *Gemm) (hal.GemmDesc, error) {
 	var err error
 	sh := blas.GemmShape{Layout: g.Layout, TransA: g.TransA, TransB: g.TransB, M: g.M, N: g.N, K: g.K,
 		LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, AB: g.AB, C: g.CType}
@@ -120,13 +140,13 @@ func (h *Blas) gemmDesc(op string, g *Gemm) (hal.GemmDesc, error) {
 }
 
 // Gemm queues one GEMM on the handle's stream.
-func (h *Blas) Gemm(g Gemm) error {
-	unlock, err := h.enter("Gemm")
+func (h Blas) Gemm(g Gemm) error {
+	l, unlock, err := enter(h.sl, h.gen, "Blas.Gemm")
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	desc, err := h.gemmDesc("Blas.Gemm", &g)
+	desc, err := gemmDesc(l.c.dev, "Blas.Gemm", &g)
 	if err != nil {
 		return err
 	}
@@ -139,9 +159,9 @@ func (h *Blas) Gemm(g Gemm) error {
 // GemmStridedBatched queues count GEMMs of the shape g describes; matrix i of A
 // starts strideA elements after matrix i-1 (likewise B and C). g's buffers must
 // hold every matrix of the batch.
-func (h *Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC int) error {
+func (h Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC int) error {
 	const op = "Blas.GemmStridedBatched"
-	unlock, err := h.enter("GemmStridedBatched")
+	l, unlock, err := enter(h.sl, h.gen, "Blas.GemmStridedBatched")
 	if err != nil {
 		return err
 	}
@@ -170,10 +190,10 @@ func (h *Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC i
 		}
 		*v.b = view
 	}
-	if _, err := h.gemmDesc(op, &last); err != nil {
+	if _, err := gemmDesc(l.c.dev, op, &last); err != nil {
 		return err
 	}
-	desc, err := h.gemmDesc(op, &g)
+	desc, err := gemmDesc(l.c.dev, op, &g)
 	if err != nil {
 		return err
 	}
@@ -184,9 +204,9 @@ func (h *Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC i
 // gs) on the handle's stream: cublasGemmGroupedBatchedEx where the library has
 // it, otherwise one GEMM per group, with identical results. All groups share
 // dtypes, Alpha and Beta.
-func (h *Blas) GemmGrouped(gs []Gemm) error {
+func (h Blas) GemmGrouped(gs []Gemm) error {
 	const op = "Blas.GemmGrouped"
-	unlock, err := h.enter("GemmGrouped")
+	l, unlock, err := enter(h.sl, h.gen, "Blas.GemmGrouped")
 	if err != nil {
 		return err
 	}
@@ -198,7 +218,7 @@ func (h *Blas) GemmGrouped(gs []Gemm) error {
 			return fmt.Errorf("%w: gpuctx: %s: group %d has dtypes %v->%v alpha %g beta %g but group 0 has %v->%v alpha %g beta %g; all groups must share them",
 				ErrInvalid, op, i, g.AB, g.CType, g.Alpha, g.Beta, gs[0].AB, gs[0].CType, gs[0].Alpha, gs[0].Beta)
 		}
-		desc, err := h.gemmDesc(fmt.Sprintf("%s group %d", op, i), g)
+		desc, err := gemmDesc(l.c.dev, fmt.Sprintf("%s group %d", op, i), g)
 		if err != nil {
 			return err
 		}
@@ -214,14 +234,14 @@ func (h *Blas) GemmGrouped(gs []Gemm) error {
 }
 
 // Geam queues C = Alpha*op(A) + Beta*op(B) on the handle's stream.
-func (h *Blas) Geam(g Geam) error {
+func (h Blas) Geam(g Geam) error {
 	const op = "Blas.Geam"
-	unlock, err := h.enter("Geam")
+	l, unlock, err := enter(h.sl, h.gen, "Blas.Geam")
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	d := h.c.dev
+	d := l.c.dev
 	sh := blas.GeamShape{Layout: g.Layout, TransA: g.TransA, TransB: g.TransB, M: g.M, N: g.N,
 		LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, Type: g.Type}
 	if sh.ALen, err = elems(op, "A", g.A, g.Type, d); err != nil {
@@ -240,26 +260,22 @@ func (h *Blas) Geam(g Geam) error {
 }
 
 // BlasLt is a cuBLASLt handle lent to a BlasLt callback. Matmul queues work on
-// Stream(). It is valid only until the callback returns (ErrHandleExpired after).
+// Stream(). Like Blas it is a value valid only until the callback returns
+// (ErrHandleExpired after, copies included).
 type BlasLt struct {
-	c    *Context
-	sl   *slot
-	s    *Stream
-	live atomic.Bool
+	sl  *slot
+	gen uint64
 }
 
-// Stream returns the stream this handle's work is queued on.
-func (lt *BlasLt) Stream() *Stream { return lt.s }
+// Stream returns the stream this handle's work is queued on (nil once expired).
+func (lt BlasLt) Stream() *Stream { return Blas(lt).Stream() }
 
 // Matmul queues the GEMM g on the stream with the stream's cuBLASLt workspace
 // (at least the device's workspace size; Reserve grows it). Supports f32, f16
 // and bf16 inputs with f32 compute.
-func (lt *BlasLt) Matmul(g Gemm) error {
+func (lt BlasLt) Matmul(g Gemm) error {
 	const op = "BlasLt.Matmul"
-	if lt == nil || !lt.live.Load() {
-		return fmt.Errorf("gpuctx: %s: %w", op, ErrHandleExpired)
-	}
-	unlock, err := lt.s.use(op)
+	l, unlock, err := enter(lt.sl, lt.gen, op)
 	if err != nil {
 		return err
 	}
@@ -267,24 +283,25 @@ func (lt *BlasLt) Matmul(g Gemm) error {
 	if g.AB == F64 {
 		return fmt.Errorf("%w: gpuctx: %s: f64 is not supported by the cuBLASLt path; use Context.Blas", ErrInvalid, op)
 	}
-	h := &Blas{c: lt.c, s: lt.s}
-	desc, err := h.gemmDesc(op, &g)
+	desc, err := gemmDesc(l.c.dev, op, &g)
 	if err != nil {
 		return err
 	}
-	ws, err := lt.c.dev.blas.ltWorkspace(lt.s, 0)
+	ws, err := l.c.dev.blas.ltWorkspace(l.s, 0)
 	if err != nil {
 		return err
 	}
-	return lt.sl.lt.Matmul(lt.s.hs, desc, ws.ptr, ws.size)
+	return lt.sl.lt.Matmul(l.s.hs, desc, ws.ptr, ws.size)
 }
 
 // Reserve grows the stream's cuBLASLt workspace to at least n bytes. The old
 // workspace is kept until the device closes, because queued work may use it.
-func (lt *BlasLt) Reserve(n int) error {
-	if lt == nil || !lt.live.Load() {
-		return fmt.Errorf("gpuctx: BlasLt.Reserve: %w", ErrHandleExpired)
+func (lt BlasLt) Reserve(n int) error {
+	l, unlock, err := enter(lt.sl, lt.gen, "BlasLt.Reserve")
+	if err != nil {
+		return err
 	}
-	_, err := lt.c.dev.blas.ltWorkspace(lt.s, n)
+	defer unlock()
+	_, err = l.c.dev.blas.ltWorkspace(l.s, n)
 	return err
 }

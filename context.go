@@ -117,8 +117,8 @@ type ctxCore struct {
 	owned atomic.Pointer[Stream] // the stream the Context made, if any
 
 	closed atomic.Bool
-	mu     sync.Mutex             // guards shared
-	shared [numFlavours + 1]*slot // SharedHandle policy: index numFlavours is Lt
+	mu     sync.Mutex                            // serialises creation of shared slots
+	shared [numFlavours + 1]atomic.Pointer[slot] // SharedHandle policy: index numFlavours is Lt
 
 	callbacks, created, binds, rebinds, applies, waits atomic.Int64
 	waitNanos                                          atomic.Int64
@@ -233,12 +233,11 @@ func (c *ctxCore) close() error {
 	if !c.closed.CompareAndSwap(false, true) {
 		return nil
 	}
-	c.mu.Lock()
-	shared := c.shared
+	c.mu.Lock() // no slot is being created after this
 	c.mu.Unlock()
 	var errs []error
-	for _, sl := range shared {
-		if sl != nil {
+	for i := range c.shared {
+		if sl := c.shared[i].Load(); sl != nil {
 			sl.mu.Lock() // wait for a running callback
 			errs = append(errs, sl.destroy(c.dev))
 			sl.mu.Unlock()
@@ -260,11 +259,36 @@ type slot struct {
 	blas    hal.BlasHandle // nil for an Lt slot
 	lt      hal.LtHandle
 	flavour Flavour
-	inUse   bool // pooled: guarded by blasState.mu
+	// sharedWS marks an UnsafeSharedWorkspace slot; pooled Contexts never mix them.
+	sharedWS bool
+	// boundID mirrors bound.ID() (0: unbound) for the lock-free pool scan.
+	boundID atomic.Uint64
 
 	bound   *Stream    // stream the handle is bound to (nil: none yet)
 	applied *workspace // workspace applied since the last bind
 	ownWS   *workspace // UnsafeSharedWorkspace only
+
+	lease lease // what the slot lends to the callback holding mu
+}
+
+// lend records who holds sl (whose mu the caller holds) and returns the lease
+// generation for the handle value given to the callback.
+func (sl *slot) lend(c *Context, s *Stream) uint64 {
+	l := &sl.lease
+	l.opMu.Lock()
+	l.c, l.s = c, s
+	gen := l.gen
+	l.opMu.Unlock()
+	return gen
+}
+
+// expire ends the current lease: every handle value lent so far is expired.
+func (sl *slot) expire() {
+	l := &sl.lease
+	l.opMu.Lock()
+	l.gen++
+	l.c, l.s = nil, nil
+	l.opMu.Unlock()
 }
 
 func (sl *slot) destroy(d *Device) error {
@@ -302,9 +326,10 @@ type blasState struct {
 	dev      *Device
 	mu       sync.Mutex
 	cond     *sync.Cond
-	pools    [numFlavours + 1][]*slot // index numFlavours: cuBLASLt
-	creating [numFlavours + 1]int
-	maxSlots int
+	pools    [numFlavours + 1]atomic.Pointer[[]*slot] // index numFlavours: cuBLASLt; copy-on-write
+	creating [numFlavours + 1]atomic.Int32            // handles being created (changed under mu)
+	maxSlots atomic.Int32
+	waiters  atomic.Int64 // goroutines waiting in cond
 	wsSize   int
 	ws       map[*Stream]*workspace // one workspace per stream: never shared by two streams
 	ltWS     map[*Stream]*workspace // grow-only cuBLASLt workspace per stream
@@ -317,7 +342,7 @@ func (bs *blasState) init(d *Device) {
 	bs.cond = sync.NewCond(&bs.mu)
 	bs.ws = map[*Stream]*workspace{}
 	bs.ltWS = map[*Stream]*workspace{}
-	bs.maxSlots = envInt(MaxHandlesEnv, DefaultMaxHandles)
+	bs.maxSlots.Store(int32(envInt(MaxHandlesEnv, DefaultMaxHandles)))
 	bs.wsSize = WorkspaceDefault
 	if d.info.ComputeMajor >= 9 {
 		bs.wsSize = WorkspaceHopper
@@ -340,7 +365,7 @@ func (d *Device) SetBlasHandleLimit(n int) error {
 		return fmt.Errorf("%w: gpuctx: Device.SetBlasHandleLimit(%d): the limit must be >= 1", ErrInvalid, n)
 	}
 	d.blas.mu.Lock()
-	d.blas.maxSlots = n
+	d.blas.maxSlots.Store(int32(min(n, 1<<20)))
 	d.blas.cond.Broadcast()
 	d.blas.mu.Unlock()
 	return nil
@@ -414,10 +439,10 @@ func (bs *blasState) close() error {
 	bs.mu.Lock()
 	bs.closed = true
 	var slots []*slot
-	for _, p := range bs.pools {
-		slots = append(slots, p...)
+	for f := range bs.pools {
+		slots = append(slots, bs.slots(Flavour(f))...)
+		bs.pools[f].Store(nil)
 	}
-	bs.pools = [numFlavours + 1][]*slot{}
 	ws := append([]*workspace{}, bs.retired...)
 	for _, w := range bs.ws {
 		ws = append(ws, w)
@@ -476,88 +501,121 @@ func (c *Context) newSlot(f Flavour) (*slot, error) {
 			return nil, err
 		}
 		sl.ownWS = &workspace{ptr: p, size: n}
+		sl.sharedWS = true
 	}
 	c.created.Add(1)
 	return sl, nil
 }
 
 // acquire returns a slot of flavour f locked for the caller, preferring one bound
-// to s. The caller must call c.release(sl).
+// to s. The caller must call c.release(sl). The pooled fast path takes no pool
+// lock: it scans a copy-on-write slice of slots and TryLocks them.
 func (c *Context) acquire(f Flavour, s *Stream) (*slot, error) {
 	if c.opts.Policy == SharedHandle {
 		return c.acquireShared(f)
 	}
 	bs := &c.dev.blas
-	bs.mu.Lock()
+	if sl := bs.tryPick(f, s, c.opts.UnsafeSharedWorkspace); sl != nil {
+		return sl, nil
+	}
 	var waitStart time.Time
+	bs.mu.Lock()
 	for {
 		if bs.closed {
 			bs.mu.Unlock()
 			return nil, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
 		}
-		var pick, free *slot
-		for _, sl := range bs.pools[f] {
-			if sl.inUse || (sl.blas != nil && (sl.ownWS != nil) != c.opts.UnsafeSharedWorkspace) {
-				continue
-			}
-			if sl.bound == s {
-				pick = sl
-				break
-			}
-			if free == nil {
-				free = sl
-			}
+		if sl := bs.tryPick(f, s, c.opts.UnsafeSharedWorkspace); sl != nil {
+			bs.mu.Unlock()
+			c.noteWait(waitStart)
+			return sl, nil
 		}
-		if pick == nil && len(bs.pools[f])+bs.creating[f] < bs.maxSlots {
-			bs.creating[f]++
+		if n := len(bs.slots(f)) + int(bs.creating[f].Load()); n < int(bs.maxSlots.Load()) {
+			bs.creating[f].Add(1)
 			bs.mu.Unlock()
 			sl, err := c.newSlot(f)
 			bs.mu.Lock()
-			bs.creating[f]--
+			bs.creating[f].Add(-1)
 			if err != nil {
 				bs.cond.Broadcast()
 				bs.mu.Unlock()
 				return nil, err
 			}
-			bs.pools[f] = append(bs.pools[f], sl)
-			pick = sl
-		}
-		if pick == nil {
-			pick = free
-		}
-		if pick != nil {
-			pick.inUse = true
+			sl.mu.Lock() // new and unpublished: uncontended
+			old := bs.slots(f)
+			grown := append(old[:len(old):len(old)], sl)
+			bs.pools[f].Store(&grown)
 			bs.mu.Unlock()
-			if !waitStart.IsZero() {
-				c.waitNanos.Add(int64(time.Since(waitStart)))
-			}
-			pick.mu.Lock() // uncontended: inUse gives ownership
-			return pick, nil
+			c.noteWait(waitStart)
+			return sl, nil
 		}
 		if waitStart.IsZero() {
 			waitStart = time.Now()
 			c.waits.Add(1)
 		}
+		bs.waiters.Add(1)
 		bs.cond.Wait()
+		bs.waiters.Add(-1)
 	}
 }
 
-func (c *Context) acquireShared(f Flavour) (*slot, error) {
-	c.mu.Lock()
-	if c.closed.Load() {
-		c.mu.Unlock()
-		return nil, fmt.Errorf("gpuctx: BLAS callback: context: %w", ErrClosed)
+func (c *Context) noteWait(start time.Time) {
+	if !start.IsZero() {
+		c.waitNanos.Add(int64(time.Since(start)))
 	}
-	sl := c.shared[f]
-	if sl == nil {
-		var err error
-		if sl, err = c.newSlot(f); err != nil {
-			c.mu.Unlock()
-			return nil, err
+}
+
+// slots returns the current pool of flavour f (never modified in place).
+func (bs *blasState) slots(f Flavour) []*slot {
+	if p := bs.pools[f].Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// tryPick locks and returns a free slot, one bound to s if there is one.
+func (bs *blasState) tryPick(f Flavour, s *Stream, unsafeWS bool) *slot {
+	pool := bs.slots(f)
+	id := s.ID()
+	for _, sl := range pool {
+		if sl.boundID.Load() == id && sl.sharedWS == unsafeWS && sl.mu.TryLock() {
+			if sl.boundID.Load() == id {
+				return sl
+			}
+			sl.mu.Unlock()
 		}
-		c.shared[f] = sl
 	}
-	c.mu.Unlock()
+	// No free slot bound to s: a new one is better than a rebind while the pool
+	// is under its limit; the caller creates it. Rebind only at the limit.
+	if len(pool)+int(bs.creating[f].Load()) < int(bs.maxSlots.Load()) {
+		return nil
+	}
+	for _, sl := range pool {
+		if sl.sharedWS == unsafeWS && sl.mu.TryLock() {
+			return sl
+		}
+	}
+	return nil
+}
+
+func (c *Context) acquireShared(f Flavour) (*slot, error) {
+	sl := c.shared[f].Load()
+	if sl == nil {
+		c.mu.Lock()
+		if c.closed.Load() {
+			c.mu.Unlock()
+			return nil, fmt.Errorf("gpuctx: BLAS callback: context: %w", ErrClosed)
+		}
+		if sl = c.shared[f].Load(); sl == nil {
+			var err error
+			if sl, err = c.newSlot(f); err != nil {
+				c.mu.Unlock()
+				return nil, err
+			}
+			c.shared[f].Store(sl)
+		}
+		c.mu.Unlock()
+	}
 	if !sl.mu.TryLock() {
 		c.waits.Add(1)
 		t := time.Now()
@@ -576,11 +634,11 @@ func (c *Context) release(sl *slot) {
 	if c.opts.Policy == SharedHandle {
 		return
 	}
-	bs := &c.dev.blas
-	bs.mu.Lock()
-	sl.inUse = false
-	bs.cond.Broadcast()
-	bs.mu.Unlock()
+	if bs := &c.dev.blas; bs.waiters.Load() > 0 {
+		bs.mu.Lock()
+		bs.cond.Broadcast()
+		bs.mu.Unlock()
+	}
 }
 
 // bind makes sl's handle run on s with s's workspace: cublasSetStream only when
@@ -603,6 +661,7 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 	if sl.bound != s {
 		if err := sl.blas.SetStream(s.hs); err != nil {
 			sl.bound, sl.applied = nil, nil
+			sl.boundID.Store(0)
 			return fmt.Errorf("gpuctx: binding a BLAS handle to stream %d: %w", s.ID(), err)
 		}
 		if sl.bound != nil {
@@ -610,6 +669,7 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 		}
 		c.binds.Add(1)
 		sl.bound, sl.applied = s, nil
+		sl.boundID.Store(s.ID())
 	}
 	if sl.applied != ws {
 		if err := sl.blas.SetWorkspace(ws.ptr, ws.size); err != nil {
@@ -626,10 +686,10 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 // queued on that stream; Blas does not wait for the work to finish. The handle's
 // lock is held until fn returns (or panics), so no other goroutine can rebind it
 // in between; h is unusable after fn returns. Blas returns fn's error.
-func (c *Context) Blas(fn func(h *Blas) error) error { return c.BlasFlavour(Default, fn) }
+func (c *Context) Blas(fn func(h Blas) error) error { return c.BlasFlavour(Default, fn) }
 
 // BlasFlavour is Blas with a chosen math flavour (Default, TensorOp, TF32).
-func (c *Context) BlasFlavour(f Flavour, fn func(h *Blas) error) (err error) {
+func (c *Context) BlasFlavour(f Flavour, fn func(h Blas) error) (err error) {
 	if f < 0 || f >= numFlavours {
 		return fmt.Errorf("%w: gpuctx: Context.BlasFlavour: unknown flavour %d", ErrInvalid, f)
 	}
@@ -649,21 +709,16 @@ func (c *Context) BlasFlavour(f Flavour, fn func(h *Blas) error) (err error) {
 		return err
 	}
 	c.callbacks.Add(1)
-	h := &Blas{c: c, sl: sl, s: s, tf32: f == TF32}
-	h.live.Store(true)
-	defer func() { // runs before release: no call through h can follow it
-		h.opMu.Lock()
-		h.live.Store(false)
-		h.opMu.Unlock()
-	}()
-	return fn(h)
+	gen := sl.lend(c, s)
+	defer sl.expire() // runs before release: no call through the handle can follow it
+	return fn(Blas{sl: sl, gen: gen})
 }
 
 // BlasLt runs fn with a cuBLASLt handle for the Context's current stream (read
 // once). Matmuls made through lt are queued on that stream with its persistent,
 // grow-only workspace (freed when the stream or device closes). Lock and
 // lifetime rules are those of Blas.
-func (c *Context) BlasLt(fn func(lt *BlasLt) error) error {
+func (c *Context) BlasLt(fn func(lt BlasLt) error) error {
 	if err := c.check("Context.BlasLt"); err != nil {
 		return err
 	}
@@ -674,10 +729,9 @@ func (c *Context) BlasLt(fn func(lt *BlasLt) error) error {
 	}
 	defer c.release(sl)
 	c.callbacks.Add(1)
-	lt := &BlasLt{c: c, sl: sl, s: s}
-	lt.live.Store(true)
-	defer lt.live.Store(false)
-	return fn(lt)
+	gen := sl.lend(c, s)
+	defer sl.expire()
+	return fn(BlasLt{sl: sl, gen: gen})
 }
 
 // WorkspaceConflicts reports how many times the backend saw one BLAS workspace

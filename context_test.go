@@ -181,7 +181,7 @@ func TestGemmOrderedBehindEvent(t *testing.T) {
 			t.Fatal(err)
 		}
 		ctx := newContext(t, d, gpuctx.ContextOptions{Stream: consumer})
-		err = ctx.Blas(func(h *gpuctx.Blas) error {
+		err = ctx.Blas(func(h gpuctx.Blas) error {
 			if h.Stream() != consumer {
 				return fmt.Errorf("handle on stream %d, want consumer %d", h.Stream().ID(), consumer.ID())
 			}
@@ -223,7 +223,7 @@ func TestContextSwitchesStreams(t *testing.T) {
 					ta, tb := i%3 == 0, i%4 == 1
 					a, b := randF32(r, m*k), randF32(r, k*n)
 					aDev, bDev, cDev := upload(t, d, a), upload(t, d, b), poison(t, d, m*n)
-					err := ctx.Blas(func(h *gpuctx.Blas) error {
+					err := ctx.Blas(func(h gpuctx.Blas) error {
 						if h.Stream() != cur {
 							return fmt.Errorf("iteration %d: handle bound to stream %d, want %d", i, h.Stream().ID(), cur.ID())
 						}
@@ -289,7 +289,7 @@ func concurrentGemms(t *testing.T, d *gpuctx.Device, goroutines, perG int, ctxFo
 				in := ins[(g+i)%sets]
 				c, err := outs[g].Slice(4*m*n*i, 4*m*n)
 				if err == nil {
-					err = ctx.Blas(func(h *gpuctx.Blas) error {
+					err = ctx.Blas(func(h gpuctx.Blas) error {
 						if h.Stream() != s {
 							return fmt.Errorf("goroutine %d: handle on stream %d, want %d", g, h.Stream().ID(), s.ID())
 						}
@@ -416,7 +416,7 @@ func TestGroupedAndGeamFollowStream(t *testing.T) {
 			const gm, gn = 19, 23
 			ga, gb := randF32(r, gm*gn), randF32(r, gm*gn)
 			gaDev, gbDev, gcDev := upload(t, d, ga), upload(t, d, gb), poison(t, d, gm*gn)
-			err := ctx.Blas(func(h *gpuctx.Blas) error {
+			err := ctx.Blas(func(h gpuctx.Blas) error {
 				if h.Stream() != cur {
 					return fmt.Errorf("round %d: handle on stream %d, want %d", round, h.Stream().ID(), cur.ID())
 				}
@@ -460,7 +460,7 @@ func TestCallbackPanicOrErrorLeavesContextUsable(t *testing.T) {
 				t.Fatal(err)
 			}
 			ctx := newContext(t, d, gpuctx.ContextOptions{Policy: pol})
-			if err := ctx.Blas(func(*gpuctx.Blas) error { return boom }); !errors.Is(err, boom) {
+			if err := ctx.Blas(func(gpuctx.Blas) error { return boom }); !errors.Is(err, boom) {
 				t.Fatalf("%s: want the callback's error, got %v", pol, err)
 			}
 			func() {
@@ -469,11 +469,11 @@ func TestCallbackPanicOrErrorLeavesContextUsable(t *testing.T) {
 						t.Fatalf("%s: the callback's panic was swallowed", pol)
 					}
 				}()
-				_ = ctx.Blas(func(*gpuctx.Blas) error { panic("callback panics") })
+				_ = ctx.Blas(func(gpuctx.Blas) error { panic("callback panics") })
 			}()
 			a := upload(t, d, []float32{1, 2, 3, 4})
 			c := poison(t, d, 4)
-			err := ctx.Blas(func(h *gpuctx.Blas) error {
+			err := ctx.Blas(func(h gpuctx.Blas) error {
 				return h.Gemm(gpuctx.Gemm{M: 2, N: 2, K: 2, Alpha: 1, A: a, B: a, C: c, AB: gpuctx.F32, CType: gpuctx.F32})
 			})
 			if err != nil {
@@ -497,12 +497,12 @@ func TestCallbackPanicOrErrorLeavesContextUsable(t *testing.T) {
 func TestHandleExpiresWithCallback(t *testing.T) {
 	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
 		ctx := newContext(t, d, gpuctx.ContextOptions{})
-		var kept *gpuctx.Blas
-		var keptLt *gpuctx.BlasLt
-		if err := ctx.Blas(func(h *gpuctx.Blas) error { kept = h; return nil }); err != nil {
+		var kept gpuctx.Blas
+		var keptLt gpuctx.BlasLt
+		if err := ctx.Blas(func(h gpuctx.Blas) error { kept = h; return nil }); err != nil {
 			t.Fatal(err)
 		}
-		if err := ctx.BlasLt(func(lt *gpuctx.BlasLt) error { keptLt = lt; return nil }); err != nil {
+		if err := ctx.BlasLt(func(lt gpuctx.BlasLt) error { keptLt = lt; return nil }); err != nil {
 			t.Fatal(err)
 		}
 		a := upload(t, d, []float32{1, 2, 3, 4})
@@ -555,7 +555,7 @@ func TestGemmValidation(t *testing.T) {
 		}
 		for _, tc := range cases {
 			t.Run(tc.name, func(t *testing.T) {
-				err := ctx.Blas(func(h *gpuctx.Blas) error { return h.Gemm(tc.g) })
+				err := ctx.Blas(func(h gpuctx.Blas) error { return h.Gemm(tc.g) })
 				if !errors.Is(err, tc.is) || !contains(err.Error(), tc.text) {
 					t.Fatalf("want %v mentioning %q, got %v", tc.is, tc.text, err)
 				}

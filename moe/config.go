@@ -321,7 +321,9 @@ func ParseConfig(data []byte) (*Config, error) {
 			c.SharedGate = c.SharedIntermediate > 0
 		}
 		c.DecoderSparseStep = or(r.DecoderSparseStep, 1)
-		c.MLPOnlyLayers = append([]int(nil), r.MLPOnlyLayers...)
+		if len(r.MLPOnlyLayers) > 0 {
+			c.MLPOnlyLayers = append([]int(nil), r.MLPOnlyLayers...)
+		}
 		if r.ScoringFunc != nil && *r.ScoringFunc != string(Softmax) {
 			return nil, fmt.Errorf("scoring_func = %q is not supported for %s (softmax only)", *r.ScoringFunc, fam)
 		}

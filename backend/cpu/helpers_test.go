@@ -66,6 +66,8 @@ func asBytes[T any](v []T) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(v))), len(v)*int(unsafe.Sizeof(zero)))
 }
 
+func ptrOf[T any](v []T) unsafe.Pointer { return unsafe.Pointer(unsafe.SliceData(v)) }
+
 // fromBytes copies b into a new []T (the copy guarantees T's alignment).
 func fromBytes[T any](b []byte) []T {
 	var zero T

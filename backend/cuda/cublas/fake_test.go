@@ -80,11 +80,11 @@ type fake struct {
 
 	// Lt
 	ltDescs, ltLayouts, ltHeur, ltMatmuls, ltDescFree, ltLayoutFree int
-	ltTrans                                                       []int32
-	ltLayoutDims                                                  [][3]int64
-	ltWS                                                          []uint64
-	ltStreams                                                     []uintptr
-	ltNoAlgo                                                      bool
+	ltTrans                                                         []int32
+	ltLayoutDims                                                    [][3]int64
+	ltWS                                                            []uint64
+	ltStreams                                                       []uintptr
+	ltNoAlgo                                                        bool
 }
 
 func read16(p unsafe.Pointer) []byte {
