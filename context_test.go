@@ -208,7 +208,8 @@ func TestContextSwitchesStreams(t *testing.T) {
 				r := rand.New(rand.NewPCG(3, 4))
 				sA, sB := newStream(t, d), newStream(t, d)
 				ctx := newContext(t, d, gpuctx.ContextOptions{Stream: sA, Policy: pol})
-				scratch := upload(t, d, randF32(r, 1<<20))
+				// one scratch buffer per stream: the busy chains of A and B may overlap
+				scratch := map[*gpuctx.Stream]*gpuctx.Buffer{sA: upload(t, d, randF32(r, 1<<20)), sB: upload(t, d, randF32(r, 1<<20))}
 				const m, n, k = 33, 65, 129
 				for i := range iters {
 					cur, other := sA, sB
@@ -218,7 +219,7 @@ func TestContextSwitchesStreams(t *testing.T) {
 					if _, err := ctx.SetStream(cur); err != nil {
 						t.Fatal(err)
 					}
-					busy(t, d, other, scratch, 100)
+					busy(t, d, other, scratch[other], 100)
 					layout := []gpuctx.Layout{gpuctx.RowMajor, gpuctx.ColMajor}[i%2]
 					ta, tb := i%3 == 0, i%4 == 1
 					a, b := randF32(r, m*k), randF32(r, k*n)
@@ -391,7 +392,7 @@ func TestGroupedAndGeamFollowStream(t *testing.T) {
 		r := rand.New(rand.NewPCG(7, 8))
 		sA, sB := newStream(t, d), newStream(t, d)
 		ctx := newContext(t, d, gpuctx.ContextOptions{Stream: sA, Policy: gpuctx.SharedHandle})
-		scratch := upload(t, d, randF32(r, 1<<20))
+		scratch := map[*gpuctx.Stream]*gpuctx.Buffer{sA: upload(t, d, randF32(r, 1<<20)), sB: upload(t, d, randF32(r, 1<<20))}
 		shapes := [][3]int{{5, 7, 9}, {16, 3, 64}, {1, 33, 17}, {0, 8, 8}}
 		for round, cur := range []*gpuctx.Stream{sA, sB, sA} {
 			other := sB
@@ -401,7 +402,7 @@ func TestGroupedAndGeamFollowStream(t *testing.T) {
 			if _, err := ctx.SetStream(cur); err != nil {
 				t.Fatal(err)
 			}
-			busy(t, d, other, scratch, 100)
+			busy(t, d, other, scratch[other], 100)
 			var gs []gpuctx.Gemm
 			var wants [][]float64
 			var outs []*gpuctx.Buffer

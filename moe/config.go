@@ -17,11 +17,11 @@ type Family string
 // modeling file (DeepseekV2Moe, DeepseekV3MoE, Qwen2MoeSparseMoeBlock,
 // Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock).
 const (
-	DeepseekV2 Family = "deepseek_v2"
-	DeepseekV3 Family = "deepseek_v3"
-	Qwen2MoE   Family = "qwen2_moe"
-	Qwen3MoE   Family = "qwen3_moe"
-	Mixtral    Family = "mixtral"
+	DeepseekV2 Family = "deepseek_v2" // DeepSeek-V2, V2-Lite: softmax, greedy or group_limited_greedy
+	DeepseekV3 Family = "deepseek_v3" // DeepSeek-V3: sigmoid, noaux_tc with correction bias
+	Qwen2MoE   Family = "qwen2_moe"   // Qwen1.5-MoE, Qwen2-MoE: softmax, gated shared expert
+	Qwen3MoE   Family = "qwen3_moe"   // Qwen3-MoE: softmax, no shared expert
+	Mixtral    Family = "mixtral"     // Mixtral: softmax, always renormalised
 )
 
 // Scoring is how router logits become per-expert scores.

@@ -73,10 +73,9 @@ func TestRouteHandComputed(t *testing.T) {
 			return c
 		}, []float64{0, 1, 2, 3}, []float32{1, 0, 0, 0}, []int32{0, 1}, []float64{sig(0), sig(1)}},
 		{"v3 masked zero beats negative", func() *Config {
-			// A large negative bias on group {2,3} makes its choice scores < 0; the
-			// masked-out group reads 0.0, so with K=2 and one group of 2 kept... use
-			// K=2 from group {0,1}, both negative after bias: transformers' masked
-			// 0.0 entries of group {2,3} win over them.
+			// Biased choice scores are all negative: (-1.5, -1.5, -2.5, -2.5). Group
+			// {0,1} is kept, group {2,3} is masked to 0.0 as transformers does, and
+			// those zeros then beat the kept negative scores.
 			c := handConfig(DeepseekV3)
 			c.Scoring, c.TopKMethod, c.NumGroups, c.TopKGroups = Sigmoid, NoAuxTC, 2, 1
 			return c

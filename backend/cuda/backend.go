@@ -50,6 +50,11 @@ func loadDriver() (*driverAPI, error) {
 			driver.err = fmt.Errorf("cuda: %w: %w", hal.ErrUnavailable, err)
 			return
 		}
+		if err := api.bindHot(lib); err != nil {
+			lib.Close()
+			driver.err = fmt.Errorf("cuda: %w: %w", hal.ErrUnavailable, err)
+			return
+		}
 		if api.cuEventElapsedTimeV2 == nil && api.cuEventElapsedTime == nil {
 			lib.Close()
 			driver.err = fmt.Errorf("cuda: %w: %s has neither cuEventElapsedTime_v2 nor cuEventElapsedTime; update the NVIDIA driver", hal.ErrUnavailable, lib.Path())

@@ -9,31 +9,33 @@ import (
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
-// benchPair times halCall and bareCall alternately, one call each per
-// iteration, and reports both means and their ratio. sync drains the queue
-// every 512 iterations, outside the timed calls, so the launch queue never
-// fills and blocks. The goroutine stays on one thread with the context
-// current for the bare calls; the hal path still runs its full Do wrapper.
-func benchPair(b *testing.B, d *device, halCall, bareCall, sync func() error) {
+// timedCall is one way of making the same driver call.
+type timedCall struct {
+	name string // metric prefix: "hal", "bare" (purego.RegisterFunc), "syscalln"
+	fn   func() error
+}
+
+// benchCalls times each call once per iteration, in turn, and reports the mean
+// of each and the ratio hal/bare. sync drains the queue every 512 iterations,
+// outside the timed calls, so the launch queue never fills and blocks. The
+// goroutine stays on one thread with the context current for the bare calls;
+// the hal path still runs its full Do wrapper.
+func benchCalls(b *testing.B, d *device, sync func() error, calls ...timedCall) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if err := d.Do(func() error { return nil }); err != nil { // make the context current on this thread
 		b.Fatal(err)
 	}
-	var tHal, tBare time.Duration
+	total := make([]time.Duration, len(calls))
 	var n int
 	for b.Loop() {
-		t0 := time.Now()
-		if err := halCall(); err != nil {
-			b.Fatal(err)
+		for i, c := range calls {
+			t0 := time.Now()
+			if err := c.fn(); err != nil {
+				b.Fatalf("%s: %v", c.name, err)
+			}
+			total[i] += time.Since(t0)
 		}
-		t1 := time.Now()
-		if err := bareCall(); err != nil {
-			b.Fatal(err)
-		}
-		t2 := time.Now()
-		tHal += t1.Sub(t0)
-		tBare += t2.Sub(t1)
 		n++
 		if n%512 == 0 {
 			if err := sync(); err != nil {
@@ -44,11 +46,13 @@ func benchPair(b *testing.B, d *device, halCall, bareCall, sync func() error) {
 	if err := sync(); err != nil {
 		b.Fatal(err)
 	}
-	hal, bare := float64(tHal.Nanoseconds())/float64(n), float64(tBare.Nanoseconds())/float64(n)
-	b.ReportMetric(hal, "hal-ns/call")
-	b.ReportMetric(bare, "bare-ns/call")
-	b.ReportMetric(hal-bare, "overhead-ns/call")
-	b.ReportMetric(hal/bare, "hal/bare")
+	mean := map[string]float64{}
+	for i, c := range calls {
+		mean[c.name] = float64(total[i].Nanoseconds()) / float64(n)
+		b.ReportMetric(mean[c.name], c.name+"-ns/call")
+	}
+	b.ReportMetric(mean["hal"]-mean["bare"], "overhead-ns/call")
+	b.ReportMetric(mean["hal"]/mean["bare"], "hal/bare")
 }
 
 // BenchmarkLaunchEmpty compares Stream.Launch of gpuctx_empty with a bare
@@ -59,12 +63,15 @@ func BenchmarkLaunchEmpty(b *testing.B) {
 	k := mustKernel(b, d, "gpuctx_empty").(*kernel)
 	one := hal.Dim3{X: 1, Y: 1, Z: 1}
 	st := s.(*stream)
-	benchPair(b, d,
-		func() error { return s.Launch(k, one, one, 0) },
-		func() error {
+	g := [3]uint32{1, 1, 1}
+	benchCalls(b, d, s.Synchronize,
+		timedCall{"hal", func() error { return s.Launch(k, one, one, 0) }},
+		timedCall{"bare", func() error {
 			return check(d.api, "cuLaunchKernel", d.api.cuLaunchKernel(k.fn, 1, 1, 1, 1, 1, 1, 0, st.h, nil, nil))
-		},
-		s.Synchronize)
+		}},
+		timedCall{"syscalln", func() error {
+			return check(d.api, "cuLaunchKernel", d.api.launchKernel(k.fn, g, g, 0, st.h, nil))
+		}})
 }
 
 // BenchmarkLaunchArgs is BenchmarkLaunchEmpty for a kernel with three
@@ -77,17 +84,16 @@ func BenchmarkLaunchArgs(b *testing.B) {
 	one := hal.Dim3{X: 1, Y: 1, Z: 1}
 	st := s.(*stream)
 	pb := new(paramBlock)
-	benchPair(b, d,
-		func() error { return s.Launch(k, one, one, 0, y, float32(1), int64(0)) },
-		func() error {
+	benchCalls(b, d, s.Synchronize,
+		timedCall{"hal", func() error { return s.Launch(k, one, one, 0, y, float32(1), int64(0)) }},
+		timedCall{"bare", func() error {
 			if _, err := pack(k.name, pb, []any{y, float32(1), int64(0)}); err != nil {
 				return err
 			}
 			r := d.api.cuLaunchKernel(k.fn, 1, 1, 1, 1, 1, 1, 0, st.h, unsafe.Pointer(&pb.ptrs[0]), nil)
 			runtime.KeepAlive(pb)
 			return check(d.api, "cuLaunchKernel", r)
-		},
-		s.Synchronize)
+		}})
 }
 
 // BenchmarkEventRecord compares Event.Record with a bare cuEventRecord.
@@ -100,10 +106,10 @@ func BenchmarkEventRecord(b *testing.B) {
 	}
 	defer e.Destroy()
 	ev, st := e.(*event), s.(*stream)
-	benchPair(b, d,
-		func() error { return e.Record(s) },
-		func() error { return check(d.api, "cuEventRecord", d.api.cuEventRecord(ev.h, st.h)) },
-		s.Synchronize)
+	benchCalls(b, d, s.Synchronize,
+		timedCall{"hal", func() error { return e.Record(s) }},
+		timedCall{"bare", func() error { return check(d.api, "cuEventRecord", d.api.cuEventRecord(ev.h, st.h)) }},
+		timedCall{"syscalln", func() error { return check(d.api, "cuEventRecord", d.api.eventRecord(ev.h, st.h)) }})
 }
 
 // BenchmarkContextCheck measures the Do wrapper alone (LockOSThread,
@@ -114,6 +120,18 @@ func BenchmarkContextCheck(b *testing.B) {
 	for b.Loop() {
 		if err := d.Do(nop); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkContextCheckBare is the cuCtxGetCurrent call of Do alone (through
+// SyscallN), on a pinned goroutine, for comparison with BenchmarkContextCheck.
+func BenchmarkContextCheckBare(b *testing.B) {
+	d := gpu(b)
+	var cur uintptr
+	for b.Loop() {
+		if r := d.api.ctxGetCurrent(&cur); r != cudaSuccess {
+			b.Fatal(check(d.api, "cuCtxGetCurrent", r))
 		}
 	}
 }

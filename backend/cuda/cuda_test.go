@@ -11,6 +11,7 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/gpuctx/gpuctx/internal/dynload"
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
@@ -362,6 +363,36 @@ func TestKernels(t *testing.T) {
 			t.Errorf("second Kernel() = %v, %v; want the cached kernel", k2, err)
 		}
 	})
+}
+
+// TestLibrariesAfterUse checks that NVRTC (after a kernel was compiled) and
+// cuBLAS (after the first BLAS handle) are listed with paths and versions.
+func TestLibrariesAfterUse(t *testing.T) {
+	d := gpu(t)
+	mustKernel(t, d, "gpuctx_empty")
+	h, err := d.NewBlasHandle()
+	if errors.Is(err, dynload.ErrNotFound) {
+		t.Logf("cuBLAS not installed, only NVRTC checked: %v", err)
+	} else if err != nil {
+		t.Fatalf("NewBlasHandle: %v", err)
+	} else if err := h.Destroy(); err != nil {
+		t.Fatal(err)
+	}
+	have := map[string]hal.Library{}
+	for _, l := range testBackend.b.Libraries() {
+		have[l.Name] = l
+	}
+	want := []string{"driver", "nvrtc"}
+	if err == nil {
+		want = append(want, "cublas")
+	}
+	for _, name := range want {
+		l, ok := have[name]
+		if !ok || l.Path == "" || l.Version == "" {
+			t.Errorf("Libraries() lacks %s with path and version: %+v", name, have)
+		}
+	}
+	t.Logf("libraries: %+v", have)
 }
 
 // launch queues kernel name over n elements on s.

@@ -126,7 +126,7 @@ func (d *device) Do(fn func() error) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	var cur uintptr
-	if err := check(d.api, "cuCtxGetCurrent", d.api.cuCtxGetCurrent(&cur)); err != nil {
+	if err := check(d.api, "cuCtxGetCurrent", d.api.ctxGetCurrent(&cur)); err != nil {
 		return err
 	}
 	if cur != d.ctx {

@@ -3,6 +3,8 @@ package cuda
 import (
 	"unsafe"
 
+	"github.com/ebitengine/purego"
+
 	"github.com/gpuctx/gpuctx/internal/dynload"
 )
 
@@ -74,6 +76,59 @@ type driverAPI struct {
 	// cuLaunchKernel(f, gridX, gridY, gridZ, blockX, blockY, blockZ,
 	// sharedMemBytes, stream, kernelParams, extra).
 	cuLaunchKernel func(f uintptr, gx, gy, gz, bx, by, bz, shared uint32, s uintptr, params unsafe.Pointer, extra unsafe.Pointer) int32
+
+	// hot holds the raw addresses of the calls on the per-launch path. They are
+	// called with purego.SyscallN, which skips RegisterFunc's reflection
+	// (about 150-250 ns per call); every argument is an integer or a pointer.
+	hot struct {
+		ctxGetCurrent, launchKernel, eventRecord, streamWaitEvent uintptr
+	}
+}
+
+// bindHot fills a.hot from lib; the symbols were already bound, so they exist.
+func (a *driverAPI) bindHot(lib *dynload.Library) error {
+	for _, h := range []struct {
+		name string
+		addr *uintptr
+	}{
+		{"cuCtxGetCurrent", &a.hot.ctxGetCurrent},
+		{"cuLaunchKernel", &a.hot.launchKernel},
+		{"cuEventRecord", &a.hot.eventRecord},
+		{"cuStreamWaitEvent", &a.hot.streamWaitEvent},
+	} {
+		addr, err := lib.Lookup(h.name)
+		if err != nil {
+			return err
+		}
+		*h.addr = addr
+	}
+	return nil
+}
+
+// ctxGetCurrent is cuCtxGetCurrent through SyscallN.
+func (a *driverAPI) ctxGetCurrent(ctx *uintptr) int32 {
+	r, _, _ := purego.SyscallN(a.hot.ctxGetCurrent, uintptr(unsafe.Pointer(ctx)))
+	return int32(r)
+}
+
+// launchKernel is cuLaunchKernel through SyscallN (extra is always NULL).
+func (a *driverAPI) launchKernel(f uintptr, g, b [3]uint32, shared uint32, s uintptr, params unsafe.Pointer) int32 {
+	r, _, _ := purego.SyscallN(a.hot.launchKernel, f,
+		uintptr(g[0]), uintptr(g[1]), uintptr(g[2]), uintptr(b[0]), uintptr(b[1]), uintptr(b[2]),
+		uintptr(shared), s, uintptr(params), 0)
+	return int32(r)
+}
+
+// eventRecord is cuEventRecord through SyscallN.
+func (a *driverAPI) eventRecord(e, s uintptr) int32 {
+	r, _, _ := purego.SyscallN(a.hot.eventRecord, e, s)
+	return int32(r)
+}
+
+// streamWaitEvent is cuStreamWaitEvent through SyscallN.
+func (a *driverAPI) streamWaitEvent(s, e uintptr, flags uint32) int32 {
+	r, _, _ := purego.SyscallN(a.hot.streamWaitEvent, s, e, uintptr(flags))
+	return int32(r)
 }
 
 // symbols is the one table that maps C symbol names to the fields of a.

@@ -135,7 +135,7 @@ func (s *stream) launch(k *kernel, grid, block hal.Dim3, sharedMem int, args []a
 		params = unsafe.Pointer(&pb.ptrs[0])
 	}
 	err = s.do("Launch", func() error {
-		r := s.d.api.cuLaunchKernel(k.fn, g[0], g[1], g[2], b[0], b[1], b[2], uint32(sharedMem), s.h, params, nil)
+		r := s.d.api.launchKernel(k.fn, g, b, uint32(sharedMem), s.h, params)
 		runtime.KeepAlive(pb)
 		return check(s.d.api, "cuLaunchKernel", r)
 	})

@@ -99,7 +99,7 @@ func (s *stream) Wait(e hal.Event) error {
 		return fmt.Errorf("cuda: stream %d Wait: event: %w", s.id, ErrClosed)
 	}
 	return s.do("Wait", func() error {
-		return check(s.d.api, "cuStreamWaitEvent", s.d.api.cuStreamWaitEvent(s.h, ev.h, 0))
+		return check(s.d.api, "cuStreamWaitEvent", s.d.api.streamWaitEvent(s.h, ev.h, 0))
 	})
 }
 
@@ -176,7 +176,7 @@ func (e *event) Record(s hal.Stream) error {
 	if st.destroyed.Load() {
 		return fmt.Errorf("cuda: event Record on stream %d: %w", st.id, ErrClosed)
 	}
-	return e.do("Record", func() error { return check(e.d.api, "cuEventRecord", e.d.api.cuEventRecord(e.h, st.h)) })
+	return e.do("Record", func() error { return check(e.d.api, "cuEventRecord", e.d.api.eventRecord(e.h, st.h)) })
 }
 
 // Synchronize blocks the host until the recorded work is done

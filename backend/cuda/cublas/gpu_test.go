@@ -273,14 +273,14 @@ func refGemm(ta, tb hal.Op, m, n, k int, alpha float64, a []float64, lda int, b 
 		for i := 0; i < m; i++ {
 			var s float64
 			for p := 0; p < k; p++ {
-				av := a[i+p*lda]
+				ai, bi := i+p*lda, p+j*ldb
 				if ta == hal.Trans {
-					av = a[p+i*lda]
+					ai = p + i*lda
 				}
-				bv := b[p+j*ldb]
 				if tb == hal.Trans {
-					bv = b[j+p*ldb]
+					bi = j + p*ldb
 				}
+				av, bv := a[ai], b[bi]
 				s += av * bv
 			}
 			out[i+j*ldc] = alpha*s + beta*c[i+j*ldc]

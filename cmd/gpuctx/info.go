@@ -1,0 +1,209 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"text/tabwriter"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpuctx/gpuctx"
+)
+
+func init() { register(newInfoCmd) }
+
+func newInfoCmd(a *app) *cobra.Command {
+	return &cobra.Command{
+		Use:   "info",
+		Short: "Print the backend, each device's properties and the libraries loaded",
+		Long: `info opens the backend (--backend, else $GPUCTX_BACKEND, else auto), prints
+every device's properties (name, compute capability, SMs, memory, L2 cache,
+driver version), then checks each device by compiling and launching one kernel
+(gpuctx_empty) and creating one BLAS handle through a Context, and finally lists
+every library loaded with its path and version. A failed check is reported as a
+line of the output; only a backend that cannot be opened fails the command.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			rep, err := a.collectInfo()
+			if err != nil {
+				return err
+			}
+			if a.json {
+				enc := json.NewEncoder(a.out)
+				enc.SetIndent("", "  ")
+				if err := enc.Encode(rep); err != nil {
+					return fail("writing the JSON report", "check that standard output is writable", err)
+				}
+				return nil
+			}
+			return rep.writeText(a.out)
+		},
+	}
+}
+
+// infoReport is what info prints; its JSON form is the --json output.
+type infoReport struct {
+	Backend   string          `json:"backend"`
+	Devices   []deviceReport  `json:"devices"`
+	Libraries []libraryReport `json:"libraries"`
+}
+
+type deviceReport struct {
+	Index             int           `json:"index"`
+	Name              string        `json:"name,omitempty"`
+	ComputeCapability string        `json:"compute_capability,omitempty"`
+	SMs               int           `json:"sms"`
+	TotalMemoryBytes  uint64        `json:"total_memory_bytes"`
+	FreeMemoryBytes   uint64        `json:"free_memory_bytes"`
+	L2Bytes           int           `json:"l2_bytes"`
+	DriverVersion     int           `json:"driver_version"`
+	Checks            []checkReport `json:"checks"`
+	Error             string        `json:"error,omitempty"` // the device could not be opened
+}
+
+type checkReport struct {
+	Name  string `json:"name"`
+	OK    bool   `json:"ok"`
+	Error string `json:"error,omitempty"`
+}
+
+type libraryReport struct {
+	Name    string `json:"name"`
+	Path    string `json:"path"`
+	Version string `json:"version"`
+}
+
+// collectInfo opens the runtime, inspects and checks every device, and lists
+// the libraries loaded by then. Only failing to open the backend is an error.
+func (a *app) collectInfo() (*infoReport, error) {
+	rt, err := a.openRuntime()
+	if err != nil {
+		return nil, err
+	}
+	defer rt.Close()
+	rep := &infoReport{Backend: rt.Backend(), Devices: []deviceReport{}, Libraries: []libraryReport{}}
+	for i := range rt.DeviceCount() {
+		dr := deviceReport{Index: i, Checks: []checkReport{}}
+		dev, err := rt.Device(i)
+		if err != nil {
+			dr.Error = oneLine(err.Error())
+			rep.Devices = append(rep.Devices, dr)
+			continue
+		}
+		info := dev.Info()
+		dr.Name, dr.SMs, dr.TotalMemoryBytes, dr.L2Bytes, dr.DriverVersion =
+			info.Name, info.SMCount, info.TotalMemory, info.L2Bytes, info.DriverVersion
+		if info.ComputeMajor > 0 {
+			dr.ComputeCapability = fmt.Sprintf("%d.%d", info.ComputeMajor, info.ComputeMinor)
+		}
+		free, _, err := dev.MemInfo()
+		dr.FreeMemoryBytes = free
+		dr.Checks = append(dr.Checks,
+			newCheck("memory info", err),
+			newCheck("kernel gpuctx_empty (compile and launch)", checkKernel(dev)),
+			newCheck("BLAS handle (Context.Blas)", checkBlas(dev)))
+		rep.Devices = append(rep.Devices, dr)
+	}
+	for _, l := range rt.Libraries() {
+		rep.Libraries = append(rep.Libraries, libraryReport{Name: l.Name, Path: l.Path, Version: l.Version})
+	}
+	return rep, nil
+}
+
+func newCheck(name string, err error) checkReport {
+	if err != nil {
+		return checkReport{Name: name, Error: oneLine(err.Error())}
+	}
+	return checkReport{Name: name, OK: true}
+}
+
+// checkKernel compiles (on CUDA, with NVRTC) and launches gpuctx_empty on a new
+// stream and waits for it.
+func checkKernel(dev *gpuctx.Device) error {
+	k, err := dev.Kernel("gpuctx_empty")
+	if err != nil {
+		return err
+	}
+	s, err := dev.NewStream(gpuctx.StreamOptions{})
+	if err != nil {
+		return err
+	}
+	one := gpuctx.Dim3{X: 1, Y: 1, Z: 1}
+	err = s.Launch(k, one, one, 0)
+	if err == nil {
+		err = s.Synchronize()
+	}
+	if cerr := s.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// checkBlas creates a Context and runs one BLAS callback, which creates a BLAS
+// handle (on CUDA this loads cuBLAS) and binds it to the Context's stream.
+func checkBlas(dev *gpuctx.Device) error {
+	ctx, err := dev.NewContext(gpuctx.ContextOptions{})
+	if err != nil {
+		return err
+	}
+	err = ctx.Blas(func(gpuctx.Blas) error { return nil })
+	if cerr := ctx.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+func (r *infoReport) writeText(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "backend:\t%s\n", r.Backend)
+	fmt.Fprintf(tw, "devices:\t%d\n", len(r.Devices))
+	for _, d := range r.Devices {
+		fmt.Fprintf(tw, "device %d:\t%s\n", d.Index, orDash(d.Name))
+		if d.Error != "" {
+			fmt.Fprintf(tw, "  error:\t%s\n", d.Error)
+			continue
+		}
+		fmt.Fprintf(tw, "  compute capability:\t%s\n", orDash(d.ComputeCapability))
+		fmt.Fprintf(tw, "  SMs:\t%d\n", d.SMs)
+		fmt.Fprintf(tw, "  memory:\t%s total, %s free\n", mib(d.TotalMemoryBytes), mib(d.FreeMemoryBytes))
+		l2 := "-"
+		if d.L2Bytes > 0 {
+			l2 = fmt.Sprintf("%d KiB", d.L2Bytes>>10)
+		}
+		fmt.Fprintf(tw, "  L2 cache:\t%s\n", l2)
+		drv := "-"
+		if d.DriverVersion > 0 {
+			drv = fmt.Sprintf("%d.%d (%d)", d.DriverVersion/1000, d.DriverVersion%1000/10, d.DriverVersion)
+		}
+		fmt.Fprintf(tw, "  driver version:\t%s\n", drv)
+		for _, c := range d.Checks {
+			res := "ok"
+			if !c.OK {
+				res = "FAILED: " + c.Error
+			}
+			fmt.Fprintf(tw, "  check: %s: %s\n", c.Name, res) // no tab: keeps the columns above narrow
+		}
+	}
+	fmt.Fprintf(tw, "libraries:\t%d\n", len(r.Libraries))
+	for _, l := range r.Libraries {
+		path := l.Path
+		if path == "" {
+			path = "(built in)"
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%s\n", l.Name, orDash(l.Version), path)
+	}
+	if err := tw.Flush(); err != nil {
+		return fail("writing the report", "check that standard output is writable", err)
+	}
+	return nil
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func mib(b uint64) string { return fmt.Sprintf("%d MiB", b>>20) }

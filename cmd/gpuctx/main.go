@@ -1,0 +1,195 @@
+// Command gpuctx is the command-line front end of the gpuctx GPU runtime: it
+// reports what the runtime finds on this machine (gpuctx info) and runs its
+// benchmarks.
+//
+// Adding a command: write one file in this directory whose init calls
+//
+//	register(func(a *app) *cobra.Command { return &cobra.Command{...} })
+//
+// Use a.openRuntime to open the backend chosen by --backend / GPUCTX_BACKEND,
+// a.out for output, a.jsonOut to honour --json, and return errors from RunE
+// (wrap them with fail to say what to do): main prints one line on stderr and
+// exits 1.
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime/debug"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpuctx/gpuctx"
+)
+
+// app is the state shared by every command of one invocation.
+type app struct {
+	backend string // --backend: "", auto, cuda or cpu
+	json    bool   // --json
+	out     io.Writer
+	errOut  io.Writer
+}
+
+// commands are the constructors registered by each command's file (init).
+var commands []func(a *app) *cobra.Command
+
+// register adds a top-level command; call it from an init function.
+func register(f func(a *app) *cobra.Command) { commands = append(commands, f) }
+
+const longHelp = `gpuctx is a pure-Go GPU runtime for inference work. Its BLAS contexts bind
+their library handles (cuBLAS, cuBLASLt) to the stream the caller chose, before
+every call and under the handle's lock, so that work issued on a side stream
+really runs there and several streams can overlap safely from many goroutines.
+The vendor libraries are loaded at run time: one binary (built with
+CGO_ENABLED=0) runs on a machine with an NVIDIA GPU or on none (CPU backend).
+
+Start with "gpuctx info": it prints the backend, every device and the libraries
+loaded, after compiling one kernel and creating one BLAS handle.
+
+Environment:
+  GPUCTX_BACKEND           auto (default), cuda or cpu; --backend overrides it.
+                           A forced backend that is unavailable is an error,
+                           never a silent fallback.
+  GPUCTX_LIBRARY_PATH      colon-separated directories searched first for
+                           libcuda, libcublas, libcublasLt and libnvrtc.
+  GPUCTX_BLAS_WORKSPACE    per-stream BLAS workspace in bytes (default 32 MiB
+                           on compute capability >= 9.0, else 4 MiB).
+  GPUCTX_MAX_BLAS_HANDLES  BLAS handles pooled per device and math flavour
+                           (default 16).`
+
+// newRootCmd builds a fresh command tree writing to stdout and stderr.
+func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
+	a := &app{out: stdout, errOut: stderr}
+	root := &cobra.Command{
+		Use:           "gpuctx",
+		Short:         "Stream-safe GPU runtime for inference: device info and benchmarks",
+		Long:          longHelp,
+		Version:       version(),
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		PersistentPreRunE: func(*cobra.Command, []string) error {
+			switch strings.ToLower(strings.TrimSpace(a.backend)) {
+			case "", "auto", "cuda", "cpu":
+				return nil
+			}
+			return fail(fmt.Sprintf("--backend %q is not a backend", a.backend), "use auto, cuda or cpu", nil)
+		},
+	}
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	root.PersistentFlags().StringVar(&a.backend, "backend", "",
+		"backend to use: auto, cuda or cpu (default: $GPUCTX_BACKEND, else auto)")
+	root.PersistentFlags().BoolVar(&a.json, "json", false, "print machine-readable JSON instead of text")
+	for _, f := range commands {
+		root.AddCommand(f(a))
+	}
+	return root
+}
+
+// run executes the command line args and returns the process exit code. Every
+// failure, a panic included, becomes one line on stderr and exit code 1.
+func run(args []string, stdout, stderr io.Writer) (code int) {
+	defer func() {
+		if p := recover(); p != nil {
+			fmt.Fprintln(stderr, "gpuctx: "+oneLine(fmt.Sprintf("internal error: %v: please report it with the command line you ran", p)))
+			code = 1
+		}
+	}()
+	root := newRootCmd(stdout, stderr)
+	root.SetArgs(args)
+	if err := root.Execute(); err != nil {
+		fmt.Fprintln(stderr, errorLine(err))
+		return 1
+	}
+	return 0
+}
+
+func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
+
+// cliError is a failure with the advice to print after it.
+type cliError struct {
+	what string // what failed
+	fix  string // what to do
+	err  error  // cause, may be nil
+}
+
+func (e *cliError) Error() string {
+	s := e.what
+	if e.err != nil {
+		s += ": " + e.err.Error()
+	}
+	if e.fix != "" {
+		s += ": " + e.fix
+	}
+	return s
+}
+
+func (e *cliError) Unwrap() error { return e.err }
+
+// fail returns an error printed as "gpuctx: <what>: <cause>: <fix>".
+func fail(what, fix string, err error) error { return &cliError{what: what, fix: fix, err: err} }
+
+// errorLine renders err as the single stderr line "gpuctx: ...". Errors that
+// did not come through fail (cobra's argument and flag errors) get a pointer
+// to the help.
+func errorLine(err error) string {
+	msg := oneLine(err.Error())
+	var ce *cliError
+	if !errors.As(err, &ce) {
+		msg += ": run 'gpuctx --help' for usage"
+	}
+	return "gpuctx: " + msg
+}
+
+// oneLine joins a multi-line message into one line ("; " between lines, a
+// space after a line ending in ':' or '?') and drops repeated "gpuctx: "
+// prefixes left by wrapped errors.
+func oneLine(s string) string {
+	var b strings.Builder
+	for _, l := range strings.Split(strings.TrimSpace(s), "\n") {
+		if l = strings.TrimSpace(l); l == "" {
+			continue
+		}
+		if b.Len() > 0 {
+			if prev := b.String(); strings.HasSuffix(prev, ":") || strings.HasSuffix(prev, "?") {
+				b.WriteString(" ")
+			} else {
+				b.WriteString("; ")
+			}
+		}
+		b.WriteString(l)
+	}
+	return strings.TrimPrefix(strings.ReplaceAll(b.String(), ": gpuctx: ", ": "), "gpuctx: ")
+}
+
+// openRuntime opens the backend named by --backend, else $GPUCTX_BACKEND,
+// else auto. The caller closes the Runtime.
+func (a *app) openRuntime() (*gpuctx.Runtime, error) {
+	name, from := a.backend, "--backend"
+	if name == "" {
+		name, from = os.Getenv(gpuctx.BackendEnv), gpuctx.BackendEnv
+	}
+	if name == "" {
+		name = "auto"
+	}
+	rt, err := gpuctx.OpenBackend(name)
+	if err != nil {
+		fix := "set " + gpuctx.BackendEnv + " or --backend to auto, cuda or cpu"
+		if errors.Is(err, gpuctx.ErrUnavailable) {
+			fix = "to run without a GPU, use --backend cpu"
+		}
+		return nil, fail(fmt.Sprintf("opening backend %q (from %s)", name, from), fix, err)
+	}
+	return rt, nil
+}
+
+// version is the module version the binary was built from.
+func version() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "(devel)"
+}
