@@ -13,6 +13,7 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -192,4 +193,11 @@ func version() string {
 		return bi.Main.Version
 	}
 	return "(devel)"
+}
+
+// jsonOut writes v as indented JSON to a.out.
+func (a *app) jsonOut(v any) error {
+	enc := json.NewEncoder(a.out)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
 }

@@ -67,7 +67,10 @@ type fake struct {
 	geams     []string
 	grouped   []groupedCall
 	created   int
-	destroyed int
+	// misaligned counts scalar pointers not 16-byte aligned (cuBLAS needs
+	// that for cuDoubleComplex).
+	misaligned int
+	destroyed  int
 
 	// driver
 	hostBufs   map[uintptr][]byte // pinned host allocations
@@ -85,6 +88,14 @@ type fake struct {
 	ltWS                                                            []uint64
 	ltStreams                                                       []uintptr
 	ltNoAlgo                                                        bool
+}
+
+func (f *fake) checkAlign(ps ...unsafe.Pointer) {
+	for _, p := range ps {
+		if uintptr(p)%16 != 0 {
+			f.misaligned++
+		}
+	}
 }
 
 func read16(p unsafe.Pointer) []byte {
@@ -137,11 +148,13 @@ func newFake(grouped bool) *fake {
 	b.setPointerMod = func(h uintptr, m int32) int32 { f.ptrMode = m; return 0 }
 	b.getVersion = func(h uintptr, v *int32) int32 { *v = 130100; return 0 }
 	b.gemmEx = func(h uintptr, ta, tb, m, n, k int32, alpha unsafe.Pointer, a uintptr, at, lda int32, bp uintptr, bt, ldb int32, beta unsafe.Pointer, c uintptr, ct, ldc int32, compute, algo int32) int32 {
+		f.checkAlign(alpha, beta)
 		f.gemms = append(f.gemms, gemmCall{h: h, ta: ta, tb: tb, m: m, n: n, k: k, alpha: read16(alpha), beta: read16(beta),
 			a: a, b: bp, c: c, at: at, bt: bt, ct: ct, lda: lda, ldb: ldb, ldc: ldc, compute: compute, algo: algo})
 		return f.failWith
 	}
 	b.gemmStridedBatchedEx = func(h uintptr, ta, tb, m, n, k int32, alpha unsafe.Pointer, a uintptr, at, lda int32, sa int64, bp uintptr, bt, ldb int32, sb int64, beta unsafe.Pointer, c uintptr, ct, ldc int32, sc int64, batch, compute, algo int32) int32 {
+		f.checkAlign(alpha, beta)
 		f.gemms = append(f.gemms, gemmCall{h: h, ta: ta, tb: tb, m: m, n: n, k: k, alpha: read16(alpha), beta: read16(beta),
 			a: a, b: bp, c: c, at: at, bt: bt, ct: ct, lda: lda, ldb: ldb, ldc: ldc, compute: compute, algo: algo,
 			strideA: sa, strideB: sb, strideC: sc, batch: batch})
@@ -164,6 +177,7 @@ func newFake(grouped bool) *fake {
 	}
 	geam := func(name string) geamFn {
 		return func(h uintptr, ta, tb, m, n int32, alpha unsafe.Pointer, a uintptr, lda int32, beta unsafe.Pointer, bp uintptr, ldb int32, c uintptr, ldc int32) int32 {
+			f.checkAlign(alpha, beta)
 			f.geams = append(f.geams, name)
 			f.gemms = append(f.gemms, gemmCall{ta: ta, tb: tb, m: m, n: n, alpha: read16(alpha), beta: read16(beta), a: a, b: bp, c: c, lda: lda, ldb: ldb, ldc: ldc})
 			return f.failWith

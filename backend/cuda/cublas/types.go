@@ -143,14 +143,17 @@ func gemmTypesFor(ab, c hal.DType, tf32 bool) (gemmTypes, error) {
 	return t, nil
 }
 
-// scalar is host storage for one alpha or beta of any scale kind. It is 16
-// bytes, 8-byte aligned, big enough for a cuDoubleComplex.
-type scalar [2]uint64
+// scalar is host storage for one alpha or beta of any scale kind, big enough
+// for a cuDoubleComplex. Its value lives at ptr(), which is 16-byte aligned:
+// cuBLAS reads cuDoubleComplex scalars with aligned 16-byte loads (an 8-byte
+// aligned one faults). Go heap and stack moves keep 16-byte alignment, so
+// ptr() is stable for a value that is not copied.
+type scalar [4]uint64
 
 // set stores v as the C type of kind k.
 func (s *scalar) set(k scaleKind, v complex128) {
 	*s = scalar{}
-	p := unsafe.Pointer(s)
+	p := s.ptr()
 	switch k {
 	case scaleF32:
 		*(*float32)(p) = float32(real(v))
@@ -163,8 +166,14 @@ func (s *scalar) set(k scaleKind, v complex128) {
 	}
 }
 
-// ptr returns the address of the stored scalar.
-func (s *scalar) ptr() unsafe.Pointer { return unsafe.Pointer(s) }
+// ptr returns the 16-byte aligned address of the stored scalar.
+func (s *scalar) ptr() unsafe.Pointer {
+	p := unsafe.Pointer(s)
+	if uintptr(p)%16 != 0 {
+		p = unsafe.Add(p, 8)
+	}
+	return p
+}
 
 // i32 converts a dimension, leading dimension or count to a C int, naming the
 // field when it does not fit.

@@ -2,6 +2,7 @@ package cublas
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"reflect"
 	"strings"
@@ -163,25 +164,56 @@ func TestDriverError(t *testing.T) {
 }
 
 func TestScalarSet(t *testing.T) {
-	var s scalar
-	s.set(scaleF32, complex(1.5, 9))
-	if got := *(*float32)(s.ptr()); got != 1.5 {
-		t.Errorf("f32: %v", got)
+	for _, tc := range []struct {
+		k    scaleKind
+		v    complex128
+		want any
+	}{
+		{scaleF32, complex(1.5, 9), float32(1.5)},
+		{scaleF64, complex(-2.25, 9), float64(-2.25)},
+		{scaleC32, complex(1, -2), complex64(complex(1, -2))},
+		{scaleC64, complex(3, 4), complex(3, 4)},
+	} {
+		t.Run(fmt.Sprint(tc.k), func(t *testing.T) {
+			s := new(scalar)
+			for i := range s {
+				s[i] = ^uint64(0)
+			}
+			s.set(tc.k, tc.v)
+			p := s.ptr()
+			if uintptr(p)%16 != 0 {
+				t.Fatalf("scalar at %p is not 16-byte aligned", p)
+			}
+			var got any
+			var size uintptr
+			switch tc.want.(type) {
+			case float32:
+				got, size = *(*float32)(p), 4
+			case float64:
+				got, size = *(*float64)(p), 8
+			case complex64:
+				got, size = *(*complex64)(p), 8
+			case complex128:
+				got, size = *(*complex128)(p), 16
+			}
+			if got != tc.want {
+				t.Fatalf("stored %v; want %v", got, tc.want)
+			}
+			for _, b := range unsafe.Slice((*byte)(p), 16)[size:] {
+				if b != 0 {
+					t.Fatalf("bytes after the value not cleared: % x", unsafe.Slice((*byte)(p), 16))
+				}
+			}
+		})
 	}
-	if s[1] != 0 || s[0]>>32 != 0 {
-		t.Errorf("f32 left other bytes set: %x", s)
+	// A scalar inside a struct at an 8-byte offset is still aligned.
+	var holder struct {
+		pad uint64
+		s   scalar
 	}
-	s.set(scaleF64, complex(-2.25, 9))
-	if got := *(*float64)(s.ptr()); got != -2.25 || s[1] != 0 {
-		t.Errorf("f64: %v %x", got, s)
-	}
-	s.set(scaleC32, complex(1, -2))
-	if got := *(*complex64)(s.ptr()); got != complex(1, -2) || s[1] != 0 {
-		t.Errorf("c32: %v", got)
-	}
-	s.set(scaleC64, complex(3, 4))
-	if got := *(*complex128)(s.ptr()); got != complex(3, 4) {
-		t.Errorf("c64: %v", got)
+	holder.s.set(scaleC64, 1i)
+	if uintptr(holder.s.ptr())%16 != 0 || *(*complex128)(holder.s.ptr()) != 1i {
+		t.Fatal("misaligned scalar in a struct")
 	}
 }
 
@@ -431,6 +463,9 @@ func TestGemmMarshalling(t *testing.T) {
 			if len(f.gemms) != 1 || !reflect.DeepEqual(f.gemms[0], want) {
 				t.Fatalf("cublasGemmStridedBatchedEx got\n%+v\nwant\n%+v", f.gemms, want)
 			}
+			if f.misaligned != 0 {
+				t.Fatalf("%d scalar pointers not 16-byte aligned", f.misaligned)
+			}
 		})
 	}
 }
@@ -505,6 +540,9 @@ func TestGeam(t *testing.T) {
 			want := gemmCall{ta: 0, tb: 1, m: 4, n: 6, alpha: read16(a.ptr()), beta: read16(b.ptr()), a: 0x10, b: 0x20, c: 0x30, lda: 4, ldb: 6, ldc: 4}
 			if !reflect.DeepEqual(g, want) {
 				t.Fatalf("geam args\n%+v\nwant\n%+v", g, want)
+			}
+			if f.misaligned != 0 {
+				t.Fatalf("%d scalar pointers not 16-byte aligned", f.misaligned)
 			}
 		})
 	}

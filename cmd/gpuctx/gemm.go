@@ -1,0 +1,411 @@
+package main
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/half"
+)
+
+func init() { register(newGemmCmd) }
+
+type gemmOpts struct {
+	m, n, k       int
+	dtype         string
+	streams       int
+	iters, warmup int
+	repeats       int
+	policy        string
+	sets          int
+	check         bool
+}
+
+type gemmReport struct {
+	Backend   string    `json:"backend"`
+	Device    string    `json:"device"`
+	M         int       `json:"m"`
+	N         int       `json:"n"`
+	K         int       `json:"k"`
+	DType     string    `json:"dtype"`
+	Streams   int       `json:"streams"`
+	Iters     int       `json:"iters_per_stream"`
+	Policy    string    `json:"policy"`
+	TFLOPS    float64   `json:"tflops_all"`
+	PerStream []float64 `json:"tflops_per_stream"`
+	MedianUS  float64   `json:"median_us_per_gemm"`
+	MaxRelErr float64   `json:"max_rel_err_sampled"`
+	Checked   int       `json:"entries_checked"`
+}
+
+func newGemmCmd(a *app) *cobra.Command {
+	o := gemmOpts{}
+	cmd := &cobra.Command{
+		Use:   "gemm",
+		Short: "Time GEMMs through gpuctx Contexts on one or several streams (TFLOP/s)",
+		Long: `gemm runs C = A*B (row-major, M×K times K×N) through gpuctx BLAS Contexts:
+one Context view per stream, each stream with its own A, B and C (several sets
+rotated so that small problems do not sit in L2), random data, warm-up first,
+then the median of --repeats timed rounds of --iters GEMMs per stream, timed
+with device events. It prints TFLOP/s for all streams together and for each
+stream, and checks sampled entries of C against a float64 host reference.
+
+dtype: f32, tf32 (f32 with TF32 tensor-core math), bf16, f16 (f32 accumulate,
+output in the input type), f64.`,
+		Example: `  gpuctx gemm --m 8192 --n 8192 --k 8192 --dtype bf16
+  gpuctx gemm --m 4096 --n 4096 --k 4096 --dtype f32 --streams 4 --json`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return a.runGemm(o) },
+	}
+	f := cmd.Flags()
+	f.IntVar(&o.m, "m", 4096, "rows of A and C")
+	f.IntVar(&o.n, "n", 4096, "columns of B and C")
+	f.IntVar(&o.k, "k", 4096, "columns of A, rows of B")
+	f.StringVar(&o.dtype, "dtype", "f32", "element type: f32, tf32, bf16, f16, f64")
+	f.IntVar(&o.streams, "streams", 1, "streams (one goroutine and Context view each)")
+	f.IntVar(&o.iters, "iters", 20, "GEMMs per stream per timed round")
+	f.IntVar(&o.warmup, "warmup", 5, "untimed GEMMs per stream first")
+	f.IntVar(&o.repeats, "repeats", 5, "timed rounds; the median is reported")
+	f.StringVar(&o.policy, "policy", "pooled", "handle policy: pooled or shared")
+	f.IntVar(&o.sets, "sets", 0, "operand sets per stream rotated between GEMMs (0: enough to exceed 256 MiB)")
+	f.BoolVar(&o.check, "check", true, "check sampled entries of C against a float64 reference")
+	return cmd
+}
+
+func (o *gemmOpts) validate() error {
+	for _, v := range []struct {
+		name string
+		val  int
+	}{{"--m", o.m}, {"--n", o.n}, {"--k", o.k}, {"--streams", o.streams}, {"--iters", o.iters}, {"--repeats", o.repeats}} {
+		if v.val < 1 {
+			return fail(fmt.Sprintf("%s %d must be >= 1", v.name, v.val), "pass a positive number", nil)
+		}
+	}
+	if o.warmup < 0 || o.sets < 0 {
+		return fail("--warmup and --sets must be >= 0", "pass 0 or more", nil)
+	}
+	switch o.dtype {
+	case "f32", "tf32", "bf16", "f16", "f64":
+	default:
+		return fail(fmt.Sprintf("--dtype %q is not supported", o.dtype), "use f32, tf32, bf16, f16 or f64", nil)
+	}
+	if o.policy != "pooled" && o.policy != "shared" {
+		return fail(fmt.Sprintf("--policy %q is not a policy", o.policy), "use pooled or shared", nil)
+	}
+	return nil
+}
+
+func (o *gemmOpts) types() (gpuctx.DType, gpuctx.Flavour) {
+	switch o.dtype {
+	case "tf32":
+		return gpuctx.F32, gpuctx.TF32
+	case "bf16":
+		return gpuctx.BF16, gpuctx.TensorOp
+	case "f16":
+		return gpuctx.F16, gpuctx.TensorOp
+	case "f64":
+		return gpuctx.F64, gpuctx.Default
+	}
+	return gpuctx.F32, gpuctx.Default
+}
+
+// encode returns x in dtype t as little-endian bytes.
+func encode(x []float32, t gpuctx.DType) []byte {
+	out := make([]byte, len(x)*t.Size())
+	for i, v := range x {
+		switch t {
+		case gpuctx.F32:
+			binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(v))
+		case gpuctx.F64:
+			binary.LittleEndian.PutUint64(out[8*i:], math.Float64bits(float64(v)))
+		case gpuctx.BF16:
+			binary.LittleEndian.PutUint16(out[2*i:], half.BF16(v))
+		case gpuctx.F16:
+			binary.LittleEndian.PutUint16(out[2*i:], half.F16(v))
+		}
+	}
+	return out
+}
+
+// decode reads element i of b in dtype t.
+func decode(b []byte, i int, t gpuctx.DType) float64 {
+	switch t {
+	case gpuctx.F32:
+		return float64(math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:])))
+	case gpuctx.F64:
+		return math.Float64frombits(binary.LittleEndian.Uint64(b[8*i:]))
+	case gpuctx.BF16:
+		return float64(half.FromBF16(binary.LittleEndian.Uint16(b[2*i:])))
+	case gpuctx.F16:
+		return float64(half.FromF16(binary.LittleEndian.Uint16(b[2*i:])))
+	}
+	return math.NaN()
+}
+
+type gemmSet struct {
+	a, b, c   *gpuctx.Buffer
+	hostA, hB []byte
+}
+
+func (a *app) runGemm(o gemmOpts) error {
+	if err := o.validate(); err != nil {
+		return err
+	}
+	rt, err := a.openRuntime()
+	if err != nil {
+		return err
+	}
+	defer rt.Close()
+	dev, err := rt.Device(0)
+	if err != nil {
+		return fail("opening device 0", "check 'gpuctx info'", err)
+	}
+	t, flavour := o.types()
+	es := t.Size()
+	aBytes, bBytes, cBytes := o.m*o.k*es, o.k*o.n*es, o.m*o.n*es
+	sets := o.sets
+	if sets == 0 {
+		sets = max(1, min(8, (256<<20)/(aBytes+bBytes+cBytes)+1))
+	}
+	policy := gpuctx.PooledHandles
+	if o.policy == "shared" {
+		policy = gpuctx.SharedHandle
+	}
+	root, err := dev.NewContext(gpuctx.ContextOptions{Policy: policy, AllowTF32: true})
+	if err != nil {
+		return fail("creating a Context", "", err)
+	}
+	defer root.Close()
+
+	r := rand.New(rand.NewPCG(42, uint64(o.m*31+o.n*7+o.k)))
+	streams := make([]*gpuctx.Stream, o.streams)
+	views := make([]*gpuctx.Context, o.streams)
+	data := make([][]gemmSet, o.streams)
+	alloc := func(n int, host []byte) (*gpuctx.Buffer, error) {
+		b, err := dev.Alloc(n)
+		if err != nil {
+			return nil, fail(fmt.Sprintf("allocating %d MiB for operands", n>>20), "use smaller --m/--n/--k, fewer --streams or --sets", err)
+		}
+		if host != nil {
+			err = b.CopyFromHost(host)
+		}
+		return b, err
+	}
+	for s := range o.streams {
+		if streams[s], err = dev.NewStream(gpuctx.StreamOptions{}); err != nil {
+			return fail("creating a stream", "", err)
+		}
+		defer streams[s].Close()
+		if views[s], err = root.WithStream(streams[s]); err != nil {
+			return err
+		}
+		for range sets {
+			ha := encode(randVec(r, o.m*o.k), t)
+			hb := encode(randVec(r, o.k*o.n), t)
+			var g gemmSet
+			if g.a, err = alloc(aBytes, ha); err != nil {
+				return err
+			}
+			if g.b, err = alloc(bBytes, hb); err != nil {
+				return err
+			}
+			if g.c, err = alloc(cBytes, nil); err != nil {
+				return err
+			}
+			g.hostA, g.hB = ha, hb
+			data[s] = append(data[s], g)
+		}
+	}
+	issue := func(s, count int) error {
+		for i := range count {
+			g := data[s][i%len(data[s])]
+			err := views[s].BlasFlavour(flavour, func(h gpuctx.Blas) error {
+				return h.Gemm(gpuctx.Gemm{M: o.m, N: o.n, K: o.k, Alpha: 1, A: g.a, B: g.b, C: g.c, AB: t, CType: t})
+			})
+			if err != nil {
+				return fail("GEMM failed", "", err)
+			}
+		}
+		return nil
+	}
+	// Warm-up on every stream (handle creation, library heuristics, clocks).
+	for s := range o.streams {
+		if err := issue(s, o.warmup); err != nil {
+			return err
+		}
+	}
+	if err := dev.Synchronize(); err != nil {
+		return fail("warm-up", "", err)
+	}
+	flop := 2 * float64(o.m) * float64(o.n) * float64(o.k) * float64(o.iters)
+	var totals []float64
+	per := make([][]float64, o.streams)
+	for range o.repeats {
+		all, each, err := timeRound(dev, streams, func(s int) error { return issue(s, o.iters) })
+		if err != nil {
+			return err
+		}
+		totals = append(totals, all)
+		for s := range each {
+			per[s] = append(per[s], each[s])
+		}
+	}
+	rep := gemmReport{Backend: dev.Backend(), Device: dev.Info().Name, M: o.m, N: o.n, K: o.k, DType: o.dtype,
+		Streams: o.streams, Iters: o.iters, Policy: o.policy}
+	medAll := median(totals)
+	rep.TFLOPS = flop * float64(o.streams) / medAll / 1e12
+	rep.MedianUS = medAll / float64(o.iters) * 1e6
+	for s := range per {
+		rep.PerStream = append(rep.PerStream, flop/median(per[s])/1e12)
+	}
+	if o.check {
+		if rep.MaxRelErr, rep.Checked, err = checkGemm(r, o, t, data); err != nil {
+			return err
+		}
+		tol := map[string]float64{"f32": 1e-4, "tf32": 5e-3, "bf16": 2e-2, "f16": 1e-2, "f64": 1e-10}[o.dtype]
+		if !(rep.MaxRelErr <= tol) {
+			return fail(fmt.Sprintf("GEMM result wrong: sampled relative error %.3g > %.1g", rep.MaxRelErr, tol), "report this with 'gpuctx info' output", nil)
+		}
+	}
+	if a.json {
+		return a.jsonOut(rep)
+	}
+	w := a.out
+	fmt.Fprintf(w, "%s on %s (%s): C[%d×%d] = A[%d×%d]·B[%d×%d], %s, %d stream(s), %s handles\n",
+		"gemm", rep.Device, rep.Backend, o.m, o.n, o.m, o.k, o.k, o.n, o.dtype, o.streams, o.policy)
+	fmt.Fprintf(w, "all streams: %.2f TFLOP/s (median of %d rounds of %d GEMMs per stream; %.1f us per GEMM on each stream)\n",
+		rep.TFLOPS, o.repeats, o.iters, rep.MedianUS)
+	for s, v := range rep.PerStream {
+		fmt.Fprintf(w, "  stream %d: %.2f TFLOP/s\n", s, v)
+	}
+	if o.check {
+		fmt.Fprintf(w, "check: %d sampled entries, max relative error %.2g\n", rep.Checked, rep.MaxRelErr)
+	}
+	return nil
+}
+
+// timeRound forks all streams from one start event, runs work(s) on each from
+// its own goroutine, and returns the device time from the start to the last
+// stream's end, and each stream's own time, in seconds.
+func timeRound(dev *gpuctx.Device, streams []*gpuctx.Stream, work func(s int) error) (float64, []float64, error) {
+	mk := func() (*gpuctx.Event, error) { return dev.NewEvent(true) }
+	start, err := mk()
+	if err != nil {
+		return 0, nil, err
+	}
+	defer start.Close()
+	if err := start.Record(streams[0]); err != nil {
+		return 0, nil, err
+	}
+	begins, ends := make([]*gpuctx.Event, len(streams)), make([]*gpuctx.Event, len(streams))
+	for s, st := range streams {
+		if begins[s], err = mk(); err != nil {
+			return 0, nil, err
+		}
+		defer begins[s].Close()
+		if ends[s], err = mk(); err != nil {
+			return 0, nil, err
+		}
+		defer ends[s].Close()
+		if err := st.Wait(start); err != nil {
+			return 0, nil, err
+		}
+		if err := begins[s].Record(st); err != nil {
+			return 0, nil, err
+		}
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, len(streams))
+	for s := range streams {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if errs[s] = work(s); errs[s] == nil {
+				errs[s] = ends[s].Record(streams[s])
+			}
+		}()
+	}
+	wg.Wait()
+	for _, e := range errs {
+		if e != nil {
+			return 0, nil, e
+		}
+	}
+	var all float64
+	each := make([]float64, len(streams))
+	for s := range streams {
+		if err := ends[s].Synchronize(); err != nil {
+			return 0, nil, err
+		}
+		d, err := ends[s].Elapsed(start)
+		if err != nil {
+			return 0, nil, err
+		}
+		all = max(all, d.Seconds())
+		own, err := ends[s].Elapsed(begins[s])
+		if err != nil {
+			return 0, nil, err
+		}
+		each[s] = max(own.Seconds(), float64(time.Nanosecond)/1e9)
+	}
+	return all, each, nil
+}
+
+func randVec(r *rand.Rand, n int) []float32 {
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(r.NormFloat64())
+	}
+	return x
+}
+
+func median(x []float64) float64 {
+	y := slices.Clone(x)
+	slices.Sort(y)
+	if len(y) == 0 {
+		return math.NaN()
+	}
+	return y[len(y)/2]
+}
+
+// checkGemm compares 64 sampled entries of every stream's last-written C sets
+// with float64 dot products of the host operands (as stored on the device).
+func checkGemm(r *rand.Rand, o gemmOpts, t gpuctx.DType, data [][]gemmSet) (float64, int, error) {
+	var worst float64
+	checked := 0
+	for s := range data {
+		// Sets 0..written-1 were the operands of at least one GEMM.
+		written := min(len(data[s]), max(o.warmup, o.iters))
+		for _, g := range data[s][:written] {
+			hc := make([]byte, g.c.Size())
+			if err := g.c.CopyToHost(hc); err != nil {
+				return 0, 0, fail("reading C back", "", err)
+			}
+			for range 8 {
+				i, j := r.IntN(o.m), r.IntN(o.n)
+				var want, scale float64
+				for p := range o.k {
+					x := decode(g.hostA, i*o.k+p, t) * decode(g.hB, p*o.n+j, t)
+					want += x
+					scale += math.Abs(x)
+				}
+				got := decode(hc, i*o.n+j, t)
+				// Error relative to the sum of |terms| (the dot product's condition).
+				e := math.Abs(got-want) / max(scale, 1e-30)
+				if math.IsNaN(got) {
+					e = math.Inf(1)
+				}
+				worst = max(worst, e)
+				checked++
+			}
+		}
+	}
+	return worst, checked, nil
+}

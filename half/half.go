@@ -1,0 +1,46 @@
+// Package half converts between float32 and the 16-bit floating-point formats
+// gpuctx stores on devices: bfloat16 (bf16) and IEEE 754 binary16 (f16).
+// Conversions to 16 bits round to nearest, ties to even; NaN stays NaN.
+package half
+
+import (
+	"math"
+
+	"github.com/x448/float16"
+)
+
+// BF16 returns the bfloat16 bits nearest to f (ties to even).
+func BF16(f float32) uint16 {
+	b := math.Float32bits(f)
+	if b&0x7fffffff > 0x7f800000 { // NaN: keep it a quiet NaN
+		return uint16(b>>16) | 0x40
+	}
+	return uint16((b + 0x7fff + (b>>16)&1) >> 16)
+}
+
+// FromBF16 returns the float32 value of bfloat16 bits h (exact).
+func FromBF16(h uint16) float32 { return math.Float32frombits(uint32(h) << 16) }
+
+// F16 returns the IEEE binary16 bits nearest to f (ties to even).
+func F16(f float32) uint16 { return uint16(float16.Fromfloat32(f)) }
+
+// FromF16 returns the float32 value of binary16 bits h (exact).
+func FromF16(h uint16) float32 { return float16.Frombits(h).Float32() }
+
+// BF16s converts a slice (see BF16).
+func BF16s(src []float32) []uint16 {
+	out := make([]uint16, len(src))
+	for i, v := range src {
+		out[i] = BF16(v)
+	}
+	return out
+}
+
+// F16s converts a slice (see F16).
+func F16s(src []float32) []uint16 {
+	out := make([]uint16, len(src))
+	for i, v := range src {
+		out[i] = F16(v)
+	}
+	return out
+}
