@@ -662,3 +662,59 @@ func TestGPUTF32(t *testing.T) {
 		t.Errorf("TF32 on: error %.3g; want TF32-sized (1e-5, 1e-2]", on)
 	}
 }
+
+// TestGPUConcurrentHandles runs one handle per goroutine, each switching
+// between two streams of its own and mixing Gemm and native GemmGrouped, and
+// checks every result.
+func TestGPUConcurrentHandles(t *testing.T) {
+	g := newGPU(t)
+	const workers, iters = 4, 12
+	type job struct {
+		h       hal.BlasHandle
+		streams [2]hal.Stream
+		cases   []*gemmCase
+	}
+	rng := rand.New(rand.NewPCG(15, 16))
+	jobs := make([]job, workers)
+	for w := range jobs {
+		jobs[w].h = g.handle(hal.MathDefault)
+		jobs[w].streams = [2]hal.Stream{g.newStream(), g.newStream()}
+		for i := 0; i < iters; i++ {
+			jobs[w].cases = append(jobs[w].cases, newGemmCase(g, rng, hal.BF16, hal.BF16, hal.Trans, hal.NoTrans, 64+16*(i%3), 32, 128))
+		}
+	}
+	errs := make(chan error, workers)
+	for w := range jobs {
+		go func(j job) {
+			for i, gc := range j.cases {
+				if err := j.h.SetStream(j.streams[i%2]); err != nil {
+					errs <- err
+					return
+				}
+				var err error
+				if i%3 == 0 {
+					err = j.h.Gemm(gc.d)
+				} else {
+					err = j.h.GemmGrouped([]hal.GemmDesc{gc.d})
+				}
+				if err != nil {
+					errs <- fmt.Errorf("iteration %d: %w", i, err)
+					return
+				}
+			}
+			errs <- nil
+		}(jobs[w])
+	}
+	for range jobs {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	for w, j := range jobs {
+		for i, gc := range j.cases {
+			if e := gc.err(g); e > 2e-2 {
+				t.Errorf("worker %d iteration %d: relative error %.3g", w, i, e)
+			}
+		}
+	}
+}
