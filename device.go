@@ -191,10 +191,13 @@ func (b *Buffer) valid(op string) error {
 	if b == nil {
 		return fmt.Errorf("%w: gpuctx: %s: nil buffer", ErrInvalid, op)
 	}
+	if err := b.dev.check(op); err != nil { // a closed device freed everything: say so
+		return err
+	}
 	if b.a.freed.Load() {
 		return fmt.Errorf("gpuctx: %s: %w", op, ErrFreed)
 	}
-	return b.dev.check(op)
+	return nil
 }
 
 // onDevice checks b is live and belongs to d.
