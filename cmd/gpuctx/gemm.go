@@ -26,6 +26,7 @@ type gemmOpts struct {
 	policy        string
 	sets          int
 	check         bool
+	lt            bool
 }
 
 type gemmReport struct {
@@ -38,6 +39,7 @@ type gemmReport struct {
 	Streams   int       `json:"streams"`
 	Iters     int       `json:"iters_per_stream"`
 	Policy    string    `json:"policy"`
+	Path      string    `json:"path"`
 	TFLOPS    float64   `json:"tflops_all"`
 	PerStream []float64 `json:"tflops_per_stream"`
 	MedianUS  float64   `json:"median_us_per_gemm"`
@@ -75,6 +77,7 @@ output in the input type), f64.`,
 	f.IntVar(&o.repeats, "repeats", 5, "timed rounds; the median is reported")
 	f.StringVar(&o.policy, "policy", "pooled", "handle policy: pooled or shared")
 	f.IntVar(&o.sets, "sets", 0, "operand sets per stream rotated between GEMMs (0: enough to exceed 256 MiB)")
+	f.BoolVar(&o.lt, "lt", false, "use the cuBLASLt path (Context.BlasLt) instead of cuBLAS (f32, bf16, f16)")
 	f.BoolVar(&o.check, "check", true, "check sampled entries of C against a float64 reference")
 	return cmd
 }
@@ -95,6 +98,9 @@ func (o *gemmOpts) validate() error {
 	case "f32", "tf32", "bf16", "f16", "f64":
 	default:
 		return fail(fmt.Sprintf("--dtype %q is not supported", o.dtype), "use f32, tf32, bf16, f16 or f64", nil)
+	}
+	if o.lt && (o.dtype == "f64" || o.dtype == "tf32") {
+		return fail(fmt.Sprintf("--lt does not support --dtype %s", o.dtype), "use f32, bf16 or f16 with --lt", nil)
 	}
 	if o.policy != "pooled" && o.policy != "shared" {
 		return fail(fmt.Sprintf("--policy %q is not a policy", o.policy), "use pooled or shared", nil)
@@ -226,9 +232,13 @@ func (a *app) runGemm(o gemmOpts) error {
 	issue := func(s, count int) error {
 		for i := range count {
 			g := data[s][i%len(data[s])]
-			err := views[s].BlasFlavour(flavour, func(h gpuctx.Blas) error {
-				return h.Gemm(gpuctx.Gemm{M: o.m, N: o.n, K: o.k, Alpha: 1, A: g.a, B: g.b, C: g.c, AB: t, CType: t})
-			})
+			gm := gpuctx.Gemm{M: o.m, N: o.n, K: o.k, Alpha: 1, A: g.a, B: g.b, C: g.c, AB: t, CType: t}
+			var err error
+			if o.lt {
+				err = views[s].BlasLt(func(lt gpuctx.BlasLt) error { return lt.Matmul(gm) })
+			} else {
+				err = views[s].BlasFlavour(flavour, func(h gpuctx.Blas) error { return h.Gemm(gm) })
+			}
 			if err != nil {
 				return fail("GEMM failed", "", err)
 			}
@@ -258,7 +268,7 @@ func (a *app) runGemm(o gemmOpts) error {
 		}
 	}
 	rep := gemmReport{Backend: dev.Backend(), Device: dev.Info().Name, M: o.m, N: o.n, K: o.k, DType: o.dtype,
-		Streams: o.streams, Iters: o.iters, Policy: o.policy}
+		Streams: o.streams, Iters: o.iters, Policy: o.policy, Path: map[bool]string{false: "blas", true: "blasLt"}[o.lt]}
 	medAll := median(totals)
 	rep.TFLOPS = flop * float64(o.streams) / medAll / 1e12
 	rep.MedianUS = medAll / float64(o.iters) * 1e6
@@ -278,8 +288,8 @@ func (a *app) runGemm(o gemmOpts) error {
 		return a.jsonOut(rep)
 	}
 	w := a.out
-	fmt.Fprintf(w, "%s on %s (%s): C[%d×%d] = A[%d×%d]·B[%d×%d], %s, %d stream(s), %s handles\n",
-		"gemm", rep.Device, rep.Backend, o.m, o.n, o.m, o.k, o.k, o.n, o.dtype, o.streams, o.policy)
+	fmt.Fprintf(w, "gemm (%s) on %s (%s): C[%d×%d] = A[%d×%d]·B[%d×%d], %s, %d stream(s), %s handles\n",
+		rep.Path, rep.Device, rep.Backend, o.m, o.n, o.m, o.k, o.k, o.n, o.dtype, o.streams, o.policy)
 	fmt.Fprintf(w, "all streams: %.2f TFLOP/s (median of %d rounds of %d GEMMs per stream; %.1f us per GEMM on each stream)\n",
 		rep.TFLOPS, o.repeats, o.iters, rep.MedianUS)
 	for s, v := range rep.PerStream {
