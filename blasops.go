@@ -3,6 +3,7 @@ package gpuctx
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/gpuctx/gpuctx/blas"
 	"github.com/gpuctx/gpuctx/internal/hal"
@@ -58,7 +59,7 @@ type Blas struct {
 // lent handle and guards gen and the fields after it.
 type lease struct {
 	opMu sync.Mutex
-	gen  uint64 // incremented when a callback returns: older handles are expired
+	gen  atomic.Uint64 // incremented when a callback returns: older handles are expired
 	c    *Context
 	s    *Stream
 }
@@ -70,7 +71,7 @@ func (h Blas) Stream() *Stream {
 	}
 	h.sl.lease.opMu.Lock()
 	defer h.sl.lease.opMu.Unlock()
-	if h.sl.lease.gen != h.gen {
+	if h.sl.lease.gen.Load() != h.gen {
 		return nil
 	}
 	return h.sl.lease.s
@@ -92,7 +93,7 @@ func enter(sl *slot, gen uint64, op string) (*lease, func(), error) {
 	}
 	l := &sl.lease
 	l.opMu.Lock()
-	if l.gen != gen {
+	if l.gen.Load() != gen {
 		l.opMu.Unlock()
 		return nil, nil, fmt.Errorf("gpuctx: %s: %w", op, ErrHandleExpired)
 	}

@@ -274,19 +274,19 @@ type slot struct {
 // lend records who holds sl (whose mu the caller holds) and returns the lease
 // generation for the handle value given to the callback.
 func (sl *slot) lend(c *Context, s *Stream) uint64 {
+	// No opMu here: the previous holder's expire (under opMu) happens before our
+	// sl.mu acquisition, and handles of older leases fail their gen check before
+	// they read c or s.
 	l := &sl.lease
-	l.opMu.Lock()
 	l.c, l.s = c, s
-	gen := l.gen
-	l.opMu.Unlock()
-	return gen
+	return l.gen.Load()
 }
 
 // expire ends the current lease: every handle value lent so far is expired.
 func (sl *slot) expire() {
 	l := &sl.lease
 	l.opMu.Lock()
-	l.gen++
+	l.gen.Add(1)
 	l.c, l.s = nil, nil
 	l.opMu.Unlock()
 }

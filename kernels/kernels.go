@@ -14,6 +14,34 @@
 //	gpuctx_axpby_f32  (y hal.Ptr, x hal.Ptr, a, b float32, n int64)      y[i] = a*x[i] + b*y[i]
 //	gpuctx_add_i32    (y hal.Ptr, v int32, n int64)                      y[i] += v
 //
+// The Mixture-of-Experts kernels of moe.cu (driven by package moe) take int32
+// dimensions and flags (0/1) instead, and some need a fixed launch shape.
+// "act" pointers hold f32, or bf16 bits when bf16 = 1 (elem_bytes 4 or 2);
+// all math is f32 with a fixed summation order, bf16 stores round to nearest
+// even. E <= 512 experts, K <= 16 per token.
+//
+//	gpuctx_moe_route    (logits, bias, topk_idx, topk_w hal.Ptr, T, E, K, scoring, method,
+//	                     groups, topk_groups, has_bias, norm int32, norm_eps, scale float32)
+//	    per token: scores = softmax (scoring 0) or sigmoid (1) of logits [T,E] f32;
+//	    choice = scores + bias[E] f32 if has_bias; method 1 (group_limited_greedy):
+//	    group score = max choice, method 2 (noaux_tc): sum of the top 2; keep
+//	    topk_groups groups, other choices = 0; top-K of choice (ties: lower index)
+//	    -> topk_idx [T,K] i32; weight = score (method 2) or choice, / (sum+norm_eps)
+//	    if norm, * scale -> topk_w [T,K] f32. Block (32,1,1), any grid.
+//	gpuctx_moe_plan     (topk_idx, counts, offsets, pos hal.Ptr, TK, E int32)
+//	    stable counting sort of TK assignments by expert: counts [E], offsets
+//	    [E+1] (exclusive prefix), pos [TK] = row of assignment t*K+k (-1 if its
+//	    expert is out of range). Grid (1,1,1), block (256,1,1).
+//	gpuctx_moe_gather   (x, pos, xp hal.Ptr, TK, K, H, elem_bytes int32)
+//	    xp[pos[a], :] = x[a/K, :] for rows of H elements. Any grid and block.
+//	gpuctx_moe_swiglu   (h, act hal.Ptr, rows, I, bf16 int32)
+//	    act[r,i] = silu(h[r,i]) * h[r,I+i], h [rows,2I] -> act [rows,I]. Any shape.
+//	gpuctx_moe_combine  (out, pos, w, shared, gate, y hal.Ptr, T, K, H, has_routed,
+//	                     has_shared, has_gate, bf16 int32)
+//	    y[t,:] = sum_k w[t,k]*out[pos[t,k],:] (k ascending, pos -1 skipped) +
+//	    sigmoid(gate[t]) (or 1 without has_gate) * shared[t,:]; gate f32 [T].
+//	    Pointers of absent parts are not read. Any grid and block.
+//
 // Everything here is read-only data and safe to use from any goroutine.
 package kernels
 

@@ -80,12 +80,18 @@ func TestMemoryErrors(t *testing.T) {
 		}},
 		{"copy DtoD unknown source", func(p, q hal.Ptr) error { return d.CopyDtoD(p, 0x10, 8) }},
 		{"async copy past end", func(p, q hal.Ptr) error {
-			s := newTestStream(t, d)
+			s, err := d.NewStream(hal.StreamOptions{})
+			if err != nil {
+				return err
+			}
 			defer s.Destroy()
 			return s.CopyDtoHAsync(hp, p, 2000)
 		}},
 		{"memset past end", func(p, q hal.Ptr) error {
-			s := newTestStream(t, d)
+			s, err := d.NewStream(hal.StreamOptions{})
+			if err != nil {
+				return err
+			}
 			defer s.Destroy()
 			return s.MemsetAsync(p+1, 0, 1000)
 		}},

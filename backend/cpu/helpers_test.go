@@ -2,6 +2,7 @@ package cpu
 
 import (
 	"math"
+	"sync"
 	"testing"
 	"time"
 	"unsafe"
@@ -144,6 +145,18 @@ func (r *lcg) vals(n int) []float64 {
 		v[i] = r.next()
 	}
 	return v
+}
+
+// newGate returns a channel that test work blocks on; it is closed by the
+// test or, at the latest, when the test ends (before the device is closed, so a
+// failing test does not hang draining a blocked stream). Call it after
+// newTestDevice.
+func newGate(t testing.TB) (gate chan struct{}, open func()) {
+	gate = make(chan struct{})
+	var once sync.Once
+	open = func() { once.Do(func() { close(gate) }) }
+	t.Cleanup(open)
+	return gate, open
 }
 
 // within runs fn and fails the test if it does not return within 10 s: a guard

@@ -200,7 +200,6 @@ func (s *stream) Wait(e hal.Event) error {
 		return nil
 	}
 	return s.enqueueFn("Wait", func() error {
-		m, _ := ev.current("Wait")
 		<-m.done
 		return nil
 	})

@@ -61,11 +61,11 @@ func TestStreamsRunConcurrently(t *testing.T) {
 	if a.ID() == b.ID() {
 		t.Fatalf("two streams share ID %d", a.ID())
 	}
-	ch := make(chan struct{})
+	ch, open := newGate(t)
 	if err := a.enqueueFn("test", func() error { <-ch; return nil }); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.enqueueFn("test", func() error { close(ch); return nil }); err != nil {
+	if err := b.enqueueFn("test", func() error { open(); return nil }); err != nil {
 		t.Fatal(err)
 	}
 	within(t, "stream A waiting for work on stream B (streams are not concurrent)", func() {
@@ -84,7 +84,7 @@ func TestEventWait(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	gate := make(chan struct{})
+	gate, open := newGate(t)
 	var fromA int // written on A, read on B: the race detector checks the ordering
 	must := func(err error) {
 		t.Helper()
@@ -106,7 +106,7 @@ func TestEventWait(t *testing.T) {
 	if done, err := b.Query(); done || err != nil {
 		t.Fatalf("B.Query = %v, %v while A is blocked; want false, nil", done, err)
 	}
-	close(gate)
+	open()
 	within(t, "stream B after A passed its event", func() { must(b.Synchronize()) })
 	if v := <-seen; v != 42 {
 		t.Errorf("B saw %d, want 42 written by A before the event", v)
@@ -157,7 +157,7 @@ func TestStickyError(t *testing.T) {
 	}
 	// Freed between Launch and execution also fails asynchronously.
 	s2 := newTestStream(t, d)
-	gate := make(chan struct{})
+	gate, open := newGate(t)
 	if err := s2.enqueueFn("test", func() error { <-gate; return nil }); err != nil {
 		t.Fatal(err)
 	}
@@ -167,7 +167,7 @@ func TestStickyError(t *testing.T) {
 	if err := d.Free(y); err != nil {
 		t.Fatal(err)
 	}
-	close(gate)
+	open()
 	if err := s2.Synchronize(); !errors.Is(err, hal.ErrBadPointer) {
 		t.Errorf("use after Free: got %v, want hal.ErrBadPointer", err)
 	}
@@ -249,8 +249,7 @@ func TestElapsed(t *testing.T) {
 	}
 
 	// Errors.
-	gate := make(chan struct{})
-	defer close(gate)
+	gate, _ := newGate(t)
 	pendingStart, pending := newEv(true), newEv(true)
 	_ = pendingStart.Record(s)
 	_ = s.enqueueFn("test", func() error { <-gate; return nil })

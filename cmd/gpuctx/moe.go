@@ -1,0 +1,290 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe"
+	"github.com/gpuctx/gpuctx/moe/safetensors"
+)
+
+func init() { register(newMoeCmd) }
+
+func newMoeCmd(a *app) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "moe",
+		Short: "Run or benchmark one Mixture-of-Experts layer (shared expert on a side stream)",
+		Long: `moe runs one MoE layer (router, routed experts and shared expert) of a
+Hugging Face checkpoint on the device (moe run), or times it on random or real
+weights against the floor set by the device's measured copy bandwidth and GEMM
+rate (moe bench). In dual mode the shared expert runs on a side stream while
+the router and the routed experts run on the layer's main stream.
+
+Supported model_type values: deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe,
+mixtral.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return fail("moe needs a subcommand", "use 'gpuctx moe run' or 'gpuctx moe bench' (see 'gpuctx moe --help')", nil)
+		},
+	}
+	cmd.AddCommand(newMoeRunCmd(a), newMoeBenchCmd(a))
+	return cmd
+}
+
+// parseLayerDType maps --dtype to the layer's compute type.
+func parseLayerDType(s string) (gpuctx.DType, error) {
+	switch strings.ToLower(strings.TrimSpace(s)) {
+	case "f32":
+		return gpuctx.F32, nil
+	case "bf16":
+		return gpuctx.BF16, nil
+	}
+	return 0, fail(fmt.Sprintf("--dtype %q is not supported by the MoE layer", s), "use f32 or bf16", nil)
+}
+
+// parseModeFlag maps --mode to a moe.Mode.
+func parseModeFlag(s string) (moe.Mode, error) {
+	m, err := moe.ParseMode(strings.ToLower(strings.TrimSpace(s)))
+	if err != nil {
+		return 0, fail(fmt.Sprintf("--mode %q is not a mode", s), "use single, dual or auto", nil)
+	}
+	return m, nil
+}
+
+// resolveModel reads dir/config.json and checks or picks the MoE layer. With
+// layer < 0 it picks the first MoE layer whose tensors the checkpoint holds
+// (small test checkpoints often hold only one layer), else the first MoE layer.
+func resolveModel(dir string, layer int) (*moe.Config, int, error) {
+	if dir == "" {
+		return nil, 0, fail("--model is required", "pass --model DIR, a directory holding config.json and model.safetensors (or its index and shards)", nil)
+	}
+	st, err := os.Stat(dir)
+	if err != nil {
+		return nil, 0, fail(fmt.Sprintf("model directory %q", dir), "pass --model DIR, a directory holding config.json and model.safetensors", err)
+	}
+	if !st.IsDir() {
+		return nil, 0, fail(fmt.Sprintf("--model %q is a file, not a directory", dir), "pass the directory that holds config.json and model.safetensors", nil)
+	}
+	cfg, err := moe.LoadConfig(dir)
+	if err != nil {
+		return nil, 0, fail("reading the model config", "the directory must hold the Hugging Face config.json of a supported MoE model", err)
+	}
+	first, ferr := cfg.FirstMoELayer()
+	if layer >= 0 {
+		if err := cfg.CheckMoELayer(layer); err != nil {
+			fix := "pick an MoE layer with --layer"
+			if ferr == nil {
+				fix = fmt.Sprintf("pick an MoE layer with --layer (the first is %d)", first)
+			}
+			return nil, 0, fail(fmt.Sprintf("--layer %d", layer), fix, err)
+		}
+		return cfg, layer, nil
+	}
+	if ferr != nil {
+		return nil, 0, fail("choosing a layer", "this config.json describes no MoE layer", ferr)
+	}
+	for l := first; l < max(cfg.NumHiddenLayers, first+1); l++ {
+		if cfg.CheckMoELayer(l) != nil {
+			continue
+		}
+		if names, err := moe.TensorNames(dir, l); err == nil && len(names) > 0 {
+			return cfg, l, nil
+		}
+	}
+	return cfg, first, nil
+}
+
+// loadLayerWeights loads layer's weights, turning the error into advice.
+func loadLayerWeights(dir string, cfg *moe.Config, layer int) (*moe.Weights, error) {
+	w, err := moe.LoadWeights(dir, cfg, layer)
+	if err != nil {
+		return nil, fail(fmt.Sprintf("loading the weights of layer %d from %s", layer, dir), "check that the checkpoint matches config.json and holds that layer (--layer)", err)
+	}
+	return w, nil
+}
+
+// readInput reads the input activations from a safetensors file: the tensor
+// named x, or the only tensor; F32, BF16 or F16; shape [T, H].
+func readInput(path string, H int) (x []float32, T int, name string, err error) {
+	f, err := safetensors.Open(path)
+	if err != nil {
+		return nil, 0, "", fail(fmt.Sprintf("reading --input %s", path), "pass a safetensors file holding x, shaped [tokens, hidden_size]", err)
+	}
+	defer f.Close()
+	names := f.Header.Names()
+	switch {
+	case len(names) == 1:
+		name = names[0]
+	default:
+		if _, ok := f.Info("x"); !ok {
+			return nil, 0, "", fail(fmt.Sprintf("--input %s has tensors %v but none named x", path, names), "name the input tensor x, or store only one tensor", nil)
+		}
+		name = "x"
+	}
+	info, _ := f.Info(name)
+	switch info.DType {
+	case safetensors.F32, safetensors.BF16, safetensors.F16:
+	default:
+		return nil, 0, "", fail(fmt.Sprintf("--input tensor %s has dtype %s", name, info.DType), "store it as F32, BF16 or F16", nil)
+	}
+	if len(info.Shape) != 2 || info.Shape[0] < 1 || info.Shape[1] != H {
+		return nil, 0, "", fail(fmt.Sprintf("--input tensor %s has shape %v, but the model's hidden_size is %d", name, info.Shape, H),
+			fmt.Sprintf("pass activations shaped [tokens, %d]", H), nil)
+	}
+	x, _, err = f.Float32(name)
+	if err != nil {
+		return nil, 0, "", fail(fmt.Sprintf("reading --input tensor %s", name), "", err)
+	}
+	return x, info.Shape[0], name, nil
+}
+
+// samePath reports whether a and b name the same file (by path, or by identity
+// when both exist).
+func samePath(a, b string) bool {
+	aa, err1 := filepath.Abs(a)
+	bb, err2 := filepath.Abs(b)
+	if err1 == nil && err2 == nil && aa == bb {
+		return true
+	}
+	sa, err1 := os.Stat(a)
+	sb, err2 := os.Stat(b)
+	return err1 == nil && err2 == nil && os.SameFile(sa, sb)
+}
+
+type moeRunOpts struct {
+	model, input, output string
+	layer                int
+	dtype, mode          string
+}
+
+// moeRunReport is what moe run prints with --json.
+type moeRunReport struct {
+	Backend   string  `json:"backend"`
+	Device    string  `json:"device"`
+	Model     string  `json:"model"`
+	Family    string  `json:"model_type"`
+	Layer     int     `json:"layer"`
+	Input     string  `json:"input"`
+	Tensor    string  `json:"input_tensor"`
+	Output    string  `json:"output"`
+	Tokens    int     `json:"tokens"`
+	Hidden    int     `json:"hidden_size"`
+	DType     string  `json:"dtype"`
+	Mode      string  `json:"mode"`
+	LoadMS    float64 `json:"load_ms"`
+	ForwardMS float64 `json:"forward_ms"`
+}
+
+func newMoeRunCmd(a *app) *cobra.Command {
+	o := moeRunOpts{}
+	cmd := &cobra.Command{
+		Use:   "run",
+		Short: "Run one MoE layer of a checkpoint on input activations; write the output",
+		Long: `run loads MoE layer --layer (default: the first MoE layer) of the checkpoint in
+--model (config.json plus model.safetensors, or model.safetensors.index.json and
+its shards), uploads it to device 0 in --dtype, runs the layer on the tensor x
+of --input (or its only tensor; [tokens, hidden_size], F32, BF16 or F16) and
+writes the output as the tensor y (F32, [tokens, hidden_size]) to --output.
+
+The output is written atomically (a temporary file renamed into place), so it is
+never half-written, and --output may not name the --input file. The time
+printed is the wall time of one synchronous forward (host in, host out),
+including any first-call setup.`,
+		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
+  gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return a.runMoe(o) },
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.model, "model", "", "checkpoint directory: config.json and model.safetensors (required)")
+	f.IntVar(&o.layer, "layer", -1, "decoder layer to run (default: the first MoE layer)")
+	f.StringVar(&o.input, "input", "", "safetensors file with x [tokens, hidden_size] (required)")
+	f.StringVar(&o.output, "output", "", "safetensors file to write y [tokens, hidden_size] to (required)")
+	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32 or bf16")
+	f.StringVar(&o.mode, "mode", "auto", "stream mode: single, dual (shared expert on a side stream) or auto")
+	return cmd
+}
+
+func (a *app) runMoe(o moeRunOpts) error {
+	dt, err := parseLayerDType(o.dtype)
+	if err != nil {
+		return err
+	}
+	mode, err := parseModeFlag(o.mode)
+	if err != nil {
+		return err
+	}
+	if o.input == "" || o.output == "" {
+		return fail("--input and --output are required", "pass --input X.safetensors (holding x) and --output Y.safetensors", nil)
+	}
+	if samePath(o.input, o.output) {
+		return fail(fmt.Sprintf("--output %s is the --input file", o.output), "write the output to another file; the input is never overwritten", nil)
+	}
+	if st, err := os.Stat(filepath.Dir(o.output)); err != nil || !st.IsDir() {
+		return fail(fmt.Sprintf("--output %s: its directory does not exist", o.output), "create the directory first or choose another path", err)
+	}
+	start := time.Now()
+	cfg, layer, err := resolveModel(o.model, o.layer)
+	if err != nil {
+		return err
+	}
+	x, T, name, err := readInput(o.input, cfg.HiddenSize)
+	if err != nil {
+		return err
+	}
+	w, err := loadLayerWeights(o.model, cfg, layer)
+	if err != nil {
+		return err
+	}
+	rt, err := a.openRuntime()
+	if err != nil {
+		return err
+	}
+	defer rt.Close()
+	dev, err := rt.Device(0)
+	if err != nil {
+		return fail("opening device 0", "check 'gpuctx info'", err)
+	}
+	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold})
+	if err != nil {
+		return fail("building the MoE layer on the device", "try --dtype f32, or check 'gpuctx info'", err)
+	}
+	defer l.Close()
+	load := time.Since(start)
+	t0 := time.Now()
+	y, err := l.Forward(x, T)
+	if err != nil {
+		return fail("running the MoE layer", "check 'gpuctx info'; on a GPU, try --backend cpu to compare", err)
+	}
+	fwd := time.Since(t0)
+	if len(y) != T*cfg.HiddenSize {
+		return fail(fmt.Sprintf("the layer returned %d values for T=%d, H=%d", len(y), T, cfg.HiddenSize), "please report this with the command line", nil)
+	}
+	yt, err := safetensors.FromFloat32("y", safetensors.F32, []int{T, cfg.HiddenSize}, y)
+	if err != nil {
+		return fail("encoding the output", "", err)
+	}
+	meta := map[string]string{
+		"producer": "gpuctx moe run", "model": o.model, "model_type": string(cfg.Family), "layer": fmt.Sprint(layer),
+		"dtype": dt.String(), "mode": mode.String(), "backend": dev.Backend(),
+	}
+	if err := safetensors.Write(o.output, []safetensors.Tensor{yt}, meta); err != nil {
+		return fail(fmt.Sprintf("writing --output %s", o.output), "check that the directory is writable and has space", err)
+	}
+	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(cfg.Family), Layer: layer,
+		Input: o.input, Tensor: name, Output: o.output, Tokens: T, Hidden: cfg.HiddenSize, DType: dt.String(), Mode: mode.String(),
+		LoadMS: float64(load.Microseconds()) / 1e3, ForwardMS: float64(fwd.Microseconds()) / 1e3}
+	if a.json {
+		return a.jsonOut(rep)
+	}
+	fmt.Fprintf(a.out, "moe run: %s layer %d of %s on %s (%s)\n", rep.Family, layer, o.model, rep.Device, rep.Backend)
+	fmt.Fprintf(a.out, "input %s[%d×%d] from %s, dtype %s, mode %s\n", name, T, cfg.HiddenSize, o.input, rep.DType, rep.Mode)
+	fmt.Fprintf(a.out, "load %.1f ms, forward %.3f ms (wall, host in/out); wrote y[%d×%d] F32 to %s\n", rep.LoadMS, rep.ForwardMS, T, cfg.HiddenSize, o.output)
+	return nil
+}

@@ -1,0 +1,831 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"runtime/debug"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+	"github.com/spf13/cobra"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe"
+	"github.com/gpuctx/gpuctx/moe/safetensors"
+)
+
+// Defaults of moe bench. The CPU backend shrinks them (see cpuBench*) so that
+// the main job finishes in seconds on a machine without a GPU.
+const (
+	benchTokens    = "1,8,64,256,1024,4096"
+	benchIters     = 50
+	benchWarmup    = 5
+	cpuBenchTokens = "1,8,64"
+	cpuBenchIters  = 3
+	cpuBenchWarmup = 1
+
+	// The scaled-down preset shape used on the CPU backend.
+	cpuHidden, cpuExperts, cpuIntermediate = 256, 16, 64
+
+	// Ceilings: a device-to-device copy of copyBytes and a bf16 gemmN³ GEMM.
+	copyBytesCUDA, copyBytesCPU = 1 << 30, 64 << 20
+	gemmNCUDA, gemmNCPU         = 8192, 512
+
+	// fullSizeCPULimit bounds the host memory a full-size preset may take on the
+	// CPU backend (f32 host weights plus the simulated device copy).
+	fullSizeCPULimit = 16 << 30
+)
+
+type moeBenchOpts struct {
+	preset, model string
+	layer         int
+	tokens, modes string
+	dtype         string
+	iters, warmup int
+	seed          uint64
+	plot, out     string
+	fullSize      bool
+}
+
+// benchShape is the layer shape a bench ran.
+type benchShape struct {
+	Family       string `json:"model_type"`
+	Hidden       int    `json:"hidden_size"`
+	Experts      int    `json:"experts"`
+	TopK         int    `json:"top_k"`
+	Intermediate int    `json:"intermediate"`
+	Shared       int    `json:"shared_intermediate"`
+}
+
+// benchRow is one token count's results. Latencies are medians in microseconds;
+// nil means not measured (no shared expert).
+type benchRow struct {
+	Tokens         int                `json:"tokens"`
+	MedianUS       map[string]float64 `json:"median_us"` // per mode: single, dual, auto
+	SharedUS       *float64           `json:"shared_alone_us"`
+	RoutedUS       float64            `json:"routed_alone_us"`
+	Overlap        *float64           `json:"overlap_efficiency"` // (single-dual)/min(shared,routed)
+	WeightBytes    int64              `json:"weight_bytes"`
+	FLOPs          float64            `json:"flops"`
+	BytesFloorUS   float64            `json:"bytes_floor_us"`
+	ComputeFloorUS float64            `json:"compute_floor_us"`
+	FloorUS        float64            `json:"floor_us"`
+	Bound          string             `json:"bound"` // "bytes" or "compute"
+	Best           string             `json:"best_mode"`
+	PctOfFloor     float64            `json:"pct_of_floor"` // 100*floor/best
+}
+
+// moeBenchReport is what moe bench prints with --json.
+type moeBenchReport struct {
+	Backend    string     `json:"backend"`
+	Device     string     `json:"device"`
+	DType      string     `json:"dtype"`
+	Date       string     `json:"date"`
+	Commit     string     `json:"commit"`
+	Command    string     `json:"command"`
+	Preset     string     `json:"preset,omitempty"`
+	Model      string     `json:"model,omitempty"`
+	Layer      *int       `json:"layer,omitempty"`
+	ScaledDown bool       `json:"scaled_down"`
+	Seed       uint64     `json:"seed"`
+	Shape      benchShape `json:"shape"`
+	Modes      []string   `json:"modes"`
+	Iters      int        `json:"iters"`
+	Warmup     int        `json:"warmup"`
+	CopyBytes  int        `json:"copy_bytes"`
+	CopyBW     float64    `json:"copy_bytes_per_s"` // read + written
+	GemmN      int        `json:"gemm_n"`
+	GemmRate   float64    `json:"gemm_flop_per_s"`
+	Notes      []string   `json:"notes"`
+	Rows       []benchRow `json:"rows"`
+}
+
+func newMoeBenchCmd(a *app) *cobra.Command {
+	o := moeBenchOpts{}
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Time one MoE layer per token count against the copy-bandwidth and GEMM floor",
+		Long: `bench times one MoE layer on device 0 for each token count: seeded random
+weights of a preset (default deepseek-v2-lite), or layer --layer of the
+checkpoint in --model. For each token count it reports the median latency of
+each --mode (single: everything on the main stream; dual: the shared expert on
+a side stream), of the shared expert alone and of the router plus routed
+experts alone, timed with device events around Layer.ForwardDevice on the
+layer's main stream after warm-up.
+
+The floor is max(bytes of the weights the batch touches / copy bandwidth,
+FLOPs / GEMM rate), both ceilings measured in the same run: a large
+device-to-device copy (bytes read + written) and a large bf16 GEMM through a
+Context. FLOPs = 2·T·H·E (router) + 2·T·K·3·H·I (routed) + 2·T·3·H·Is (shared).
+"% of floor" is floor / best mode; "overlap" is (single - dual) /
+min(shared alone, routed alone): 1 means the shared expert hid completely.
+
+On the CPU backend the presets are scaled down (H=256, E=16, I=64; tokens
+1,8,64; fewer iterations) so that the run takes seconds; --full-size keeps the
+real shape. CPU times say nothing about a GPU.`,
+		Example: `  gpuctx moe bench
+  gpuctx moe bench --preset qwen1.5-moe --tokens 1,64,1024 --plot moe.png --out moe.md
+  gpuctx moe bench --model ./DeepSeek-V2-Lite --layer 1 --mode single,dual,auto --json`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return a.runMoeBench(cmd, o) },
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.preset, "preset", "deepseek-v2-lite", "layer shape with random weights: "+strings.Join(moe.PresetNames(), ", "))
+	f.StringVar(&o.model, "model", "", "checkpoint directory (config.json, model.safetensors) instead of a preset")
+	f.IntVar(&o.layer, "layer", -1, "with --model: the decoder layer (default: the first MoE layer)")
+	f.StringVar(&o.tokens, "tokens", benchTokens, "comma-separated token counts (CPU backend default: "+cpuBenchTokens+")")
+	f.StringVar(&o.modes, "mode", "single,dual", "comma-separated stream modes to time: single, dual, auto")
+	f.StringVar(&o.dtype, "dtype", "bf16", "layer compute type: bf16 or f32")
+	f.IntVar(&o.iters, "iters", benchIters, fmt.Sprintf("timed forwards per measurement; the median is reported (CPU backend default: %d)", cpuBenchIters))
+	f.IntVar(&o.warmup, "warmup", benchWarmup, fmt.Sprintf("untimed forwards first (CPU backend default: %d)", cpuBenchWarmup))
+	f.Uint64Var(&o.seed, "seed", 1, "seed of the random weights and inputs")
+	f.StringVar(&o.plot, "plot", "", "write a log-log PNG of latency vs tokens to this file")
+	f.StringVar(&o.out, "out", "", "write the markdown header and table to this file (for bench/RESULTS.md)")
+	f.BoolVar(&o.fullSize, "full-size", false, "on the CPU backend, keep the preset's real shape (slow)")
+	return cmd
+}
+
+// parseTokens parses a comma-separated list of distinct positive token counts.
+func parseTokens(s string) ([]int, error) {
+	var out []int
+	for _, p := range strings.Split(s, ",") {
+		p = strings.TrimSpace(p)
+		n, err := strconv.Atoi(p)
+		if err != nil || n < 1 || n > 1<<20 {
+			return nil, fail(fmt.Sprintf("--tokens %q: %q is not a token count", s, p), "pass positive integers up to 1048576, comma-separated, e.g. 1,8,64", nil)
+		}
+		if slices.Contains(out, n) {
+			return nil, fail(fmt.Sprintf("--tokens %q lists %d twice", s, n), "list each token count once", nil)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+// parseModes parses a comma-separated list of distinct modes.
+func parseModes(s string) ([]moe.Mode, error) {
+	var out []moe.Mode
+	for _, p := range strings.Split(s, ",") {
+		m, err := parseModeFlag(p)
+		if err != nil {
+			return nil, err
+		}
+		if slices.Contains(out, m) {
+			return nil, fail(fmt.Sprintf("--mode %q lists %s twice", s, m), "list each mode once", nil)
+		}
+		out = append(out, m)
+	}
+	return out, nil
+}
+
+// scaleDown returns a copy of c with the CPU backend's small shape, keeping its
+// routing rules and the ratio of its shared expert's width to a routed one's.
+func scaleDown(c *moe.Config) (*moe.Config, error) {
+	s := *c
+	ratio := 0
+	if c.SharedIntermediate > 0 {
+		ratio = max(1, int(math.Round(float64(c.SharedIntermediate)/float64(c.Intermediate))))
+	}
+	s.HiddenSize, s.NumExperts, s.Intermediate = cpuHidden, cpuExperts, cpuIntermediate
+	s.SharedIntermediate = ratio * cpuIntermediate
+	s.TopK = min(c.TopK, s.NumExperts)
+	if s.NumGroups > 1 && s.NumExperts%s.NumGroups != 0 {
+		s.NumGroups, s.TopKGroups = 1, 1
+	}
+	if err := s.Validate(); err != nil {
+		return nil, fail("scaling the preset down for the CPU backend", "pass --full-size, or report this", err)
+	}
+	return &s, nil
+}
+
+// layerBytes returns the element count of a layer's weights.
+func layerElems(c *moe.Config) int64 {
+	H, E, I, S := int64(c.HiddenSize), int64(c.NumExperts), int64(c.Intermediate), int64(c.SharedIntermediate)
+	n := E*H + E*3*H*I + 3*H*S
+	if c.SharedGate {
+		n += H
+	}
+	return n
+}
+
+// memAvailable returns MemAvailable from /proc/meminfo in bytes, or 0 when it
+// cannot be read (not Linux).
+func memAvailable() uint64 {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "MemAvailable:"); ok {
+			kb, err := strconv.ParseUint(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+			if err == nil {
+				return kb << 10
+			}
+		}
+	}
+	return 0
+}
+
+func gib(b float64) string { return fmt.Sprintf("%.1f GiB", b/(1<<30)) }
+
+// checkMemory refuses a preset whose random weights cannot fit, and returns a
+// note about large ones.
+func checkMemory(dev *gpuctx.Device, c *moe.Config, dt gpuctx.DType, name string) (string, error) {
+	elems := float64(layerElems(c))
+	host, device := 4*elems, float64(dt.Size())*elems
+	fix := "use --model DIR (weights read from disk) or a smaller preset"
+	if dev.Backend() == "cpu" && host+device > fullSizeCPULimit {
+		return "", fail(fmt.Sprintf("preset %s at full size needs ~%s of host memory for its f32 random weights plus ~%s of simulated device memory on the CPU backend",
+			name, gib(host), gib(device)), "drop --full-size (the CPU backend then runs a scaled-down shape) or run on a GPU", nil)
+	}
+	if avail := memAvailable(); avail > 0 && host > 0.9*float64(avail) {
+		return "", fail(fmt.Sprintf("preset %s needs ~%s of host memory for its f32 random weights; %s is available", name, gib(host), gib(float64(avail))), fix, nil)
+	}
+	if free, _, err := dev.MemInfo(); err == nil && dev.Backend() != "cpu" && device > 0.9*float64(free) {
+		return "", fail(fmt.Sprintf("preset %s needs ~%s of device memory in %s; %s is free", name, gib(device), dt, gib(float64(free))), fix, nil)
+	}
+	if host > 4<<30 {
+		return fmt.Sprintf("random weights take ~%s of host memory (f32) and ~%s of device memory (%s)", gib(host), gib(device), dt), nil
+	}
+	return "", nil
+}
+
+// buildCommit, when set at link time (-ldflags "-X main.buildCommit=REV"),
+// is the commit moe bench reports; binaries built with -buildvcs=false (the
+// default GOFLAGS here) carry no VCS information otherwise.
+var buildCommit string
+
+// commit returns buildCommit, else the VCS revision the binary was built from,
+// else the checkout's HEAD, else "unknown".
+func commit() string {
+	if buildCommit != "" {
+		return buildCommit
+	}
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		rev, dirty := "", false
+		for _, s := range bi.Settings {
+			switch s.Key {
+			case "vcs.revision":
+				rev = s.Value
+			case "vcs.modified":
+				dirty = s.Value == "true"
+			}
+		}
+		if rev != "" {
+			if dirty {
+				rev += "-dirty"
+			}
+			return rev
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if out, err := exec.CommandContext(ctx, "git", "rev-parse", "HEAD").Output(); err == nil {
+		return strings.TrimSpace(string(out)) + " (checkout HEAD; not from build info)"
+	}
+	return "unknown (built with -buildvcs=false, outside a git checkout)"
+}
+
+// commandLine rebuilds the invocation from the flags that were set.
+func commandLine(cmd *cobra.Command) string {
+	parts := []string{cmd.CommandPath()}
+	if v := os.Getenv(gpuctx.BackendEnv); v != "" && !cmd.Flags().Changed("backend") {
+		parts = append([]string{gpuctx.BackendEnv + "=" + v}, parts...)
+	}
+	for _, name := range []string{"backend", "preset", "model", "layer", "tokens", "mode", "dtype", "iters", "warmup", "seed", "full-size", "plot", "out", "json"} {
+		f := cmd.Flags().Lookup(name)
+		if f == nil || !f.Changed {
+			continue
+		}
+		if f.Value.Type() == "bool" {
+			if f.Value.String() == "true" {
+				parts = append(parts, "--"+f.Name)
+			} else {
+				parts = append(parts, "--"+f.Name+"=false")
+			}
+		} else {
+			parts = append(parts, "--"+f.Name+" "+f.Value.String())
+		}
+	}
+	return strings.Join(parts, " ")
+}
+
+// stderrIsTerminal reports whether w is a character device (a terminal).
+func stderrIsTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
+
+// eventTimer times work queued on one stream with a pair of timing events.
+type eventTimer struct {
+	s          *gpuctx.Stream
+	start, end *gpuctx.Event
+}
+
+func newEventTimer(dev *gpuctx.Device, s *gpuctx.Stream) (*eventTimer, error) {
+	st, err := dev.NewEvent(true)
+	if err != nil {
+		return nil, err
+	}
+	en, err := dev.NewEvent(true)
+	if err != nil {
+		st.Close()
+		return nil, err
+	}
+	return &eventTimer{s: s, start: st, end: en}, nil
+}
+
+func (t *eventTimer) close() { t.start.Close(); t.end.Close() }
+
+// median runs work warmup times untimed, then iters times between two events on
+// t.s, and returns the median device time in seconds.
+func (t *eventTimer) median(warmup, iters int, work func() error) (float64, error) {
+	for range warmup {
+		if err := work(); err != nil {
+			return 0, err
+		}
+	}
+	if err := t.s.Synchronize(); err != nil {
+		return 0, err
+	}
+	times := make([]float64, 0, iters)
+	for range iters {
+		if err := t.start.Record(t.s); err != nil {
+			return 0, err
+		}
+		if err := work(); err != nil {
+			return 0, err
+		}
+		if err := t.end.Record(t.s); err != nil {
+			return 0, err
+		}
+		if err := t.end.Synchronize(); err != nil {
+			return 0, err
+		}
+		d, err := t.end.Elapsed(t.start)
+		if err != nil {
+			return 0, err
+		}
+		times = append(times, max(d.Seconds(), 1e-9))
+	}
+	return median(times), nil
+}
+
+// measureCopy returns the device-to-device copy bandwidth in bytes (read +
+// written) per second for an n-byte copy on a new stream.
+func measureCopy(dev *gpuctx.Device, n, iters int) (float64, error) {
+	s, err := dev.NewStream(gpuctx.StreamOptions{})
+	if err != nil {
+		return 0, err
+	}
+	defer s.Close()
+	src, err := dev.Alloc(n)
+	if err != nil {
+		return 0, fail(fmt.Sprintf("allocating %d MiB for the copy ceiling", n>>20), "free device memory", err)
+	}
+	defer src.Free()
+	dst, err := dev.Alloc(n)
+	if err != nil {
+		return 0, fail(fmt.Sprintf("allocating %d MiB for the copy ceiling", n>>20), "free device memory", err)
+	}
+	defer dst.Free()
+	if err := s.Memset(src, 0x5a); err != nil {
+		return 0, err
+	}
+	t, err := newEventTimer(dev, s)
+	if err != nil {
+		return 0, err
+	}
+	defer t.close()
+	sec, err := t.median(2, iters, func() error { return s.CopyDtoD(dst, 0, src, 0, n) })
+	if err != nil {
+		return 0, fail("timing the device-to-device copy", "", err)
+	}
+	return 2 * float64(n) / sec, nil
+}
+
+// measureGemm returns the rate in FLOP/s of an n³ bf16 GEMM (bf16 output, f32
+// compute) through a Context on a new stream, perRound GEMMs per timed round.
+func measureGemm(dev *gpuctx.Device, n, perRound, iters int) (float64, error) {
+	s, err := dev.NewStream(gpuctx.StreamOptions{})
+	if err != nil {
+		return 0, err
+	}
+	defer s.Close()
+	ctx, err := dev.NewContext(gpuctx.ContextOptions{Stream: s})
+	if err != nil {
+		return 0, err
+	}
+	defer ctx.Close()
+	bytes := n * n * gpuctx.BF16.Size()
+	// Random bf16 operands: a 1 MiB random block tiled over the matrix.
+	r := rand.New(rand.NewPCG(7, uint64(n)))
+	block := encode(randVec(r, min(n*n, 1<<19)), gpuctx.BF16)
+	host := make([]byte, bytes)
+	for off := 0; off < bytes; off += len(block) {
+		copy(host[off:], block)
+	}
+	var bufs [3]*gpuctx.Buffer
+	for i := range bufs {
+		if bufs[i], err = dev.Alloc(bytes); err != nil {
+			return 0, fail(fmt.Sprintf("allocating %d MiB for the GEMM ceiling", bytes>>20), "free device memory", err)
+		}
+		defer bufs[i].Free()
+		if i < 2 {
+			if err := bufs[i].CopyFromHost(host); err != nil {
+				return 0, err
+			}
+		}
+	}
+	g := gpuctx.Gemm{M: n, N: n, K: n, Alpha: 1, A: bufs[0], B: bufs[1], C: bufs[2], AB: gpuctx.BF16, CType: gpuctx.BF16}
+	t, err := newEventTimer(dev, s)
+	if err != nil {
+		return 0, err
+	}
+	defer t.close()
+	sec, err := t.median(1, iters, func() error {
+		for range perRound {
+			if err := ctx.BlasFlavour(gpuctx.TensorOp, func(h gpuctx.Blas) error { return h.Gemm(g) }); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, fail("timing the bf16 GEMM ceiling", "check 'gpuctx gemm --dtype bf16'", err)
+	}
+	return 2 * float64(n) * float64(n) * float64(n) * float64(perRound) / sec, nil
+}
+
+// batchFLOPs is the arithmetic of one forward of T tokens.
+func batchFLOPs(c *moe.Config, T int) float64 {
+	t, H, E, K, I, S := float64(T), float64(c.HiddenSize), float64(c.NumExperts), float64(c.TopK), float64(c.Intermediate), float64(c.SharedIntermediate)
+	return 2*t*H*E + 2*t*K*3*H*I + 2*t*3*H*S
+}
+
+func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
+	changed := cmd.Flags().Changed
+	if changed("preset") && changed("model") {
+		return fail("--preset and --model are both set", "pass one: a preset (random weights) or a checkpoint directory", nil)
+	}
+	if changed("layer") && o.model == "" {
+		return fail("--layer needs --model", "pass --model DIR, or drop --layer (presets have one layer)", nil)
+	}
+	dt, err := parseLayerDType(o.dtype)
+	if err != nil {
+		return err
+	}
+	modes, err := parseModes(o.modes)
+	if err != nil {
+		return err
+	}
+	if changed("tokens") {
+		if _, err := parseTokens(o.tokens); err != nil {
+			return err
+		}
+	}
+	if o.iters < 1 || o.warmup < 0 {
+		return fail(fmt.Sprintf("--iters %d / --warmup %d", o.iters, o.warmup), "pass --iters >= 1 and --warmup >= 0", nil)
+	}
+	var cfg *moe.Config
+	if o.model == "" {
+		if cfg, err = moe.Preset(o.preset); err != nil {
+			return fail(fmt.Sprintf("--preset %q is not a preset", o.preset), "use one of "+strings.Join(moe.PresetNames(), ", "), nil)
+		}
+	}
+	rt, err := a.openRuntime()
+	if err != nil {
+		return err
+	}
+	defer rt.Close()
+	dev, err := rt.Device(0)
+	if err != nil {
+		return fail("opening device 0", "check 'gpuctx info'", err)
+	}
+	cpu := dev.Backend() == "cpu"
+	rep := moeBenchReport{Backend: dev.Backend(), Device: dev.Info().Name, DType: dt.String(),
+		Date: time.Now().UTC().Format("2006-01-02 15:04 UTC"), Commit: commit(), Command: commandLine(cmd),
+		Seed: o.seed, Iters: o.iters, Warmup: o.warmup, Notes: []string{}}
+	if cpu {
+		if !changed("tokens") {
+			o.tokens = cpuBenchTokens
+		}
+		if !changed("iters") {
+			rep.Iters = cpuBenchIters
+		}
+		if !changed("warmup") {
+			rep.Warmup = cpuBenchWarmup
+		}
+	}
+	tokens, err := parseTokens(o.tokens)
+	if err != nil {
+		return err
+	}
+
+	var w *moe.Weights
+	if o.model != "" {
+		var layer int
+		if cfg, layer, err = resolveModel(o.model, o.layer); err != nil {
+			return err
+		}
+		if w, err = loadLayerWeights(o.model, cfg, layer); err != nil {
+			return err
+		}
+		rep.Model, rep.Layer = o.model, &layer
+	} else {
+		rep.Preset = o.preset
+		if cpu && !o.fullSize {
+			full := *cfg
+			if cfg, err = scaleDown(cfg); err != nil {
+				return err
+			}
+			rep.ScaledDown = true
+			rep.Notes = append(rep.Notes, fmt.Sprintf("CPU backend: preset %s scaled down from H=%d, E=%d, I=%d, shared=%d to H=%d, E=%d, I=%d, shared=%d (top-%d) so that the run takes seconds; --full-size keeps the real shape. CPU times say nothing about a GPU.",
+				o.preset, full.HiddenSize, full.NumExperts, full.Intermediate, full.SharedIntermediate,
+				cfg.HiddenSize, cfg.NumExperts, cfg.Intermediate, cfg.SharedIntermediate, cfg.TopK))
+		}
+		note, err := checkMemory(dev, cfg, dt, o.preset)
+		if err != nil {
+			return err
+		}
+		if note != "" {
+			rep.Notes = append(rep.Notes, note)
+		}
+		if w, err = moe.RandomWeights(cfg, o.seed); err != nil {
+			return fail("generating random weights", "", err)
+		}
+	}
+	rep.Shape = benchShape{Family: string(cfg.Family), Hidden: cfg.HiddenSize, Experts: cfg.NumExperts, TopK: cfg.TopK,
+		Intermediate: cfg.Intermediate, Shared: cfg.SharedIntermediate}
+	for _, m := range modes {
+		rep.Modes = append(rep.Modes, m.String())
+	}
+
+	hasShared := cfg.SharedIntermediate > 0
+	steps := 2 + len(tokens)*(len(modes)+1+boolInt(hasShared))
+	var bar *progressbar.ProgressBar
+	if !a.json && stderrIsTerminal(a.errOut) {
+		bar = progressbar.NewOptions(steps, progressbar.OptionSetWriter(a.errOut), progressbar.OptionSetWidth(30),
+			progressbar.OptionShowCount(), progressbar.OptionClearOnFinish(), progressbar.OptionSetDescription("moe bench: ceilings"))
+		defer bar.Finish()
+	}
+	step := func(desc string) {
+		if bar != nil {
+			bar.Describe("moe bench: " + desc)
+			_ = bar.Add(1)
+		}
+	}
+
+	// Ceilings, measured in this run.
+	rep.CopyBytes, rep.GemmN = copyBytesCUDA, gemmNCUDA
+	gemmPerRound := 5
+	if cpu {
+		rep.CopyBytes, rep.GemmN, gemmPerRound = copyBytesCPU, gemmNCPU, 1
+	}
+	if rep.CopyBW, err = measureCopy(dev, rep.CopyBytes, max(rep.Iters, 5)); err != nil {
+		return err
+	}
+	step("copy ceiling")
+	if rep.GemmRate, err = measureGemm(dev, rep.GemmN, gemmPerRound, min(max(rep.Iters, 3), 10)); err != nil {
+		return err
+	}
+	step("GEMM ceiling")
+
+	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold})
+	if err != nil {
+		return fail("building the MoE layer on the device", "try fewer experts (another preset) or --dtype bf16", err)
+	}
+	defer l.Close()
+	timer, err := newEventTimer(dev, l.MainStream())
+	if err != nil {
+		return fail("creating timing events", "", err)
+	}
+	defer timer.close()
+
+	for _, T := range tokens {
+		row, err := a.benchTokens(l, dev, timer, cfg, dt, modes, T, o.seed, rep.Iters, rep.Warmup, step)
+		if err != nil {
+			return err
+		}
+		row.BytesFloorUS = float64(row.WeightBytes) / rep.CopyBW * 1e6
+		row.ComputeFloorUS = row.FLOPs / rep.GemmRate * 1e6
+		row.FloorUS, row.Bound = row.BytesFloorUS, "bytes"
+		if row.ComputeFloorUS > row.BytesFloorUS {
+			row.FloorUS, row.Bound = row.ComputeFloorUS, "compute"
+		}
+		row.PctOfFloor = 100 * row.FloorUS / row.MedianUS[row.Best]
+		rep.Rows = append(rep.Rows, row)
+	}
+	if bar != nil {
+		_ = bar.Finish()
+	}
+
+	md := rep.markdown()
+	if o.out != "" {
+		if err := safetensors.WriteFileAtomic(o.out, []byte(md)); err != nil {
+			return fail(fmt.Sprintf("writing --out %s", o.out), "check that the directory exists and is writable", err)
+		}
+	}
+	if o.plot != "" {
+		if err := rep.writePlot(o.plot); err != nil {
+			return fail(fmt.Sprintf("writing --plot %s", o.plot), "check that the directory exists and is writable", err)
+		}
+	}
+	if a.json {
+		return a.jsonOut(rep)
+	}
+	_, err = io.WriteString(a.out, md)
+	return err
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// benchTokens times every variant for T tokens on fresh random inputs.
+func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *eventTimer, cfg *moe.Config, dt gpuctx.DType,
+	modes []moe.Mode, T int, seed uint64, iters, warmup int, step func(string)) (benchRow, error) {
+	H := cfg.HiddenSize
+	row := benchRow{Tokens: T, MedianUS: map[string]float64{}}
+	r := rand.New(rand.NewPCG(seed, uint64(T)+1000))
+	host := encode(randVec(r, T*H), dt)
+	x, err := dev.Alloc(len(host))
+	if err != nil {
+		return row, fail(fmt.Sprintf("allocating the input for %d tokens", T), "use fewer --tokens", err)
+	}
+	defer x.Free()
+	if err := x.CopyFromHost(host); err != nil {
+		return row, err
+	}
+	y, err := dev.Alloc(len(host))
+	if err != nil {
+		return row, fail(fmt.Sprintf("allocating the output for %d tokens", T), "use fewer --tokens", err)
+	}
+	defer y.Free()
+	variant := func(name string, m moe.Mode, p moe.Part) (float64, error) {
+		sec, err := timer.median(warmup, iters, func() error { return l.ForwardDevice(x, y, T, m, p) })
+		if err != nil {
+			return 0, fail(fmt.Sprintf("timing %s for %d tokens", name, T), "check 'gpuctx info'; try --backend cpu to compare", err)
+		}
+		step(fmt.Sprintf("T=%d %s", T, name))
+		return sec * 1e6, nil
+	}
+	for i, m := range modes {
+		us, err := variant(m.String(), m, moe.Whole)
+		if err != nil {
+			return row, err
+		}
+		row.MedianUS[m.String()] = us
+		if row.Best == "" || us < row.MedianUS[row.Best] {
+			row.Best = m.String()
+		}
+		if i == 0 {
+			idx, _, err := l.LastRouting()
+			if err != nil {
+				return row, fail("reading the routing of the batch", "", err)
+			}
+			row.WeightBytes = l.WeightBytes(T, idx)
+		}
+	}
+	row.FLOPs = batchFLOPs(cfg, T)
+	if cfg.SharedIntermediate > 0 {
+		us, err := variant("shared alone", moe.Single, moe.SharedOnly)
+		if err != nil {
+			return row, err
+		}
+		row.SharedUS = &us
+	}
+	if row.RoutedUS, err = variant("routed alone", moe.Single, moe.RoutedOnly); err != nil {
+		return row, err
+	}
+	single, ok1 := row.MedianUS[moe.Single.String()]
+	dual, ok2 := row.MedianUS[moe.Dual.String()]
+	if ok1 && ok2 && row.SharedUS != nil {
+		ov := (single - dual) / min(*row.SharedUS, row.RoutedUS)
+		row.Overlap = &ov
+	}
+	return row, nil
+}
+
+// fmtUS formats microseconds with about three significant digits.
+func fmtUS(v float64) string {
+	switch {
+	case v < 10:
+		return fmt.Sprintf("%.2f", v)
+	case v < 1000:
+		return fmt.Sprintf("%.1f", v)
+	}
+	return fmt.Sprintf("%.0f", v)
+}
+
+// markdown renders the header and the aligned table.
+func (r *moeBenchReport) markdown() string {
+	var b strings.Builder
+	name := r.Preset
+	if r.Model != "" {
+		name = fmt.Sprintf("%s layer %d", r.Model, *r.Layer)
+	} else if r.ScaledDown {
+		name += " (scaled down for the CPU backend)"
+	}
+	s := r.Shape
+	fmt.Fprintf(&b, "### MoE layer: %s, %s, %s\n\n", name, r.DType, r.Device)
+	fmt.Fprintf(&b, "- device: %s (backend %s)\n", r.Device, r.Backend)
+	fmt.Fprintf(&b, "- date: %s; commit: %s\n", r.Date, r.Commit)
+	fmt.Fprintf(&b, "- command: `%s`\n", r.Command)
+	weights := fmt.Sprintf("random (seed %d)", r.Seed)
+	if r.Model != "" {
+		weights = "from " + r.Model
+	}
+	fmt.Fprintf(&b, "- layer: %s, H=%d, E=%d, top-%d, I=%d, shared=%d; weights %s; dtype %s\n",
+		s.Family, s.Hidden, s.Experts, s.TopK, s.Intermediate, s.Shared, weights, r.DType)
+	fmt.Fprintf(&b, "- ceilings measured in this run: copy %.3g GB/s (%d MiB device-to-device, read+write), GEMM %.3g TFLOP/s (bf16 %d³ through a Context)\n",
+		r.CopyBW/1e9, r.CopyBytes>>20, r.GemmRate/1e12, r.GemmN)
+	fmt.Fprintf(&b, "- latency: median of %d forwards after %d warm-up, device events around Layer.ForwardDevice on the layer's main stream, in µs\n", r.Iters, r.Warmup)
+	for _, n := range r.Notes {
+		fmt.Fprintf(&b, "- note: %s\n", n)
+	}
+	b.WriteString("\n")
+	head := []string{"tokens", "floor µs", "bound"}
+	for _, m := range r.Modes {
+		head = append(head, m+" µs")
+	}
+	head = append(head, "shared µs", "routed µs", "overlap", "% of floor", "weights MiB", "GFLOP")
+	rows := [][]string{head}
+	for _, row := range r.Rows {
+		line := []string{strconv.Itoa(row.Tokens), fmtUS(row.FloorUS), row.Bound}
+		for _, m := range r.Modes {
+			v := fmtUS(row.MedianUS[m])
+			if m == row.Best && len(r.Modes) > 1 {
+				v += "*"
+			}
+			line = append(line, v)
+		}
+		sh, ov := "-", "-"
+		if row.SharedUS != nil {
+			sh = fmtUS(*row.SharedUS)
+		}
+		if row.Overlap != nil {
+			ov = fmt.Sprintf("%.2f", *row.Overlap)
+		}
+		line = append(line, sh, fmtUS(row.RoutedUS), ov, fmt.Sprintf("%.1f%%", row.PctOfFloor),
+			fmt.Sprintf("%.1f", float64(row.WeightBytes)/(1<<20)), fmt.Sprintf("%.3g", row.FLOPs/1e9))
+		rows = append(rows, line)
+	}
+	writeTable(&b, rows)
+	b.WriteString("\nfloor = max(weight bytes touched / copy bandwidth, FLOPs / GEMM rate); % of floor = floor / best mode (*); " +
+		"overlap = (single - dual) / min(shared, routed), 1 = the shared expert fully hidden.\n")
+	return b.String()
+}
+
+// writeTable writes rows (the first is the header) as an aligned markdown
+// table: the first column left-aligned, the others right-aligned.
+func writeTable(w io.Writer, rows [][]string) {
+	width := make([]int, len(rows[0]))
+	for _, r := range rows {
+		for i, c := range r {
+			width[i] = max(width[i], len([]rune(c)), 3)
+		}
+	}
+	pad := func(s string, n int, left bool) string {
+		gap := strings.Repeat(" ", n-len([]rune(s)))
+		if left {
+			return s + gap
+		}
+		return gap + s
+	}
+	for ri, r := range rows {
+		cells := make([]string, len(r))
+		for i, c := range r {
+			cells[i] = pad(c, width[i], i == 0)
+		}
+		fmt.Fprintf(w, "| %s |\n", strings.Join(cells, " | "))
+		if ri == 0 {
+			for i := range cells {
+				if i == 0 {
+					cells[i] = strings.Repeat("-", width[i])
+				} else {
+					cells[i] = strings.Repeat("-", width[i]-1) + ":"
+				}
+			}
+			fmt.Fprintf(w, "| %s |\n", strings.Join(cells, " | "))
+		}
+	}
+}

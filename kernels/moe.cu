@@ -1,0 +1,361 @@
+// Mixture-of-Experts kernels: routing (scores, grouped top-k, renormalisation),
+// token permutation (per-expert counts, offsets, positions, gather), SwiGLU and
+// the weighted combine. Package moe drives them; the CPU backend implements the
+// same names in Go (backend/cpu/moe_kernels.go) with the same arithmetic.
+//
+// Conventions (see the table in kernels.go):
+//   - dims are 32-bit ints; element offsets are computed in 64 bits;
+//   - activations are f32 or bf16 (flag bf16 = 1), bf16 held as unsigned short
+//     bits (no cuda_bf16.h: NVRTC compiles this file with no include path);
+//     every computation is in f32 and bf16 stores round to nearest even;
+//   - row kernels (gather, swiglu, combine) take any grid and block: blocks
+//     stride over rows, threads over columns;
+//   - gpuctx_moe_route needs blocks of exactly 32 threads (one warp per token,
+//     any grid); gpuctx_moe_plan needs exactly one block of 256 threads.
+//   - every reduction has a fixed order, so results are bitwise reproducible.
+
+#define MOE_MAX_E 512
+#define MOE_MAX_K 16
+#define MOE_PLAN_WARPS 8
+#define MOE_FULL 0xffffffffu
+
+static __device__ __forceinline__ float moe_bf16_to_f32(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+static __device__ __forceinline__ unsigned short moe_f32_to_bf16(float f) {
+    unsigned int b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a quiet NaN
+        return (unsigned short)((b >> 16) | 0x40u);
+    }
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (unsigned short)(b >> 16);
+}
+
+static __device__ __forceinline__ float moe_ld(const void* p, long long i, int bf16) {
+    if (bf16) {
+        return moe_bf16_to_f32(((const unsigned short*)p)[i]);
+    }
+    return ((const float*)p)[i];
+}
+
+static __device__ __forceinline__ void moe_st(void* p, long long i, float v, int bf16) {
+    if (bf16) {
+        ((unsigned short*)p)[i] = moe_f32_to_bf16(v);
+    } else {
+        ((float*)p)[i] = v;
+    }
+}
+
+static __device__ __forceinline__ int moe_imin(int a, int b) { return a < b ? a : b; }
+
+// moe_better reports whether candidate (v, i) beats the current best (bv, bi):
+// a larger value, or an equal value with a lower index. Index -1 means "none":
+// it never beats anything and anything beats it.
+static __device__ __forceinline__ bool moe_better(float v, int i, float bv, int bi) {
+    if (i < 0) return false;
+    if (bi < 0) return true;
+    return v > bv || (v == bv && i < bi);
+}
+
+// Butterfly reductions: every lane ends with the same bits (the operations are
+// commutative, so lane i and lane i^off combine the same two operands).
+static __device__ __forceinline__ float moe_warp_max(float v) {
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(MOE_FULL, v, off));
+    return v;
+}
+
+static __device__ __forceinline__ float moe_warp_sum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(MOE_FULL, v, off);
+    return v;
+}
+
+static __device__ __forceinline__ void moe_warp_argmax(float& bv, int& bi) {
+    for (int off = 16; off > 0; off >>= 1) {
+        float ov = __shfl_xor_sync(MOE_FULL, bv, off);
+        int oi = __shfl_xor_sync(MOE_FULL, bi, off);
+        if (moe_better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    // Lane 0's answer is the answer (identical anyway unless NaNs broke the order).
+    bv = __shfl_sync(MOE_FULL, bv, 0);
+    bi = __shfl_sync(MOE_FULL, bi, 0);
+}
+
+// gpuctx_moe_route: per token t, from logits [T,E] (f32):
+//   scores = softmax(logits) (scoring 0) or sigmoid(logits) (scoring 1);
+//   choice = scores (+ bias[e] when has_bias) -- used for selection only;
+//   method 1 (group_limited_greedy): group score = max of choice in the group;
+//   method 2 (noaux_tc): group score = sum of the two largest choices in the group;
+//   for methods 1 and 2 keep the topk_groups best groups (ties: lower group) and
+//   set the choice of every expert of the other groups to 0.0;
+//   top-K of choice, largest first, ties to the lower expert index;
+//   weight = scores[e] for method 2, else choice[e]; if norm, divide by
+//   (sum of the K weights + norm_eps); multiply by scale.
+// Outputs topk_idx [T,K] (int32) and topk_w [T,K] (f32).
+// Launch: block (32,1,1), any grid (blocks stride over tokens). E <= 512, K <= 16.
+extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
+                                            int* __restrict__ topk_idx, float* __restrict__ topk_w,
+                                            int T, int E, int K, int scoring, int method, int groups,
+                                            int topk_groups, int has_bias, int norm, float norm_eps, float scale) {
+    __shared__ float sc[MOE_MAX_E];
+    __shared__ float ch[MOE_MAX_E];
+    __shared__ float gs[MOE_MAX_E];
+    __shared__ unsigned char keep[MOE_MAX_E];
+    __shared__ unsigned char taken[MOE_MAX_E];
+    __shared__ float wsel[MOE_MAX_K];
+    if (threadIdx.x >= 32) return;  // one warp per block; extra threads idle
+    if (E <= 0 || E > MOE_MAX_E || K <= 0 || K > MOE_MAX_K || K > E) return;
+    if (method != 0 && (groups <= 0 || groups > E || E % groups != 0 || topk_groups > groups)) return;
+    const int lane = threadIdx.x;
+    const float neg_inf = __uint_as_float(0xff800000u);
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const float* lg = logits + (long long)t * E;
+        if (scoring == 1) {
+            for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-lg[e]));
+        } else {
+            float m = neg_inf;
+            for (int e = lane; e < E; e += 32) m = fmaxf(m, lg[e]);
+            m = moe_warp_max(m);
+            float s = 0.0f;
+            for (int e = lane; e < E; e += 32) {
+                float v = expf(lg[e] - m);
+                sc[e] = v;
+                s += v;
+            }
+            s = moe_warp_sum(s);
+            for (int e = lane; e < E; e += 32) sc[e] = sc[e] / s;
+        }
+        for (int e = lane; e < E; e += 32) {
+            ch[e] = has_bias ? sc[e] + bias[e] : sc[e];
+            taken[e] = 0;
+        }
+        __syncwarp();
+        if (method != 0) {
+            const int per = E / groups;
+            for (int g = lane; g < groups; g += 32) {
+                float a = neg_inf, b = neg_inf;
+                for (int j = 0; j < per; ++j) {
+                    float v = ch[g * per + j];
+                    if (v > a) {
+                        b = a;
+                        a = v;
+                    } else if (v > b) {
+                        b = v;
+                    }
+                }
+                gs[g] = (method == 1) ? a : a + b;
+                keep[g] = 0;
+            }
+            __syncwarp();
+            for (int r = 0; r < topk_groups; ++r) {
+                float bv = neg_inf;
+                int bi = -1;
+                for (int g = lane; g < groups; g += 32) {
+                    if (!keep[g] && moe_better(gs[g], g, bv, bi)) {
+                        bv = gs[g];
+                        bi = g;
+                    }
+                }
+                moe_warp_argmax(bv, bi);
+                __syncwarp();
+                if (lane == 0 && bi >= 0) keep[bi] = 1;
+                __syncwarp();
+            }
+            for (int e = lane; e < E; e += 32) {
+                if (!keep[e / per]) ch[e] = 0.0f;
+            }
+            __syncwarp();
+        }
+        for (int k = 0; k < K; ++k) {
+            float bv = neg_inf;
+            int bi = -1;
+            for (int e = lane; e < E; e += 32) {
+                if (!taken[e] && moe_better(ch[e], e, bv, bi)) {
+                    bv = ch[e];
+                    bi = e;
+                }
+            }
+            moe_warp_argmax(bv, bi);
+            if (bi < 0) bi = 0;  // unreachable: K <= E leaves an untaken expert
+            __syncwarp();
+            if (lane == 0) {
+                taken[bi] = 1;
+                topk_idx[(long long)t * K + k] = bi;
+                wsel[k] = (method == 2) ? sc[bi] : ch[bi];
+            }
+            __syncwarp();
+        }
+        if (lane == 0) {
+            float s = 0.0f;
+            if (norm) {
+                for (int k = 0; k < K; ++k) s += wsel[k];
+                s += norm_eps;
+            }
+            for (int k = 0; k < K; ++k) {
+                float v = wsel[k];
+                if (norm) v = v / s;
+                topk_w[(long long)t * K + k] = v * scale;
+            }
+        }
+        __syncwarp();  // the next token reuses the shared arrays
+    }
+}
+
+// gpuctx_moe_plan: a stable counting sort of the TK = T*K assignments
+// topk_idx[a] (a = t*K + k) by expert: counts[e] = assignments of expert e;
+// offsets[e] = sum of counts[0..e-1] (offsets has E+1 entries, offsets[E] = TK);
+// pos[a] = offsets[e] + (number of assignments a' < a with expert e), i.e. rows
+// of each expert are in (token, k) order. An expert index outside [0,E) gets
+// pos -1 and is not counted.
+// Launch: grid (1,1,1), block (256,1,1). E <= 512.
+extern "C" __global__ void gpuctx_moe_plan(const int* __restrict__ topk_idx, int* __restrict__ counts,
+                                           int* __restrict__ offsets, int* __restrict__ pos, int TK, int E) {
+    __shared__ int cnt[MOE_PLAN_WARPS][MOE_MAX_E];
+    __shared__ int off[MOE_MAX_E + 1];
+    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_PLAN_WARPS || E <= 0 || E > MOE_MAX_E) return;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    for (int i = tid; i < MOE_PLAN_WARPS * MOE_MAX_E; i += blockDim.x) cnt[i / MOE_MAX_E][i % MOE_MAX_E] = 0;
+    __syncthreads();
+    // Each warp owns one contiguous segment of the assignments.
+    const int seg = (TK + MOE_PLAN_WARPS - 1) / MOE_PLAN_WARPS;
+    const int s0 = warp * seg;
+    const int s1 = moe_imin(TK, s0 + seg);
+    // Pass 1: per-warp, per-expert counts.
+    for (int base = s0; base < s1; base += 32) {
+        const int a = base + lane;
+        int e = -1;
+        if (a < s1) {
+            e = topk_idx[a];
+            if (e < 0 || e >= E) e = -1;
+        }
+        const unsigned m = __match_any_sync(MOE_FULL, e);
+        if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
+        __syncwarp();
+    }
+    __syncthreads();
+    // Per expert: totals, and each warp's start within the expert's rows.
+    for (int e = tid; e < E; e += blockDim.x) {
+        int run = 0;
+        for (int w = 0; w < MOE_PLAN_WARPS; ++w) {
+            const int c = cnt[w][e];
+            cnt[w][e] = run;
+            run += c;
+        }
+        off[e] = run;
+        counts[e] = run;
+    }
+    __syncthreads();
+    // Exclusive scan of the totals by warp 0: each lane scans a contiguous chunk.
+    if (warp == 0) {
+        const int chunk = (E + 31) / 32;
+        const int lo = lane * chunk;
+        const int hi = moe_imin(E, lo + chunk);
+        int s = 0;
+        for (int e = lo; e < hi; ++e) s += off[e];
+        int incl = s;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int v = __shfl_up_sync(MOE_FULL, incl, d);
+            if (lane >= d) incl += v;
+        }
+        int acc = incl - s;
+        for (int e = lo; e < hi; ++e) {
+            const int c = off[e];
+            off[e] = acc;
+            acc += c;
+        }
+        if (lane == 31) off[E] = incl;
+    }
+    __syncthreads();
+    for (int e = tid; e <= E; e += blockDim.x) offsets[e] = off[e];
+    for (int e = tid; e < E; e += blockDim.x) {
+        for (int w = 0; w < MOE_PLAN_WARPS; ++w) cnt[w][e] += off[e];
+    }
+    __syncthreads();
+    // Pass 2: positions, in assignment order within each expert.
+    const unsigned lower = (1u << lane) - 1u;
+    for (int base = s0; base < s1; base += 32) {
+        const int a = base + lane;
+        int e = -1;
+        if (a < s1) {
+            e = topk_idx[a];
+            if (e < 0 || e >= E) e = -1;
+        }
+        const unsigned m = __match_any_sync(MOE_FULL, e);
+        if (a < s1) pos[a] = (e >= 0) ? cnt[warp][e] + __popc(m & lower) : -1;
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
+        __syncwarp();
+    }
+}
+
+// gpuctx_moe_gather: xp[pos[a], :] = x[a / K, :] for a in [0, TK) with
+// pos[a] >= 0; rows of H elements of elem_bytes (4: f32, 2: bf16) each.
+// Launch: any grid and block.
+extern "C" __global__ void gpuctx_moe_gather(const void* __restrict__ x, const int* __restrict__ pos,
+                                             void* __restrict__ xp, int TK, int K, int H, int elem_bytes) {
+    for (int a = blockIdx.x; a < TK; a += gridDim.x) {
+        const int r = pos[a];
+        if (r < 0) continue;
+        const long long src = (long long)(a / K) * H;
+        const long long dst = (long long)r * H;
+        if (elem_bytes == 2) {
+            const unsigned short* s = (const unsigned short*)x + src;
+            unsigned short* d = (unsigned short*)xp + dst;
+            for (int h = threadIdx.x; h < H; h += blockDim.x) d[h] = s[h];
+        } else {
+            const float* s = (const float*)x + src;
+            float* d = (float*)xp + dst;
+            for (int h = threadIdx.x; h < H; h += blockDim.x) d[h] = s[h];
+        }
+    }
+}
+
+// gpuctx_moe_swiglu: act[r, i] = silu(h[r, i]) * h[r, I + i] for r < rows,
+// i < I, where h is [rows, 2I] (gate columns then up columns) and act is
+// [rows, I]; silu(g) = g / (1 + exp(-g)); f32 math, stored f32 or bf16.
+// Launch: any grid and block.
+extern "C" __global__ void gpuctx_moe_swiglu(const void* __restrict__ h, void* __restrict__ act, int rows, int I,
+                                             int bf16) {
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const long long hb = (long long)r * 2 * I;
+        const long long ab = (long long)r * I;
+        for (int i = threadIdx.x; i < I; i += blockDim.x) {
+            const float g = moe_ld(h, hb + i, bf16);
+            const float u = moe_ld(h, hb + I + i, bf16);
+            moe_st(act, ab + i, (g / (1.0f + expf(-g))) * u, bf16);
+        }
+    }
+}
+
+// gpuctx_moe_combine: y[t, :] = sum_{k=0..K-1} w[t*K+k] * out[pos[t*K+k], :]
+// (when has_routed; k in increasing order, skipping pos < 0)
+// + s * shared[t, :] (when has_shared; s = sigmoid(gate[t]) when has_gate, else 1),
+// accumulated in f32 in that order and stored f32 or bf16. out is [TK, H],
+// shared [T, H], gate [T] (f32), y [T, H]. Pointers of absent parts are not read.
+// Launch: any grid and block.
+extern "C" __global__ void gpuctx_moe_combine(const void* __restrict__ out, const int* __restrict__ pos,
+                                              const float* __restrict__ w, const void* __restrict__ shared,
+                                              const float* __restrict__ gate, void* __restrict__ y, int T, int K,
+                                              int H, int has_routed, int has_shared, int has_gate, int bf16) {
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        float sg = 1.0f;
+        if (has_shared && has_gate) sg = 1.0f / (1.0f + expf(-gate[t]));
+        const long long row = (long long)t * H;
+        for (int h = threadIdx.x; h < H; h += blockDim.x) {
+            float acc = 0.0f;
+            if (has_routed) {
+                for (int k = 0; k < K; ++k) {
+                    const int p = pos[(long long)t * K + k];
+                    if (p >= 0) acc += w[(long long)t * K + k] * moe_ld(out, (long long)p * H + h, bf16);
+                }
+            }
+            if (has_shared) acc += sg * moe_ld(shared, row + h, bf16);
+            moe_st(y, row + h, acc, bf16);
+        }
+    }
+}

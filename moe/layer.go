@@ -1,0 +1,461 @@
+package moe
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/half"
+)
+
+// Mode says on which streams Layer.ForwardDevice runs the shared expert.
+type Mode int
+
+const (
+	// Single runs everything on the main stream.
+	Single Mode = iota
+	// Dual runs the shared expert on a side stream, forked from the main stream
+	// with an event after the input is ready and joined back with an event before
+	// the combine, so that it overlaps the router and the routed experts.
+	Dual
+	// Auto is Dual when the batch has at least the layer's AutoThreshold tokens,
+	// else Single.
+	Auto
+)
+
+// ParseMode parses "single", "dual" or "auto" (case-insensitive).
+func ParseMode(s string) (Mode, error) {
+	switch strings.ToLower(strings.TrimSpace(s)) {
+	case "single":
+		return Single, nil
+	case "dual":
+		return Dual, nil
+	case "auto":
+		return Auto, nil
+	}
+	return 0, fmt.Errorf("moe.ParseMode: unknown mode %q; want single, dual or auto", s)
+}
+
+// String returns "single", "dual", "auto", or "Mode(n)" for an invalid value.
+func (m Mode) String() string {
+	switch m {
+	case Single:
+		return "single"
+	case Dual:
+		return "dual"
+	case Auto:
+		return "auto"
+	}
+	return fmt.Sprintf("Mode(%d)", int(m))
+}
+
+// Part selects what Layer.ForwardDevice computes, for benchmarks.
+type Part int
+
+const (
+	// Whole is the MoE block: routed experts plus the shared expert.
+	Whole Part = iota
+	// SharedOnly is the shared expert alone (with its Qwen2-MoE gate), y =
+	// gate * Shared(x). It is an error on a layer without a shared expert.
+	SharedOnly
+	// RoutedOnly is the routed path alone: router, routing, permutation, the
+	// routed experts and the combine, without the shared expert.
+	RoutedOnly
+)
+
+// String returns "whole", "shared", "routed", or "Part(n)" for an invalid value.
+func (p Part) String() string {
+	switch p {
+	case Whole:
+		return "whole"
+	case SharedOnly:
+		return "shared"
+	case RoutedOnly:
+		return "routed"
+	}
+	return fmt.Sprintf("Part(%d)", int(p))
+}
+
+// DefaultAutoThreshold is the batch size (tokens) at and above which Auto uses
+// Dual when LayerOptions.AutoThreshold is 0.
+const DefaultAutoThreshold = 1
+
+// Kernel limits (kernels/moe.cu): experts per layer and experts per token.
+const (
+	MaxExperts = 512
+	MaxTopK    = 16
+)
+
+// LayerOptions configures NewLayer.
+type LayerOptions struct {
+	// DType is gpuctx.F32 or gpuctx.BF16: the type of the weights and of every
+	// activation on the device. Accumulation is always f32; router logits and
+	// routing weights are f32. The zero value is refused.
+	DType gpuctx.DType
+	// Mode is the default mode of Forward (the zero value is Single).
+	Mode Mode
+	// AutoThreshold is the number of tokens at or above which Auto uses Dual;
+	// 0 means DefaultAutoThreshold.
+	AutoThreshold int
+	// Stream is the main stream. nil: the layer makes its own (closed by Close).
+	Stream *gpuctx.Stream
+}
+
+// Layer is one MoE block on a device: the weights (experts fused as [E,2I,H]
+// gate-then-up and [E,H,I] down), a BLAS Context on the main stream and a view
+// of it on the side stream, the events that fork and join the side stream, and
+// scratch buffers that grow as needed.
+//
+// A Layer serialises its own calls with a mutex, so it is safe to call from
+// several goroutines, but calls do not overlap: one forward is queued at a time.
+type Layer struct {
+	mu     sync.Mutex
+	closed bool
+
+	dev    *gpuctx.Device
+	cfg    Config
+	dt     gpuctx.DType
+	es     int // element size of dt
+	mode   Mode
+	thresh int
+	flav   gpuctx.Flavour
+
+	main, side  *gpuctx.Stream
+	ownMain     bool
+	ctx, sctx   *gpuctx.Context // sctx: ctx.WithStream(side)
+	evFork      *gpuctx.Event
+	evJoin      *gpuctx.Event
+	evCounts    *gpuctx.Event
+	kRoute      *gpuctx.Kernel
+	kPlan       *gpuctx.Kernel
+	kGather     *gpuctx.Kernel
+	kSwiglu     *gpuctx.Kernel
+	kCombine    *gpuctx.Kernel
+	countsHost  *gpuctx.HostBuffer
+	weightBufs  []*gpuctx.Buffer
+	router      *gpuctx.Buffer // [E,H] dt
+	bias        *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
+	gu, down    *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
+	sgu, sdown  *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
+	sgate       *gpuctx.Buffer // [H] dt, or nil
+	scr         scratch
+	routedT     int  // tokens of the last forward that routed (0: none)
+	lastDual    bool // whether the last forward used the side stream (tests)
+	hostCounts  []int32
+	hostOffsets []int
+}
+
+// scratch holds the reusable device buffers of a forward.
+type scratch struct {
+	logits, idx, w, counts, offsets, pos *gpuctx.Buffer // routing
+	xp, h, act, out                      *gpuctx.Buffer // routed experts
+	sh, sact, sout, sg                   *gpuctx.Buffer // shared expert
+	xio, yio                             *gpuctx.Buffer // Forward's input and output
+}
+
+func (s *scratch) all() []**gpuctx.Buffer {
+	return []**gpuctx.Buffer{&s.logits, &s.idx, &s.w, &s.counts, &s.offsets, &s.pos,
+		&s.xp, &s.h, &s.act, &s.out, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
+}
+
+// NewLayer validates cfg and w, uploads the weights to dev in o.DType
+// (synchronous copies that wait for nothing queued), compiles or looks up the
+// MoE kernels, and makes the side stream, the events and the BLAS Context.
+// Errors name the bad value: a nil device, an invalid config or weights, a
+// dtype other than F32/BF16, more than MaxExperts experts or MaxTopK experts per
+// token, a negative AutoThreshold, an unknown Mode, or a stream of another
+// device. On error everything made so far is released.
+func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Layer, error) {
+	const op = "moe.NewLayer"
+	if dev == nil {
+		return nil, fmt.Errorf("%s: nil device", op)
+	}
+	if err := w.Check(cfg); err != nil {
+		return nil, fmt.Errorf("%s: %w", op, err)
+	}
+	if o.DType != gpuctx.F32 && o.DType != gpuctx.BF16 {
+		return nil, fmt.Errorf("%w: %s: dtype %v is not supported; use gpuctx.F32 or gpuctx.BF16", gpuctx.ErrInvalid, op, o.DType)
+	}
+	if cfg.NumExperts > MaxExperts || cfg.TopK > MaxTopK {
+		return nil, fmt.Errorf("%w: %s: %d experts, top-%d: the MoE kernels support at most %d experts and top-%d", gpuctx.ErrInvalid, op, cfg.NumExperts, cfg.TopK, MaxExperts, MaxTopK)
+	}
+	if o.Mode < Single || o.Mode > Auto {
+		return nil, fmt.Errorf("%w: %s: unknown mode %v; use Single, Dual or Auto", gpuctx.ErrInvalid, op, o.Mode)
+	}
+	if o.AutoThreshold < 0 {
+		return nil, fmt.Errorf("%w: %s: AutoThreshold = %d: must be >= 0 (0 means DefaultAutoThreshold)", gpuctx.ErrInvalid, op, o.AutoThreshold)
+	}
+	if o.Stream != nil && o.Stream.Device() != dev {
+		return nil, fmt.Errorf("%w: %s: LayerOptions.Stream belongs to another device", gpuctx.ErrWrongDevice, op)
+	}
+	l := &Layer{dev: dev, cfg: *cfg, dt: o.DType, es: o.DType.Size(), mode: o.Mode, thresh: o.AutoThreshold,
+		flav: gpuctx.Default, main: o.Stream}
+	if l.thresh == 0 {
+		l.thresh = DefaultAutoThreshold
+	}
+	if l.dt == gpuctx.BF16 {
+		l.flav = gpuctx.TensorOp
+	}
+	if err := l.init(w); err != nil {
+		_ = l.release()
+		return nil, fmt.Errorf("%s: %w", op, err)
+	}
+	return l, nil
+}
+
+func (l *Layer) init(w *Weights) error {
+	var err error
+	if l.main == nil {
+		if l.main, err = l.dev.NewStream(gpuctx.StreamOptions{}); err != nil {
+			return err
+		}
+		l.ownMain = true
+	}
+	if l.side, err = l.dev.NewStream(gpuctx.StreamOptions{}); err != nil {
+		return err
+	}
+	if l.ctx, err = l.dev.NewContext(gpuctx.ContextOptions{Stream: l.main}); err != nil {
+		return err
+	}
+	if l.sctx, err = l.ctx.WithStream(l.side); err != nil {
+		return err
+	}
+	for _, e := range []**gpuctx.Event{&l.evFork, &l.evJoin, &l.evCounts} {
+		if *e, err = l.dev.NewEvent(false); err != nil {
+			return err
+		}
+	}
+	for _, k := range []struct {
+		dst  **gpuctx.Kernel
+		name string
+	}{{&l.kRoute, "gpuctx_moe_route"}, {&l.kPlan, "gpuctx_moe_plan"}, {&l.kGather, "gpuctx_moe_gather"},
+		{&l.kSwiglu, "gpuctx_moe_swiglu"}, {&l.kCombine, "gpuctx_moe_combine"}} {
+		if *k.dst, err = l.dev.Kernel(k.name); err != nil {
+			return err
+		}
+	}
+	E, H, I, Is := l.cfg.NumExperts, l.cfg.HiddenSize, l.cfg.Intermediate, l.cfg.SharedIntermediate
+	if l.countsHost, err = l.dev.AllocHost(4 * E); err != nil {
+		return err
+	}
+	if l.router, err = l.upload(w.Router); err != nil {
+		return err
+	}
+	bias := w.Bias
+	if bias == nil {
+		bias = make([]float32, E)
+	}
+	if l.bias, err = l.alloc(4 * E); err != nil {
+		return err
+	}
+	if err := l.bias.CopyFromHost(f32Bytes(bias)); err != nil {
+		return err
+	}
+	if l.gu, err = l.alloc(E * 2 * I * H * l.es); err != nil {
+		return err
+	}
+	if l.down, err = l.alloc(E * H * I * l.es); err != nil {
+		return err
+	}
+	for e := range w.Experts {
+		ex := &w.Experts[e]
+		if err := l.copyInto(l.gu, e*2*I*H, ex.Gate, ex.Up); err != nil {
+			return err
+		}
+		if err := l.copyInto(l.down, e*H*I, ex.Down); err != nil {
+			return err
+		}
+	}
+	if w.Shared != nil {
+		if l.sgu, err = l.alloc(2 * Is * H * l.es); err != nil {
+			return err
+		}
+		if err := l.copyInto(l.sgu, 0, w.Shared.Gate, w.Shared.Up); err != nil {
+			return err
+		}
+		if l.sdown, err = l.upload(w.Shared.Down); err != nil {
+			return err
+		}
+	}
+	if w.SharedGate != nil {
+		if l.sgate, err = l.upload(w.SharedGate); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (l *Layer) alloc(n int) (*gpuctx.Buffer, error) {
+	b, err := l.dev.Alloc(n)
+	if err != nil {
+		return nil, err
+	}
+	l.weightBufs = append(l.weightBufs, b)
+	return b, nil
+}
+
+// upload copies v to a new device buffer in the layer's dtype.
+func (l *Layer) upload(v []float32) (*gpuctx.Buffer, error) {
+	b, err := l.alloc(len(v) * l.es)
+	if err != nil {
+		return nil, err
+	}
+	return b, l.copyInto(b, 0, v)
+}
+
+// copyInto writes the concatenation of parts, in the layer's dtype, into b
+// starting at element off.
+func (l *Layer) copyInto(b *gpuctx.Buffer, off int, parts ...[]float32) error {
+	for _, p := range parts {
+		if len(p) == 0 {
+			continue
+		}
+		v, err := b.Slice(off*l.es, len(p)*l.es)
+		if err != nil {
+			return err
+		}
+		if err := v.CopyFromHost(l.encode(p)); err != nil {
+			return err
+		}
+		off += len(p)
+	}
+	return nil
+}
+
+// encode returns v's bytes in the layer's dtype (bf16 rounds to nearest even).
+func (l *Layer) encode(v []float32) []byte {
+	if l.dt == gpuctx.F32 {
+		return f32Bytes(v)
+	}
+	h := half.BF16s(v)
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(h))), 2*len(h))
+}
+
+// decode converts b (the layer's dtype) to float32 values.
+func (l *Layer) decode(b []byte) []float32 {
+	if l.dt == gpuctx.F32 {
+		return append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/4)...)
+	}
+	h := unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/2)
+	out := make([]float32, len(h))
+	for i, v := range h {
+		out[i] = half.FromBF16(v)
+	}
+	return out
+}
+
+func f32Bytes(v []float32) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(v))), 4*len(v))
+}
+
+// MainStream returns the stream ForwardDevice queues work on (LayerOptions.Stream
+// or the layer's own stream). Safe for concurrent use.
+func (l *Layer) MainStream() *gpuctx.Stream { return l.main }
+
+// DType returns the layer's storage dtype (gpuctx.F32 or gpuctx.BF16).
+func (l *Layer) DType() gpuctx.DType { return l.dt }
+
+// Config returns a copy of the layer's configuration.
+func (l *Layer) Config() Config { return l.cfg }
+
+// WeightBytes returns the bytes of weights a batch of T tokens reads: the
+// router (and correction bias), the shared expert (and its gate), and each
+// distinct routed expert selected in idx (the T*K indices of LastRouting). With
+// idx nil it assumes min(E, T*K) distinct experts. It touches no device and is
+// safe for concurrent use.
+func (l *Layer) WeightBytes(T int, idx []int32) int64 {
+	c := &l.cfg
+	H, E, es := int64(c.HiddenSize), int64(c.NumExperts), int64(l.es)
+	n := E * H * es
+	if c.HasBias() {
+		n += 4 * E
+	}
+	n += 3 * H * int64(c.SharedIntermediate) * es
+	if c.SharedGate {
+		n += H * es
+	}
+	var experts int64
+	if idx == nil {
+		experts = min(E, int64(max(T, 0))*int64(c.TopK))
+	} else {
+		seen := make(map[int32]struct{}, len(idx))
+		for _, e := range idx {
+			seen[e] = struct{}{}
+		}
+		experts = int64(len(seen))
+	}
+	return n + experts*3*H*int64(c.Intermediate)*es
+}
+
+// check returns an error if the layer is closed; l.mu must be held.
+func (l *Layer) check(op string) error {
+	if l.closed {
+		return fmt.Errorf("moe: %s: layer: %w", op, gpuctx.ErrClosed)
+	}
+	return nil
+}
+
+// Close waits for the layer's streams, then releases its buffers, events,
+// Context, side stream and (when the layer made it) main stream. Later calls
+// return an error wrapping gpuctx.ErrClosed; double Close is harmless. If the
+// device was closed first, Close only marks the layer closed.
+func (l *Layer) Close() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return nil
+	}
+	l.closed = true
+	return l.release()
+}
+
+// release frees everything the layer holds, ignoring objects that are already
+// closed or freed (a device closed before the layer freed them).
+func (l *Layer) release() error {
+	var errs []error
+	keep := func(err error) {
+		if err != nil && !errors.Is(err, gpuctx.ErrClosed) && !errors.Is(err, gpuctx.ErrFreed) {
+			errs = append(errs, err)
+		}
+	}
+	for _, s := range []*gpuctx.Stream{l.main, l.side} {
+		if s != nil {
+			keep(s.Synchronize())
+		}
+	}
+	for _, b := range l.scr.all() {
+		if *b != nil {
+			keep((*b).Free())
+			*b = nil
+		}
+	}
+	for _, b := range l.weightBufs {
+		keep(b.Free())
+	}
+	l.weightBufs = nil
+	if l.countsHost != nil {
+		keep(l.countsHost.Free())
+		l.countsHost = nil
+	}
+	for _, e := range []*gpuctx.Event{l.evFork, l.evJoin, l.evCounts} {
+		if e != nil {
+			keep(e.Close())
+		}
+	}
+	if l.ctx != nil {
+		keep(l.ctx.Close())
+	}
+	if l.side != nil {
+		keep(l.side.Close())
+	}
+	if l.ownMain && l.main != nil {
+		keep(l.main.Close())
+	}
+	return errors.Join(errs...)
+}

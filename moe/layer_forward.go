@@ -1,0 +1,447 @@
+package moe
+
+import (
+	"fmt"
+	"math"
+	"unsafe"
+
+	"github.com/gpuctx/gpuctx"
+)
+
+// Routing codes passed to gpuctx_moe_route (kernels/moe.cu).
+const (
+	scoreSoftmax int32 = 0
+	scoreSigmoid int32 = 1
+
+	methodGreedy    int32 = 0
+	methodGroupMax  int32 = 1 // group_limited_greedy
+	methodGroupTop2 int32 = 2 // noaux_tc
+)
+
+// Forward computes y [T,H] for x [T,H] (host float32, row-major) with the
+// layer's Mode: it uploads x, queues ForwardDevice on the main stream, waits for
+// the main stream, and downloads y. It blocks until the result is on the host.
+// In bf16 mode x is rounded to bf16 on upload and y is widened exactly.
+func (l *Layer) Forward(x []float32, T int) ([]float32, error) {
+	const op = "Layer.Forward"
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.check(op); err != nil {
+		return nil, err
+	}
+	H := l.cfg.HiddenSize
+	if T <= 0 {
+		return nil, fmt.Errorf("%w: moe: %s: T = %d tokens: must be > 0", gpuctx.ErrInvalid, op, T)
+	}
+	if len(x) != T*H {
+		return nil, fmt.Errorf("%w: moe: %s: x has %d values, want T*H = %d*%d = %d", gpuctx.ErrSize, op, len(x), T, H, T*H)
+	}
+	n := T * H * l.es
+	synced := false
+	if err := l.grow(&l.scr.xio, n, &synced); err != nil {
+		return nil, err
+	}
+	if err := l.grow(&l.scr.yio, n, &synced); err != nil {
+		return nil, err
+	}
+	if !synced { // an earlier forward may still read xio
+		if err := l.main.Synchronize(); err != nil {
+			return nil, err
+		}
+	}
+	xv, err := l.scr.xio.Slice(0, n)
+	if err != nil {
+		return nil, err
+	}
+	yv, err := l.scr.yio.Slice(0, n)
+	if err != nil {
+		return nil, err
+	}
+	if err := xv.CopyFromHost(l.encode(x)); err != nil {
+		return nil, err
+	}
+	if err := l.forward(op, xv, yv, T, l.mode, Whole); err != nil {
+		return nil, err
+	}
+	if err := l.main.Synchronize(); err != nil {
+		return nil, fmt.Errorf("moe: %s: %w", op, err)
+	}
+	out := make([]byte, n)
+	if err := yv.CopyToHost(out); err != nil {
+		return nil, err
+	}
+	return l.decode(out), nil
+}
+
+// ForwardDevice queues y = MoE(x) on the main stream for x and y [T,H] in the
+// layer's dtype on the layer's device (each at least T*H elements; y may be x).
+// part selects the whole block, the shared expert alone or the routed path
+// alone; mode selects Single, Dual (the shared expert on the side stream, forked
+// from and joined back into the main stream with events) or Auto.
+//
+// It returns once the work is queued, except for one wait: the routed path
+// needs the per-expert token counts on the host to size the grouped GEMMs, so it
+// blocks until the main stream has finished the router, the routing and the
+// permutation plan (an event after the counts copy; the shared expert, queued
+// before that wait, keeps the device busy meanwhile). The caller must keep x and
+// y alive and unmodified until the main stream has passed the forward; later work
+// on the main stream is ordered after it, including the side stream's part.
+//
+// Single and Dual produce bitwise identical y: the same kernels and GEMMs with
+// the same shapes, and a combine with a fixed summation order.
+func (l *Layer) ForwardDevice(x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.forward("Layer.ForwardDevice", x, y, T, mode, part)
+}
+
+// forward is ForwardDevice with l.mu held.
+func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
+	if err := l.check(op); err != nil {
+		return err
+	}
+	c := &l.cfg
+	H, E, K, I, Is := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate, c.SharedIntermediate
+	es := l.es
+	if T <= 0 {
+		return fmt.Errorf("%w: moe: %s: T = %d tokens: must be > 0", gpuctx.ErrInvalid, op, T)
+	}
+	if int64(T)*int64(K) > math.MaxInt32 || int64(T)*int64(max(H, 2*I, 2*Is, E)) > math.MaxInt32 {
+		return fmt.Errorf("%w: moe: %s: T = %d tokens is too many for 32-bit kernel arguments; split the batch", gpuctx.ErrInvalid, op, T)
+	}
+	if mode < Single || mode > Auto {
+		return fmt.Errorf("%w: moe: %s: unknown mode %v; use Single, Dual or Auto", gpuctx.ErrInvalid, op, mode)
+	}
+	if part < Whole || part > RoutedOnly {
+		return fmt.Errorf("%w: moe: %s: unknown part %v; use Whole, SharedOnly or RoutedOnly", gpuctx.ErrInvalid, op, part)
+	}
+	hasShared := l.sgu != nil
+	if part == SharedOnly && !hasShared {
+		return fmt.Errorf("%w: moe: %s: part SharedOnly, but this %s layer has no shared expert", gpuctx.ErrInvalid, op, c.Family)
+	}
+	n := T * H * es
+	for _, b := range []struct {
+		name string
+		buf  *gpuctx.Buffer
+	}{{"x", x}, {"y", y}} {
+		if b.buf == nil {
+			return fmt.Errorf("%w: moe: %s: %s is nil", gpuctx.ErrInvalid, op, b.name)
+		}
+		if b.buf.Device() != l.dev {
+			return fmt.Errorf("%w: moe: %s: %s belongs to another device than the layer", gpuctx.ErrWrongDevice, op, b.name)
+		}
+		if b.buf.Size() < n {
+			return fmt.Errorf("%w: moe: %s: %s holds %d bytes; T*H = %d*%d %v elements need %d", gpuctx.ErrSize, op, b.name, b.buf.Size(), T, H, l.dt, n)
+		}
+	}
+	doRouted := part != SharedOnly
+	doShared := hasShared && part != RoutedOnly
+	if mode == Auto {
+		mode = Single
+		if T >= l.thresh {
+			mode = Dual
+		}
+	}
+	dual := mode == Dual && doShared
+	l.lastDual = dual
+	if err := l.ensure(T, doRouted, doShared); err != nil {
+		return err
+	}
+	xv, err := x.Slice(0, n)
+	if err != nil {
+		return err
+	}
+	yv, err := y.Slice(0, n)
+	if err != nil {
+		return err
+	}
+	if dual { // fork: the side stream starts once x is ready on the main stream
+		if err := l.evFork.Record(l.main); err != nil {
+			return err
+		}
+		if err := l.side.Wait(l.evFork); err != nil {
+			return err
+		}
+		if err := l.sharedExpert(l.sctx, l.side, xv, T); err != nil {
+			return err
+		}
+		if err := l.evJoin.Record(l.side); err != nil {
+			return err
+		}
+	}
+	if doRouted {
+		if err := l.routed(xv, T, doShared && !dual); err != nil {
+			return err
+		}
+		l.routedT = T
+	} else if doShared && !dual {
+		if err := l.sharedExpert(l.ctx, l.main, xv, T); err != nil {
+			return err
+		}
+	}
+	if dual { // join
+		if err := l.main.Wait(l.evJoin); err != nil {
+			return err
+		}
+	}
+	s := &l.scr
+	dummy := l.bias // a valid pointer for arguments the kernel does not read
+	out, pos, w, sout, sg := dummy, dummy, dummy, dummy, dummy
+	if doRouted {
+		out, pos, w = s.out, s.pos, s.w
+	}
+	if doShared {
+		sout = s.sout
+		if l.sgate != nil {
+			sg = s.sg
+		}
+	}
+	return l.main.Launch(l.kCombine, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
+		out, pos, w, sout, sg, yv, int32(T), int32(K), int32(H),
+		flag(doRouted), flag(doShared), flag(doShared && l.sgate != nil), flag(l.dt == gpuctx.BF16))
+}
+
+// routed queues the router, routing and permutation, waits for the per-expert
+// counts, and queues the routed experts, all on the main stream. With
+// sharedOnMain it queues the shared expert on the main stream right after the
+// counts copy, so that it runs while the host waits.
+func (l *Layer) routed(x *gpuctx.Buffer, T int, sharedOnMain bool) error {
+	c := &l.cfg
+	H, E, K, I := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate
+	TK, es, s := T*K, l.es, &l.scr
+	err := l.ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error {
+		return h.Gemm(gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: T, N: E, K: H, Alpha: 1,
+			A: x, B: l.router, C: s.logits, AB: l.dt, CType: gpuctx.F32})
+	})
+	if err != nil {
+		return fmt.Errorf("moe: router GEMM: %w", err)
+	}
+	scoring, method := scoreSoftmax, methodGreedy
+	if c.Scoring == Sigmoid {
+		scoring = scoreSigmoid
+	}
+	switch c.TopKMethod {
+	case GroupLimitedGreedy:
+		method = methodGroupMax
+	case NoAuxTC:
+		method = methodGroupTop2
+	}
+	var eps float32
+	if c.Family == DeepseekV3 {
+		eps = 1e-20
+	}
+	scale := float32(1)
+	if c.Family == DeepseekV2 || c.Family == DeepseekV3 {
+		scale = float32(c.RoutedScalingFactor)
+	}
+	one := gpuctx.Dim3{X: 1, Y: 1, Z: 1}
+	if err := l.main.Launch(l.kRoute, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0,
+		s.logits, l.bias, s.idx, s.w, int32(T), int32(E), int32(K), scoring, method,
+		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale); err != nil {
+		return err
+	}
+	if err := l.main.Launch(l.kPlan, one, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
+		s.idx, s.counts, s.offsets, s.pos, int32(TK), int32(E)); err != nil {
+		return err
+	}
+	if err := l.main.CopyDtoH(l.countsHost, 0, s.counts, 0, 4*E); err != nil {
+		return err
+	}
+	if err := l.evCounts.Record(l.main); err != nil {
+		return err
+	}
+	if err := l.main.Launch(l.kGather, gpuctx.Dim3{X: gridFor(TK), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
+		x, s.pos, s.xp, int32(TK), int32(K), int32(H), int32(es)); err != nil {
+		return err
+	}
+	if sharedOnMain {
+		if err := l.sharedExpert(l.ctx, l.main, x, T); err != nil {
+			return err
+		}
+	}
+	if err := l.evCounts.Synchronize(); err != nil {
+		return fmt.Errorf("moe: waiting for the per-expert counts: %w", err)
+	}
+	counts := unsafe.Slice((*int32)(unsafe.Pointer(unsafe.SliceData(l.countsHost.Bytes()))), E)
+	gateUp := make([]gpuctx.Gemm, 0, E)
+	down := make([]gpuctx.Gemm, 0, E)
+	off := 0
+	for e := 0; e < E; e++ {
+		n := int(counts[e])
+		if n < 0 || off+n > TK {
+			return fmt.Errorf("moe: routing produced count %d for expert %d (%d rows before it, %d in all): a kernel bug", n, e, off, TK)
+		}
+		if n > 0 {
+			views := make([]*gpuctx.Buffer, 6)
+			for i, v := range []struct {
+				b        *gpuctx.Buffer
+				off, len int
+			}{
+				{s.xp, off * H, n * H}, {l.gu, e * 2 * I * H, 2 * I * H}, {s.h, off * 2 * I, n * 2 * I},
+				{s.act, off * I, n * I}, {l.down, e * H * I, H * I}, {s.out, off * H, n * H},
+			} {
+				if views[i], err = v.b.Slice(v.off*es, v.len*es); err != nil {
+					return err
+				}
+			}
+			gateUp = append(gateUp, gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: n, N: 2 * I, K: H, Alpha: 1,
+				A: views[0], B: views[1], C: views[2], AB: l.dt, CType: l.dt})
+			down = append(down, gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: n, N: H, K: I, Alpha: 1,
+				A: views[3], B: views[4], C: views[5], AB: l.dt, CType: l.dt})
+		}
+		off += n
+	}
+	if off != TK {
+		return fmt.Errorf("moe: routing counted %d rows, want T*K = %d: a kernel bug", off, TK)
+	}
+	if err := l.ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error { return h.GemmGrouped(gateUp) }); err != nil {
+		return fmt.Errorf("moe: expert gate/up grouped GEMM: %w", err)
+	}
+	if err := l.main.Launch(l.kSwiglu, gpuctx.Dim3{X: gridFor(TK), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(I), Y: 1, Z: 1}, 0,
+		s.h, s.act, int32(TK), int32(I), flag(l.dt == gpuctx.BF16)); err != nil {
+		return err
+	}
+	if err := l.ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error { return h.GemmGrouped(down) }); err != nil {
+		return fmt.Errorf("moe: expert down grouped GEMM: %w", err)
+	}
+	return nil
+}
+
+// sharedExpert queues the shared expert (and the Qwen2-MoE gate logits) on
+// stream st through ctx, whose current stream must be st: sout = Down(silu(Gate
+// x) * Up x), sg = x . shared_expert_gate.
+func (l *Layer) sharedExpert(ctx *gpuctx.Context, st *gpuctx.Stream, x *gpuctx.Buffer, T int) error {
+	H, Is := l.cfg.HiddenSize, l.cfg.SharedIntermediate
+	s := &l.scr
+	err := ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error {
+		return h.Gemm(gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: T, N: 2 * Is, K: H, Alpha: 1,
+			A: x, B: l.sgu, C: s.sh, AB: l.dt, CType: l.dt})
+	})
+	if err != nil {
+		return fmt.Errorf("moe: shared expert gate/up GEMM: %w", err)
+	}
+	if err := st.Launch(l.kSwiglu, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(Is), Y: 1, Z: 1}, 0,
+		s.sh, s.sact, int32(T), int32(Is), flag(l.dt == gpuctx.BF16)); err != nil {
+		return err
+	}
+	err = ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error {
+		if err := h.Gemm(gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: T, N: H, K: Is, Alpha: 1,
+			A: s.sact, B: l.sdown, C: s.sout, AB: l.dt, CType: l.dt}); err != nil {
+			return err
+		}
+		if l.sgate == nil {
+			return nil
+		}
+		return h.Gemm(gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: T, N: 1, K: H, Alpha: 1,
+			A: x, B: l.sgate, C: s.sg, AB: l.dt, CType: gpuctx.F32})
+	})
+	if err != nil {
+		return fmt.Errorf("moe: shared expert down/gate GEMM: %w", err)
+	}
+	return nil
+}
+
+// ensure grows the scratch buffers a forward of T tokens needs.
+func (l *Layer) ensure(T int, routed, shared bool) error {
+	c := &l.cfg
+	H, E, K, I, Is, es := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate, c.SharedIntermediate, l.es
+	TK, s := T*K, &l.scr
+	type need struct {
+		b **gpuctx.Buffer
+		n int
+	}
+	var needs []need
+	if routed {
+		needs = append(needs, need{&s.logits, 4 * T * E}, need{&s.idx, 4 * TK}, need{&s.w, 4 * TK},
+			need{&s.counts, 4 * E}, need{&s.offsets, 4 * (E + 1)}, need{&s.pos, 4 * TK},
+			need{&s.xp, TK * H * es}, need{&s.h, TK * 2 * I * es}, need{&s.act, TK * I * es}, need{&s.out, TK * H * es})
+	}
+	if shared {
+		needs = append(needs, need{&s.sh, T * 2 * Is * es}, need{&s.sact, T * Is * es}, need{&s.sout, T * H * es}, need{&s.sg, 4 * T})
+	}
+	synced := false
+	for _, nd := range needs {
+		if err := l.grow(nd.b, nd.n, &synced); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// grow makes *b hold at least n bytes. Before freeing a buffer that queued work
+// may still use it waits for both streams (once per forward, tracked by synced).
+func (l *Layer) grow(b **gpuctx.Buffer, n int, synced *bool) error {
+	if *b != nil && (*b).Size() >= n {
+		return nil
+	}
+	if *b != nil {
+		if !*synced {
+			if err := l.main.Synchronize(); err != nil {
+				return err
+			}
+			if err := l.side.Synchronize(); err != nil {
+				return err
+			}
+			*synced = true
+		}
+		if err := (*b).Free(); err != nil {
+			return err
+		}
+		*b = nil
+		n += n / 4 // headroom for growing batches
+	}
+	nb, err := l.dev.Alloc(max(n, 256))
+	if err != nil {
+		return fmt.Errorf("moe: scratch buffer of %d bytes: %w", n, err)
+	}
+	*b = nb
+	return nil
+}
+
+// LastRouting waits for the main stream and returns the expert indices [T,K]
+// and routing weights [T,K] of the last forward that ran the routed path, each
+// token's experts in decreasing order of selection score (ties: lower index).
+func (l *Layer) LastRouting() (idx []int32, w []float32, err error) {
+	const op = "Layer.LastRouting"
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.check(op); err != nil {
+		return nil, nil, err
+	}
+	if l.routedT == 0 {
+		return nil, nil, fmt.Errorf("moe: %s: no forward has routed tokens yet (run Forward, or ForwardDevice with Whole or RoutedOnly)", op)
+	}
+	if err := l.main.Synchronize(); err != nil {
+		return nil, nil, err
+	}
+	TK := l.routedT * l.cfg.TopK
+	idx = make([]int32, TK)
+	w = make([]float32, TK)
+	for _, v := range []struct {
+		b   *gpuctx.Buffer
+		dst unsafe.Pointer
+	}{{l.scr.idx, unsafe.Pointer(unsafe.SliceData(idx))}, {l.scr.w, unsafe.Pointer(unsafe.SliceData(w))}} {
+		view, err := v.b.Slice(0, 4*TK)
+		if err != nil {
+			return nil, nil, err
+		}
+		if err := view.CopyToHost(unsafe.Slice((*byte)(v.dst), 4*TK)); err != nil {
+			return nil, nil, err
+		}
+	}
+	return idx, w, nil
+}
+
+// gridFor returns a grid width for n rows (blocks stride over the rest).
+func gridFor(n int) int { return max(1, min(n, 65535)) }
+
+// blockFor returns a block width for rows of n columns: a multiple of 32, at
+// most 256.
+func blockFor(n int) int { return max(32, min(256, (n+31)/32*32)) }
+
+func flag(b bool) int32 {
+	if b {
+		return 1
+	}
+	return 0
+}

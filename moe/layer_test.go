@@ -1,0 +1,714 @@
+package moe
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"math"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/half"
+	"github.com/gpuctx/gpuctx/moe/safetensors"
+)
+
+// testBackend is one device the Layer tests run on, with the f32 tolerance of
+// that backend (CUDA: cuBLAS's summation order, TF32 off).
+type testBackend struct {
+	name  string
+	dev   *gpuctx.Device
+	tolF2 float64
+}
+
+// layerBackends returns the CPU backend, and CUDA when it opens. Runtimes are
+// closed when the test ends.
+func layerBackends(t *testing.T) []testBackend {
+	t.Helper()
+	var out []testBackend
+	for _, b := range []struct {
+		name string
+		tol  float64
+	}{{"cpu", 1e-5}, {"cuda", 1e-4}} {
+		rt, err := gpuctx.OpenBackend(b.name)
+		if err != nil {
+			t.Logf("backend %s not available, not tested: %v", b.name, firstLine(err))
+			continue
+		}
+		t.Cleanup(func() { _ = rt.Close() })
+		dev, err := rt.Device(0)
+		if err != nil {
+			t.Fatalf("%s: Device(0): %v", b.name, err)
+		}
+		t.Logf("testing on backend %s (%s)", b.name, dev.Info().Name)
+		out = append(out, testBackend{b.name, dev, b.tol})
+	}
+	if len(out) == 0 {
+		t.Fatal("no backend opened, not even cpu")
+	}
+	return out
+}
+
+func firstLine(err error) string {
+	s := err.Error()
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		return s[:i]
+	}
+	return s
+}
+
+var layerDTypes = []gpuctx.DType{gpuctx.F32, gpuctx.BF16}
+
+func tolFor(b testBackend, dt gpuctx.DType) float64 {
+	if dt == gpuctx.BF16 {
+		return 2e-2
+	}
+	return b.tolF2
+}
+
+// relErr is max|got-want| / max|want|.
+func relErr(got, want []float32) float64 {
+	var maxRef, maxDiff float64
+	for i := range want {
+		maxRef = max(maxRef, math.Abs(float64(want[i])))
+		maxDiff = max(maxDiff, math.Abs(float64(got[i])-float64(want[i])))
+	}
+	if maxRef == 0 {
+		return maxDiff
+	}
+	return maxDiff / maxRef
+}
+
+func randomX(T, H int, seed uint64) []float32 {
+	r := rand.New(rand.NewPCG(seed, 99))
+	x := make([]float32, T*H)
+	for i := range x {
+		x[i] = float32(4*r.Float64() - 2)
+	}
+	return x
+}
+
+// checkRouting compares the layer's last routing with Route: the same expert
+// set per token and the same weights (to f32 rounding).
+func checkRouting(t *testing.T, l *Layer, cfg *Config, w *Weights, x []float32, T int) {
+	t.Helper()
+	gotIdx, gotW, err := l.LastRouting()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantIdx, wantW, err := Route(cfg, w, x, T)
+	if err != nil {
+		t.Fatal(err)
+	}
+	K := cfg.TopK
+	for tk := 0; tk < T; tk++ {
+		want := map[int32]float32{}
+		for k := 0; k < K; k++ {
+			want[wantIdx[tk*K+k]] = wantW[tk*K+k]
+		}
+		for k := 0; k < K; k++ {
+			ww, ok := want[gotIdx[tk*K+k]]
+			if !ok {
+				t.Fatalf("token %d: layer chose experts %v, Route %v", tk, gotIdx[tk*K:(tk+1)*K], wantIdx[tk*K:(tk+1)*K])
+			}
+			if d := math.Abs(float64(ww) - float64(gotW[tk*K+k])); d > 1e-5*math.Max(1, math.Abs(float64(ww))) {
+				t.Fatalf("token %d expert %d: layer weight %v, Route %v", tk, gotIdx[tk*K+k], gotW[tk*K+k], ww)
+			}
+		}
+	}
+}
+
+type fixtureCase struct {
+	name string
+	x, y []float32
+	T    int
+}
+
+func loadLayerFixture(t *testing.T, dir string) (*Config, *Weights, []fixtureCase) {
+	t.Helper()
+	cfg, err := LoadConfig(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	layer := 1
+	if data, err := os.ReadFile(filepath.Join(dir, "meta.json")); err == nil {
+		var m struct {
+			Layer *int `json:"layer"`
+		}
+		if err := json.Unmarshal(data, &m); err != nil {
+			t.Fatalf("meta.json: %v", err)
+		}
+		if m.Layer != nil {
+			layer = *m.Layer
+		}
+	}
+	w, err := LoadWeights(dir, cfg, layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, err := safetensors.Open(filepath.Join(dir, "input.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.Close()
+	exp, err := safetensors.Open(filepath.Join(dir, "expected.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer exp.Close()
+	var cases []fixtureCase
+	for _, name := range in.Header.Names() {
+		if !strings.HasPrefix(name, "x") {
+			continue
+		}
+		x, info, err := in.Float32(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		y, _, err := exp.Float32("y" + strings.TrimPrefix(name, "x"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cases = append(cases, fixtureCase{name, x, y, info.Shape[0]})
+	}
+	if len(cases) == 0 {
+		t.Fatalf("%s: no inputs", dir)
+	}
+	return cfg, w, cases
+}
+
+// TestLayerFixtures runs every transformers fixture through Layer.Forward on
+// every backend, in f32 and bf16, in Single and Dual mode, and checks the f32
+// routing against Route.
+func TestLayerFixtures(t *testing.T) {
+	dirs, _ := filepath.Glob(filepath.Join("testdata", "*", "config.json"))
+	if len(dirs) == 0 {
+		t.Fatal("no fixtures in moe/testdata")
+	}
+	for _, b := range layerBackends(t) {
+		for _, cj := range dirs {
+			dir := filepath.Dir(cj)
+			cfg, w, cases := loadLayerFixture(t, dir)
+			for _, dt := range layerDTypes {
+				for _, mode := range []Mode{Single, Dual} {
+					t.Run(b.name+"/"+filepath.Base(dir)+"/"+dt.String()+"/"+mode.String(), func(t *testing.T) {
+						l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, Mode: mode})
+						if err != nil {
+							t.Fatal(err)
+						}
+						defer l.Close()
+						for _, c := range cases {
+							got, err := l.Forward(c.x, c.T)
+							if err != nil {
+								t.Fatal(err)
+							}
+							if dt == gpuctx.F32 {
+								checkClose(t, c.name, got, c.y, nil, tolFor(b, dt))
+								checkRouting(t, l, cfg, w, c.x, c.T)
+								continue
+							}
+							// bf16: the layer computes with bf16-rounded x and
+							// weights, so compare with the reference on those inputs;
+							// against transformers' f32 output only on tokens whose
+							// expert choice the rounding did not change.
+							wr, xr := roundWeights(w), roundAll(c.x)
+							ref, err := Reference(cfg, wr, xr, c.T)
+							if err != nil {
+								t.Fatal(err)
+							}
+							checkClose(t, c.name+" vs reference on bf16 inputs", got, ref, nil, 2e-2)
+							checkRouting(t, l, cfg, wr, xr, c.T)
+							same := sameRouting(t, cfg, w, c.x, wr, xr, c.T)
+							checkClose(t, c.name+" vs transformers", got, c.y, same, 2e-2)
+						}
+					})
+				}
+			}
+		}
+	}
+}
+
+// checkClose fails the test when the relative error of got against want (over
+// the tokens with rows[t] true, or all tokens when rows is nil) exceeds tol.
+func checkClose(t *testing.T, what string, got, want []float32, rows []bool, tol float64) {
+	t.Helper()
+	if rows != nil {
+		H := len(want) / len(rows)
+		var g, w []float32
+		skipped := 0
+		for tk, ok := range rows {
+			if !ok {
+				skipped++
+				continue
+			}
+			g = append(g, got[tk*H:(tk+1)*H]...)
+			w = append(w, want[tk*H:(tk+1)*H]...)
+		}
+		if skipped > 0 {
+			t.Logf("%s: %d of %d tokens left out: rounding x to bf16 changed their experts", what, skipped, len(rows))
+		}
+		got, want = g, w
+	}
+	if rel := relErr(got, want); !(rel <= tol) {
+		t.Errorf("%s: relative error %.3g > %.3g", what, rel, tol)
+	} else {
+		t.Logf("%s: relative error %.3g", what, rel)
+	}
+}
+
+// sameRouting reports per token whether Route picks the same experts for
+// (w, x) and (wr, xr).
+func sameRouting(t *testing.T, cfg *Config, w *Weights, x []float32, wr *Weights, xr []float32, T int) []bool {
+	t.Helper()
+	a, _, err := Route(cfg, w, x, T)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _, err := Route(cfg, wr, xr, T)
+	if err != nil {
+		t.Fatal(err)
+	}
+	K := cfg.TopK
+	out := make([]bool, T)
+	for tk := range out {
+		set := map[int32]bool{}
+		for _, e := range a[tk*K : (tk+1)*K] {
+			set[e] = true
+		}
+		out[tk] = true
+		for _, e := range b[tk*K : (tk+1)*K] {
+			out[tk] = out[tk] && set[e]
+		}
+	}
+	return out
+}
+
+// roundAll rounds v to bf16 values.
+func roundAll(v []float32) []float32 {
+	if v == nil {
+		return nil
+	}
+	out := make([]float32, len(v))
+	for i, x := range v {
+		out[i] = half.FromBF16(half.BF16(x))
+	}
+	return out
+}
+
+// roundWeights returns w with every matrix the layer stores in bf16 rounded
+// to bf16 (the correction bias stays f32, as on the device).
+func roundWeights(w *Weights) *Weights {
+	r := *w
+	r.Router = roundAll(w.Router)
+	r.Experts = make([]Expert, len(w.Experts))
+	for i, e := range w.Experts {
+		r.Experts[i] = Expert{Gate: roundAll(e.Gate), Up: roundAll(e.Up), Down: roundAll(e.Down)}
+	}
+	if w.Shared != nil {
+		r.Shared = &Expert{Gate: roundAll(w.Shared.Gate), Up: roundAll(w.Shared.Up), Down: roundAll(w.Shared.Down)}
+	}
+	r.SharedGate = roundAll(w.SharedGate)
+	return &r
+}
+
+// scaledPresets are random-weight layers shaped like the real models, scaled down.
+func scaledPresets() map[string]*Config {
+	v2 := DeepseekV2Lite()
+	v2.HiddenSize, v2.NumExperts, v2.TopK, v2.Intermediate, v2.SharedIntermediate = 256, 16, 4, 64, 128
+	v2g := *v2
+	v2g.TopKMethod, v2g.NumGroups, v2g.TopKGroups, v2g.RoutedScalingFactor = GroupLimitedGreedy, 4, 2, 1.5
+	v3 := DeepseekV3Preset()
+	v3.HiddenSize, v3.NumExperts, v3.TopK, v3.Intermediate, v3.SharedIntermediate = 128, 32, 6, 32, 32
+	q15 := Qwen15MoE()
+	q15.HiddenSize, q15.NumExperts, q15.TopK, q15.Intermediate, q15.SharedIntermediate = 128, 12, 4, 32, 96
+	q3 := Qwen3_30B_A3B()
+	q3.HiddenSize, q3.NumExperts, q3.TopK, q3.Intermediate = 128, 32, 8, 48
+	return map[string]*Config{"deepseek-v2-lite": v2, "deepseek-v2-group": &v2g, "deepseek-v3": v3,
+		"qwen1.5-moe": q15, "qwen3-30b-a3b": q3}
+}
+
+// TestLayerRandomPresets compares Forward with Reference on scaled-down
+// presets with random weights, and the routing with Route.
+func TestLayerRandomPresets(t *testing.T) {
+	for _, b := range layerBackends(t) {
+		for name, cfg := range scaledPresets() {
+			w, err := RandomWeights(cfg, 11)
+			if err != nil {
+				t.Fatal(err)
+			}
+			const T = 37
+			x := randomX(T, cfg.HiddenSize, 3)
+			want, err := Reference(cfg, w, x, T)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, dt := range layerDTypes {
+				t.Run(b.name+"/"+name+"/"+dt.String(), func(t *testing.T) {
+					l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, Mode: Auto, AutoThreshold: 8})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer l.Close()
+					got, err := l.Forward(x, T)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if dt == gpuctx.F32 {
+						checkClose(t, "vs reference", got, want, nil, tolFor(b, dt))
+						checkRouting(t, l, cfg, w, x, T)
+						return
+					}
+					wr, xr := roundWeights(w), roundAll(x)
+					ref, err := Reference(cfg, wr, xr, T)
+					if err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, "vs reference on bf16 inputs", got, ref, nil, 2e-2)
+					checkRouting(t, l, cfg, wr, xr, T)
+				})
+			}
+		}
+	}
+}
+
+// deviceRun uploads x, queues ForwardDevice with mode and part, and returns
+// y's raw bytes.
+func deviceRun(t *testing.T, l *Layer, x []float32, T int, mode Mode, part Part) []byte {
+	t.Helper()
+	n := T * l.cfg.HiddenSize * l.es
+	dev := l.dev
+	xb, err := dev.Alloc(n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer xb.Free()
+	yb, err := dev.Alloc(n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer yb.Free()
+	if err := xb.CopyFromHost(l.encode(x)); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.MainStream().Memset(yb, 0xff); err != nil { // NaNs: a kernel that skips y is caught
+		t.Fatal(err)
+	}
+	if err := l.ForwardDevice(xb, yb, T, mode, part); err != nil {
+		t.Fatalf("ForwardDevice(T=%d, %v, %v): %v", T, mode, part, err)
+	}
+	if err := l.MainStream().Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	out := make([]byte, n)
+	if err := yb.CopyToHost(out); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TestLayerDualBitwise checks that Dual, Auto and repeated Single runs give
+// bitwise the same y as Single, for every family, on every backend, in f32
+// and bf16, with T = 1, an odd T and a larger T; and that the parts add up.
+func TestLayerDualBitwise(t *testing.T) {
+	cfgs := variants()
+	cfgs["deepseek-v2-lite-scaled"] = scaledPresets()["deepseek-v2-lite"]
+	for _, b := range layerBackends(t) {
+		for name, cfg := range cfgs {
+			w, err := RandomWeights(cfg, 5)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, dt := range layerDTypes {
+				t.Run(b.name+"/"+name+"/"+dt.String(), func(t *testing.T) {
+					l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, AutoThreshold: 7})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer l.Close()
+					for _, T := range []int{1, 7, 40} {
+						x := randomX(T, cfg.HiddenSize, uint64(T))
+						single := deviceRun(t, l, x, T, Single, Whole)
+						for _, mode := range []Mode{Dual, Auto, Single} {
+							if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, single) {
+								t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(single)))
+							}
+						}
+						// Parts: whole = routed + shared, to f32 rounding.
+						if dt != gpuctx.F32 || cfg.SharedIntermediate == 0 {
+							continue
+						}
+						whole := l.decode(single)
+						routed := l.decode(deviceRun(t, l, x, T, Dual, RoutedOnly))
+						for _, mode := range []Mode{Single, Dual} {
+							shared := l.decode(deviceRun(t, l, x, T, mode, SharedOnly))
+							sum := make([]float32, len(routed))
+							for i := range sum {
+								sum[i] = routed[i] + shared[i]
+							}
+							if rel := relErr(sum, whole); !(rel <= 1e-6) {
+								t.Errorf("T=%d %v: routed+shared differs from whole by %.3g", T, mode, rel)
+							}
+							if rel := relErr(routed, whole); !(rel > 1e-4) {
+								t.Errorf("T=%d: routed alone equals whole (%.3g): the shared expert is missing", T, rel)
+							}
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
+// TestLayerAutoThreshold checks that Auto runs Dual exactly at and above the
+// threshold, and that Dual without a shared expert falls back to one stream.
+func TestLayerAutoThreshold(t *testing.T) {
+	for _, b := range layerBackends(t) {
+		for _, name := range []string{"deepseek_v2_greedy", "qwen3_moe"} {
+			cfg := variants()[name]
+			w, err := RandomWeights(cfg, 2)
+			if err != nil {
+				t.Fatal(err)
+			}
+			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.F32, Mode: Auto, AutoThreshold: 5})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, tc := range []struct {
+				T    int
+				mode Mode
+				want bool
+			}{{1, Auto, false}, {4, Auto, false}, {5, Auto, true}, {9, Auto, true}, {9, Single, false}, {2, Dual, true}} {
+				x := randomX(tc.T, cfg.HiddenSize, 1)
+				deviceRun(t, l, x, tc.T, tc.mode, Whole)
+				want := tc.want && cfg.SharedIntermediate > 0
+				if l.lastDual != want {
+					t.Errorf("%s %s T=%d %v: ran dual = %v, want %v", b.name, name, tc.T, tc.mode, l.lastDual, want)
+				}
+			}
+			l.Close()
+		}
+	}
+}
+
+// TestLayerErrors checks that bad options, bad inputs and a closed layer give
+// clear errors, and that a layer still works after refusing bad input.
+func TestLayerErrors(t *testing.T) {
+	for _, b := range layerBackends(t) {
+		cfg := variants()["qwen2_moe"]
+		w, err := RandomWeights(cfg, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		noShared := variants()["qwen3_moe"]
+		wq3, err := RandomWeights(noShared, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		big := *noShared
+		big.NumExperts, big.TopK = 600, 2
+		wbig, err := RandomWeights(&big, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		newLayer := func(t *testing.T) *Layer {
+			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.F32})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = l.Close() })
+			return l
+		}
+		H := cfg.HiddenSize
+		t.Run(b.name+"/NewLayer", func(t *testing.T) {
+			for _, tc := range []struct {
+				name string
+				dev  *gpuctx.Device
+				cfg  *Config
+				w    *Weights
+				o    LayerOptions
+				want string
+			}{
+				{"f16", b.dev, cfg, w, LayerOptions{DType: gpuctx.F16}, "dtype f16"},
+				{"zero dtype", b.dev, cfg, w, LayerOptions{}, "dtype invalid"},
+				{"nil device", nil, cfg, w, LayerOptions{DType: gpuctx.F32}, "nil device"},
+				{"nil weights", b.dev, cfg, nil, LayerOptions{DType: gpuctx.F32}, "nil *Weights"},
+				{"mismatched weights", b.dev, noShared, w, LayerOptions{DType: gpuctx.F32}, "shared expert"},
+				{"too many experts", b.dev, &big, wbig, LayerOptions{DType: gpuctx.F32}, "at most 512 experts"},
+				{"bad mode", b.dev, cfg, w, LayerOptions{DType: gpuctx.F32, Mode: 7}, "unknown mode"},
+				{"negative threshold", b.dev, cfg, w, LayerOptions{DType: gpuctx.F32, AutoThreshold: -1}, "AutoThreshold"},
+			} {
+				l, err := NewLayer(tc.dev, tc.cfg, tc.w, tc.o)
+				if err == nil {
+					l.Close()
+					t.Errorf("%s: NewLayer succeeded", tc.name)
+				} else if !strings.Contains(err.Error(), tc.want) {
+					t.Errorf("%s: error %q does not mention %q", tc.name, err, tc.want)
+				}
+			}
+		})
+		t.Run(b.name+"/Forward", func(t *testing.T) {
+			l := newLayer(t)
+			x := randomX(3, H, 1)
+			if _, _, err := l.LastRouting(); err == nil || !strings.Contains(err.Error(), "no forward") {
+				t.Errorf("LastRouting before any forward: %v", err)
+			}
+			for _, tc := range []struct {
+				name string
+				x    []float32
+				T    int
+				want error
+			}{
+				{"T=0", nil, 0, gpuctx.ErrInvalid},
+				{"T<0", x, -3, gpuctx.ErrInvalid},
+				{"short x", x[:len(x)-1], 3, gpuctx.ErrSize},
+				{"long x", x, 2, gpuctx.ErrSize},
+			} {
+				if _, err := l.Forward(tc.x, tc.T); !errors.Is(err, tc.want) {
+					t.Errorf("%s: Forward error %v, want %v", tc.name, err, tc.want)
+				}
+			}
+			if _, err := l.Forward(x, 3); err != nil {
+				t.Fatalf("good Forward after bad ones: %v", err)
+			}
+		})
+		t.Run(b.name+"/ForwardDevice", func(t *testing.T) {
+			l := newLayer(t)
+			xb, err := b.dev.Alloc(4 * 4 * H)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer xb.Free()
+			yb, err := b.dev.Alloc(4 * 4 * H)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer yb.Free()
+			if err := xb.CopyFromHost(make([]byte, xb.Size())); err != nil {
+				t.Fatal(err)
+			}
+			lq3, err := NewLayer(b.dev, noShared, wq3, LayerOptions{DType: gpuctx.F32})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer lq3.Close()
+			for _, tc := range []struct {
+				name    string
+				l       *Layer
+				x, y    *gpuctx.Buffer
+				T       int
+				mode    Mode
+				part    Part
+				want    error
+				wantMsg string
+			}{
+				{"T=0", l, xb, yb, 0, Single, Whole, gpuctx.ErrInvalid, "T = 0"},
+				{"x too small", l, xb, yb, 5, Single, Whole, gpuctx.ErrSize, "x holds"},
+				{"nil y", l, xb, nil, 2, Single, Whole, gpuctx.ErrInvalid, "y is nil"},
+				{"bad mode", l, xb, yb, 2, Mode(9), Whole, gpuctx.ErrInvalid, "unknown mode"},
+				{"bad part", l, xb, yb, 2, Dual, Part(5), gpuctx.ErrInvalid, "unknown part"},
+				{"shared only without shared expert", lq3, xb, yb, 2, Dual, SharedOnly, gpuctx.ErrInvalid, "no shared expert"},
+			} {
+				err := tc.l.ForwardDevice(tc.x, tc.y, tc.T, tc.mode, tc.part)
+				if !errors.Is(err, tc.want) || !strings.Contains(err.Error(), tc.wantMsg) {
+					t.Errorf("%s: error %v, want %v mentioning %q", tc.name, err, tc.want, tc.wantMsg)
+				}
+			}
+			// A layer without a shared expert runs every mode, RoutedOnly included.
+			for _, mode := range []Mode{Single, Dual, Auto} {
+				if err := lq3.ForwardDevice(xb, yb, 4, mode, RoutedOnly); err != nil {
+					t.Errorf("no shared expert, %v RoutedOnly: %v", mode, err)
+				}
+			}
+		})
+		t.Run(b.name+"/Closed", func(t *testing.T) {
+			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, Mode: Dual})
+			if err != nil {
+				t.Fatal(err)
+			}
+			x := randomX(2, H, 1)
+			if _, err := l.Forward(x, 2); err != nil {
+				t.Fatal(err)
+			}
+			if err := l.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := l.Close(); err != nil {
+				t.Errorf("second Close: %v", err)
+			}
+			xb, err := b.dev.Alloc(2 * 2 * H)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer xb.Free()
+			if _, err := l.Forward(x, 2); !errors.Is(err, gpuctx.ErrClosed) {
+				t.Errorf("Forward after Close: %v, want ErrClosed", err)
+			}
+			if err := l.ForwardDevice(xb, xb, 2, Single, Whole); !errors.Is(err, gpuctx.ErrClosed) {
+				t.Errorf("ForwardDevice after Close: %v, want ErrClosed", err)
+			}
+			if _, _, err := l.LastRouting(); !errors.Is(err, gpuctx.ErrClosed) {
+				t.Errorf("LastRouting after Close: %v, want ErrClosed", err)
+			}
+		})
+	}
+}
+
+func TestModeAndPart(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want Mode
+		ok   bool
+	}{{"single", Single, true}, {"Dual", Dual, true}, {" auto ", Auto, true}, {"both", 0, false}, {"", 0, false}} {
+		got, err := ParseMode(tc.in)
+		if (err == nil) != tc.ok || (tc.ok && got != tc.want) {
+			t.Errorf("ParseMode(%q) = %v, %v", tc.in, got, err)
+		}
+		if tc.ok && got.String() != strings.ToLower(strings.TrimSpace(tc.in)) {
+			t.Errorf("%v.String() = %q", got, got.String())
+		}
+	}
+	if s := Mode(7).String(); s != "Mode(7)" {
+		t.Errorf("Mode(7).String() = %q", s)
+	}
+	if s := RoutedOnly.String() + SharedOnly.String() + Whole.String(); s != "routedsharedwhole" {
+		t.Errorf("Part strings: %q", s)
+	}
+}
+
+// TestWeightBytes checks the weight-byte estimate against a hand count.
+func TestWeightBytes(t *testing.T) {
+	rt, err := gpuctx.OpenBackend("cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Close()
+	dev, err := rt.Device(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := variants()["qwen2_moe"] // H 16, E 8, K 3, I 8, shared 24 with a gate
+	w, _ := RandomWeights(cfg, 1)
+	l, err := NewLayer(dev, cfg, w, LayerOptions{DType: gpuctx.BF16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	fixed := int64(8*16+3*16*24+16) * 2
+	expert := int64(3*16*8) * 2
+	for _, tc := range []struct {
+		T    int
+		idx  []int32
+		want int64
+	}{
+		{1, nil, fixed + 3*expert},
+		{100, nil, fixed + 8*expert},
+		{2, []int32{1, 2, 3, 3, 2, 5}, fixed + 4*expert},
+	} {
+		if got := l.WeightBytes(tc.T, tc.idx); got != tc.want {
+			t.Errorf("WeightBytes(%d, %v) = %d, want %d", tc.T, tc.idx, got, tc.want)
+		}
+	}
+}
