@@ -233,9 +233,11 @@ func (c *ctxCore) close() error {
 	if !c.closed.CompareAndSwap(false, true) {
 		return nil
 	}
-	c.mu.Lock() // no slot is being created after this
-	c.mu.Unlock()
+	// acquireShared creates slots under c.mu and re-checks closed there: taking
+	// it once here waits for a creation in flight, so every slot is visible below.
+	c.mu.Lock()
 	var errs []error
+	c.mu.Unlock()
 	for i := range c.shared {
 		if sl := c.shared[i].Load(); sl != nil {
 			sl.mu.Lock() // wait for a running callback

@@ -123,29 +123,27 @@ type Layer struct {
 	thresh int
 	flav   gpuctx.Flavour
 
-	main, side  *gpuctx.Stream
-	ownMain     bool
-	ctx, sctx   *gpuctx.Context // sctx: ctx.WithStream(side)
-	evFork      *gpuctx.Event
-	evJoin      *gpuctx.Event
-	evCounts    *gpuctx.Event
-	kRoute      *gpuctx.Kernel
-	kPlan       *gpuctx.Kernel
-	kGather     *gpuctx.Kernel
-	kSwiglu     *gpuctx.Kernel
-	kCombine    *gpuctx.Kernel
-	countsHost  *gpuctx.HostBuffer
-	weightBufs  []*gpuctx.Buffer
-	router      *gpuctx.Buffer // [E,H] dt
-	bias        *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
-	gu, down    *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
-	sgu, sdown  *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
-	sgate       *gpuctx.Buffer // [H] dt, or nil
-	scr         scratch
-	routedT     int  // tokens of the last forward that routed (0: none)
-	lastDual    bool // whether the last forward used the side stream (tests)
-	hostCounts  []int32
-	hostOffsets []int
+	main, side *gpuctx.Stream
+	ownMain    bool
+	ctx, sctx  *gpuctx.Context // sctx: ctx.WithStream(side)
+	evFork     *gpuctx.Event
+	evJoin     *gpuctx.Event
+	evCounts   *gpuctx.Event
+	kRoute     *gpuctx.Kernel
+	kPlan      *gpuctx.Kernel
+	kGather    *gpuctx.Kernel
+	kSwiglu    *gpuctx.Kernel
+	kCombine   *gpuctx.Kernel
+	countsHost *gpuctx.HostBuffer
+	weightBufs []*gpuctx.Buffer
+	router     *gpuctx.Buffer // [E,H] dt
+	bias       *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
+	gu, down   *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
+	sgu, sdown *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
+	sgate      *gpuctx.Buffer // [H] dt, or nil
+	scr        scratch
+	routedT    int  // tokens of the last forward that routed (0: none)
+	lastDual   bool // whether the last forward used the side stream (tests)
 }
 
 // scratch holds the reusable device buffers of a forward.

@@ -92,7 +92,7 @@ func moeRoute(d *device, a []any) error {
 	hasBias, norm := a[11].(int32) != 0, a[12].(int32) != 0
 	normEps, scale := a[13].(float32), a[14].(float32)
 	if T < 0 || E <= 0 || E > moeMaxE || K <= 0 || K > moeMaxK || K > E {
-		return fmt.Errorf("T=%d E=%d K=%d: want T >= 0, 0 < E <= %d, 0 < K <= min(E, %d)", T, E, K, moeMaxE, moeMaxK)
+		return fmt.Errorf("route: T=%d E=%d K=%d: want T >= 0, 0 < E <= %d, 0 < K <= min(E, %d)", T, E, K, moeMaxE, moeMaxK)
 	}
 	if method < 0 || method > 2 || scoring < 0 || scoring > 1 {
 		return fmt.Errorf("scoring %d (want 0 softmax, 1 sigmoid), method %d (want 0 greedy, 1 group max, 2 group top-2 sum)", scoring, method)
@@ -341,7 +341,7 @@ func moeCombine(d *device, a []any) error {
 	T, K, H := int(a[6].(int32)), int(a[7].(int32)), int(a[8].(int32))
 	hasRouted, hasShared, hasGate, bf := a[9].(int32) != 0, a[10].(int32) != 0, a[11].(int32) != 0, a[12].(int32)
 	if T < 0 || K < 0 || H <= 0 || (hasRouted && K == 0) {
-		return fmt.Errorf("T=%d K=%d H=%d: want T >= 0, H > 0 and K > 0 when routed", T, K, H)
+		return fmt.Errorf("combine: T=%d K=%d H=%d: want T >= 0, H > 0 and K > 0 when routed", T, K, H)
 	}
 	y, err := actView(d, "y", a[5].(hal.Ptr), int64(T)*int64(H), bf)
 	if err != nil {

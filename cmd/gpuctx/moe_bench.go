@@ -292,7 +292,11 @@ func commit() string {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	if out, err := exec.CommandContext(ctx, "git", "rev-parse", "HEAD").Output(); err == nil {
-		return strings.TrimSpace(string(out)) + " (checkout HEAD; not from build info)"
+		rev := strings.TrimSpace(string(out))
+		if st, err := exec.CommandContext(ctx, "git", "status", "--porcelain", "--untracked-files=no").Output(); err == nil && len(st) > 0 {
+			rev += "-dirty"
+		}
+		return rev + " (checkout HEAD; not from build info)"
 	}
 	return "unknown (built with -buildvcs=false, outside a git checkout)"
 }

@@ -80,7 +80,7 @@ func TestBF16Rounding(t *testing.T) {
 		{math.Float32frombits(0x3f818000), 0x3f82}, // tie, odd rounds up
 		{math.Float32frombits(0x3f808001), 0x3f81}, // above half
 		{float32(math.Inf(1)), 0x7f80},
-		{-0.0, 0x0000},
+		{float32(math.Copysign(0, -1)), 0x8000},
 	}
 	for _, c := range cases {
 		if got := Float32ToBF16(c.in); got != c.want {

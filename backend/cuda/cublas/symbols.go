@@ -83,11 +83,11 @@ func (a *blasAPI) symbols() []dynload.Symbol {
 // cublasLtMatmulAlgo_t (uint64_t data[8]), size_t workspaceSize,
 // cublasStatus_t state, float wavesCount, int reserved[4].
 type ltHeuristicResult struct {
-	algo          [8]uint64
-	workspaceSize uint64
-	state         int32
-	wavesCount    float32
-	reserved      [4]int32
+	algo [8]uint64
+	_    uint64   // workspaceSize
+	_    int32    // state
+	_    float32  // wavesCount
+	_    [4]int32 // reserved
 }
 
 // ltAPI is the raw cuBLASLt function table (cublasLt.h, cuBLAS 12/13).
