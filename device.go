@@ -161,8 +161,13 @@ func (d *Device) Alloc(n int) (*Buffer, error) {
 // Device returns the device that owns b.
 func (b *Buffer) Device() *Device { return b.dev }
 
-// Size returns b's length in bytes.
-func (b *Buffer) Size() int { return b.size }
+// Size returns b's length in bytes (0 for a nil buffer).
+func (b *Buffer) Size() int {
+	if b == nil {
+		return 0
+	}
+	return b.size
+}
 
 // Slice returns a view of n bytes of b starting at byte off. The view shares b's
 // memory, becomes invalid when b is freed, and cannot itself be freed.
@@ -309,17 +314,28 @@ func (d *Device) AllocHost(n int) (*HostBuffer, error) {
 
 // Bytes returns the memory as a byte slice (nil once freed).
 func (h *HostBuffer) Bytes() []byte {
-	if h.freed.Load() {
+	if h == nil || h.freed.Load() {
 		return nil
 	}
 	return unsafe.Slice((*byte)(h.p), h.size)
 }
 
-// Size returns h's length in bytes.
-func (h *HostBuffer) Size() int { return h.size }
+// Size returns h's length in bytes (0 for nil).
+func (h *HostBuffer) Size() int {
+	if h == nil {
+		return 0
+	}
+	return h.size
+}
 
 // Free releases h. Double free is an error.
 func (h *HostBuffer) Free() error {
+	if h == nil {
+		return fmt.Errorf("%w: gpuctx: HostBuffer.Free: nil host buffer", ErrInvalid)
+	}
+	if err := h.dev.check("HostBuffer.Free"); err != nil {
+		return err
+	}
 	if h.freed.Load() {
 		return fmt.Errorf("gpuctx: HostBuffer.Free: %w (double free)", ErrFreed)
 	}
@@ -339,6 +355,9 @@ func (h *HostBuffer) free() error {
 func (h *HostBuffer) valid(op string, off, n int) error {
 	if h == nil {
 		return fmt.Errorf("%w: gpuctx: %s: nil host buffer", ErrInvalid, op)
+	}
+	if err := h.dev.check(op); err != nil {
+		return err
 	}
 	if h.freed.Load() {
 		return fmt.Errorf("gpuctx: %s: host buffer: %w", op, ErrFreed)

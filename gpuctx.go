@@ -42,6 +42,8 @@ var (
 	ErrHandleExpired = errors.New("BLAS handle used after its callback returned")
 	// ErrUnavailable: the backend or library cannot be used on this machine.
 	ErrUnavailable = hal.ErrUnavailable
+	// ErrNoKernel: Device.Kernel was asked for a name no kernel source defines.
+	ErrNoKernel = hal.ErrNoKernel
 )
 
 // DType is an element type. It is an alias so that values flow to the BLAS
@@ -99,7 +101,7 @@ func OpenBackend(name string) (*Runtime, error) {
 		}
 	case "cuda":
 		if be, err = cuda.Open(); err != nil {
-			return nil, fmt.Errorf("gpuctx: backend cuda was requested (%s=cuda) but is unavailable: %w", BackendEnv, err)
+			return nil, fmt.Errorf("gpuctx: backend cuda was requested but is unavailable: %w", err)
 		}
 	case "cpu":
 		be, err = cpu.Open()

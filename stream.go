@@ -166,6 +166,9 @@ func (s *Stream) Memset(b *Buffer, v byte) error {
 	if err := b.onDevice(op, s.dev); err != nil {
 		return err
 	}
+	if b.size == 0 {
+		return nil
+	}
 	return s.hs.MemsetAsync(b.ptr(), v, b.size)
 }
 
@@ -269,6 +272,9 @@ func (s *Stream) Query() (bool, error) {
 // Close waits for s's queued work, releases any BLAS workspace of s, and
 // destroys the stream. Later calls on s return ErrClosed. Double Close is harmless.
 func (s *Stream) Close() error {
+	if s == nil {
+		return fmt.Errorf("%w: gpuctx: Stream.Close: nil stream", ErrInvalid)
+	}
 	s.dev.mu.Lock()
 	delete(s.dev.streams, s)
 	s.dev.mu.Unlock()
@@ -387,6 +393,9 @@ func (e *Event) Elapsed(start *Event) (time.Duration, error) {
 
 // Close destroys e. Double Close is harmless.
 func (e *Event) Close() error {
+	if e == nil {
+		return fmt.Errorf("%w: gpuctx: Event.Close: nil event", ErrInvalid)
+	}
 	e.dev.mu.Lock()
 	delete(e.dev.events, e)
 	e.dev.mu.Unlock()

@@ -16,7 +16,7 @@ import (
 )
 
 // ErrInvalid is wrapped by every validation error of this package.
-var ErrInvalid = errors.New("invalid BLAS argument")
+var ErrInvalid = errors.New("invalid argument")
 
 // Layout says how a matrix is laid out in memory.
 type Layout int

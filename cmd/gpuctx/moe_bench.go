@@ -124,8 +124,8 @@ layer's main stream after warm-up.
 
 The floor is max(bytes of the weights the batch touches / copy bandwidth,
 FLOPs / GEMM rate), both ceilings measured in the same run: a large
-device-to-device copy (bytes read + written) and a large bf16 GEMM through a
-Context. FLOPs = 2·T·H·E (router) + 2·T·K·3·H·I (routed) + 2·T·3·H·Is (shared).
+device-to-device copy (bytes read + written) and a large GEMM in --dtype
+through a Context (8192³ on CUDA, 512³ on the CPU backend). FLOPs = 2·T·H·E (router) + 2·T·K·3·H·I (routed) + 2·T·3·H·Is (shared).
 "% of floor" is floor / best mode; "overlap" is (single - dual) /
 min(shared alone, routed alone): 1 means the shared expert hid completely.
 
@@ -423,9 +423,10 @@ func measureCopy(dev *gpuctx.Device, n, iters int) (float64, error) {
 	return 2 * float64(n) / sec, nil
 }
 
-// measureGemm returns the rate in FLOP/s of an n³ bf16 GEMM (bf16 output, f32
-// compute) through a Context on a new stream, perRound GEMMs per timed round.
-func measureGemm(dev *gpuctx.Device, n, perRound, iters int) (float64, error) {
+// measureGemm returns the rate in FLOP/s of an n³ GEMM in dt (output in dt, f32
+// compute; bf16 through the TensorOp flavour, f32 through Default, as the layer
+// uses them) through a Context on a new stream, perRound GEMMs per timed round.
+func measureGemm(dev *gpuctx.Device, n int, dt gpuctx.DType, perRound, iters int) (float64, error) {
 	s, err := dev.NewStream(gpuctx.StreamOptions{})
 	if err != nil {
 		return 0, err
@@ -436,10 +437,10 @@ func measureGemm(dev *gpuctx.Device, n, perRound, iters int) (float64, error) {
 		return 0, err
 	}
 	defer ctx.Close()
-	bytes := n * n * gpuctx.BF16.Size()
-	// Random bf16 operands: a 1 MiB random block tiled over the matrix.
+	bytes := n * n * dt.Size()
+	// Random operands: a block of 2^19 random values tiled over the matrix.
 	r := rand.New(rand.NewPCG(7, uint64(n)))
-	block := encode(randVec(r, min(n*n, 1<<19)), gpuctx.BF16)
+	block := encode(randVec(r, min(n*n, 1<<19)), dt)
 	host := make([]byte, bytes)
 	for off := 0; off < bytes; off += len(block) {
 		copy(host[off:], block)
@@ -456,7 +457,11 @@ func measureGemm(dev *gpuctx.Device, n, perRound, iters int) (float64, error) {
 			}
 		}
 	}
-	g := gpuctx.Gemm{M: n, N: n, K: n, Alpha: 1, A: bufs[0], B: bufs[1], C: bufs[2], AB: gpuctx.BF16, CType: gpuctx.BF16}
+	g := gpuctx.Gemm{M: n, N: n, K: n, Alpha: 1, A: bufs[0], B: bufs[1], C: bufs[2], AB: dt, CType: dt}
+	flavour := gpuctx.Default
+	if dt == gpuctx.BF16 {
+		flavour = gpuctx.TensorOp
+	}
 	t, err := newEventTimer(dev, s)
 	if err != nil {
 		return 0, err
@@ -464,14 +469,14 @@ func measureGemm(dev *gpuctx.Device, n, perRound, iters int) (float64, error) {
 	defer t.close()
 	sec, err := t.median(1, iters, func() error {
 		for range perRound {
-			if err := ctx.BlasFlavour(gpuctx.TensorOp, func(h gpuctx.Blas) error { return h.Gemm(g) }); err != nil {
+			if err := ctx.BlasFlavour(flavour, func(h gpuctx.Blas) error { return h.Gemm(g) }); err != nil {
 				return err
 			}
 		}
 		return nil
 	})
 	if err != nil {
-		return 0, fail("timing the bf16 GEMM ceiling", "check 'gpuctx gemm --dtype bf16'", err)
+		return 0, fail(fmt.Sprintf("timing the %s GEMM ceiling", dt), fmt.Sprintf("check 'gpuctx gemm --dtype %s'", dt), err)
 	}
 	return 2 * float64(n) * float64(n) * float64(n) * float64(perRound) / sec, nil
 }
@@ -605,7 +610,7 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 		return err
 	}
 	step("copy ceiling")
-	if rep.GemmRate, err = measureGemm(dev, rep.GemmN, gemmPerRound, min(max(rep.Iters, 3), 10)); err != nil {
+	if rep.GemmRate, err = measureGemm(dev, rep.GemmN, dt, gemmPerRound, min(max(rep.Iters, 3), 10)); err != nil {
 		return err
 	}
 	step("GEMM ceiling")
@@ -760,8 +765,8 @@ func (r *moeBenchReport) markdown() string {
 	}
 	fmt.Fprintf(&b, "- layer: %s, H=%d, E=%d, top-%d, I=%d, shared=%d; weights %s; dtype %s\n",
 		s.Family, s.Hidden, s.Experts, s.TopK, s.Intermediate, s.Shared, weights, r.DType)
-	fmt.Fprintf(&b, "- ceilings measured in this run: copy %.3g GB/s (%d MiB device-to-device, read+write), GEMM %.3g TFLOP/s (bf16 %d³ through a Context)\n",
-		r.CopyBW/1e9, r.CopyBytes>>20, r.GemmRate/1e12, r.GemmN)
+	fmt.Fprintf(&b, "- ceilings measured in this run: copy %.3g GB/s (%d MiB device-to-device, read+write), GEMM %.3g TFLOP/s (%s %d³ through a Context)\n",
+		r.CopyBW/1e9, r.CopyBytes>>20, r.GemmRate/1e12, r.DType, r.GemmN)
 	fmt.Fprintf(&b, "- latency: median of %d forwards after %d warm-up, device events around Layer.ForwardDevice on the layer's main stream, in µs\n", r.Iters, r.Warmup)
 	for _, n := range r.Notes {
 		fmt.Fprintf(&b, "- note: %s\n", n)

@@ -336,3 +336,21 @@ func equalInts(a, b []int) bool {
 	}
 	return true
 }
+
+func TestMoeBenchModel(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	code, stdout, stderr := execute(t, "moe", "bench", "--model", fixture, "--tokens", "2", "--iters", "1", "--warmup", "0", "--dtype", "f32", "--json")
+	if code != 0 || stderr != "" {
+		t.Fatalf("exit code %d, stderr %q", code, stderr)
+	}
+	var rep moeBenchReport
+	if err := json.Unmarshal([]byte(stdout), &rep); err != nil {
+		t.Fatalf("--json output does not parse: %v\n%s", err, stdout)
+	}
+	// The fixture checkpoint holds layer 1 only: the bench must pick it, keep
+	// its real shape (no scaling) and time one row.
+	if rep.Model != fixture || rep.Layer == nil || *rep.Layer != 1 || rep.ScaledDown || rep.Shape.Hidden != 64 ||
+		rep.DType != "f32" || len(rep.Rows) != 1 || rep.Rows[0].Tokens != 2 || rep.Rows[0].MedianUS["dual"] <= 0 {
+		t.Errorf("report does not describe the run: %+v", rep)
+	}
+}
