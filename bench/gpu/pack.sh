@@ -19,7 +19,7 @@ go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}} {{.Dir}}{{end}}'
   go test -c -ldflags='-s -w' -o ".gpu/$name.test" "$path"
   echo "$name $rel" >> .gpu/tests.txt
 done
-go build -ldflags='-s -w' -o .gpu/gpuctx "${CLI:-./cmd/gpuctx}"
+go build -ldflags="-s -w -X main.buildCommit=$(git rev-parse HEAD)" -o .gpu/gpuctx "${CLI:-./cmd/gpuctx}"
 if [ ! -f .gpu/run.sh ]; then
   # gpu-pack stopped before writing run.sh: write an equivalent one.
   cat > .gpu/run.sh <<'RUN'
