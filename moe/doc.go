@@ -6,9 +6,15 @@
 // the transformers 5.x MoE blocks of DeepSeek-V2, DeepSeek-V3, Qwen2-MoE
 // (Qwen1.5-MoE), Qwen3-MoE and Mixtral.
 //
-// Everything in this package runs on the host, on the calling goroutine (some
-// functions fan out over worker goroutines and wait for them); nothing here
-// touches a device or a stream. Config and Weights are plain data: once built
+// Layer is the device forward: NewLayer uploads a layer's weights to a gpuctx
+// Device, and Layer.ForwardDevice queues the router GEMM, the routing,
+// permutation, SwiGLU and combine kernels and the routed experts' grouped GEMMs
+// on the layer's main stream, with the shared expert on the same stream (Single)
+// or on a side stream forked and joined with events (Dual). Its doc comments say
+// which stream each call uses and what it waits for.
+//
+// Everything else in this package runs on the host, on the calling goroutine
+// (some functions fan out over worker goroutines and wait for them). Config and Weights are plain data: once built
 // they are safe to read from many goroutines, and the device forward may keep
 // pointers to them as long as nobody mutates them.
 //

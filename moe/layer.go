@@ -3,6 +3,7 @@ package moe
 import (
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"unsafe"
@@ -81,7 +82,16 @@ func (p Part) String() string {
 
 // DefaultAutoThreshold is the batch size (tokens) at and above which Auto uses
 // Dual when LayerOptions.AutoThreshold is 0.
-const DefaultAutoThreshold = 1
+//
+// Measured on an H200 (bench/RESULTS.md, 2026-11-30): for DeepSeek-V2-Lite and
+// Qwen1.5-MoE layers in bf16, Dual was slower than Single at every size from 1
+// to 4096 tokens (by 1-18%), because Single already runs the shared expert
+// while the host waits for the per-expert counts and every GEMM below ~1024
+// tokens is bound by weight bandwidth, which the side stream cannot add to. So
+// Auto stays on Single for any batch (the threshold is larger than any batch
+// the kernels accept); set LayerOptions.AutoThreshold to opt in where your own
+// measurement says Dual wins.
+const DefaultAutoThreshold = math.MaxInt32
 
 // Kernel limits (kernels/moe.cu): experts per layer and experts per token.
 const (
