@@ -63,11 +63,18 @@ func (s *stream) loop() {
 		s.mu.Unlock()
 
 		var err error
-		if !skip {
+		if w.marker {
+			// A marker completes its event under mu, in the same critical section
+			// as the stream's count: whoever sees the event done also sees every
+			// earlier item of this stream done (Query, Synchronize), as on CUDA.
+			s.mu.Lock()
 			err = runWork(w.fn)
+		} else {
+			if !skip {
+				err = runWork(w.fn)
+			}
+			s.mu.Lock()
 		}
-
-		s.mu.Lock()
 		s.completed++
 		if err != nil && s.err == nil {
 			s.err = fmt.Errorf("cpu: stream %d: asynchronous error (sticky: the stream fails every later call; make a new stream): %w", s.id, err)
