@@ -2,7 +2,7 @@ package gpuctx
 
 import (
 	"fmt"
-	"sync"
+	"runtime"
 	"sync/atomic"
 
 	"github.com/gpuctx/gpuctx/blas"
@@ -55,25 +55,59 @@ type Blas struct {
 	gen uint64 // the slot's lease generation when lent
 }
 
-// lease is what a slot lends to one callback. opMu serialises calls through the
-// lent handle and guards gen and the fields after it.
+// lease is what a slot lends to one callback. state packs the op lock (bit 0,
+// held while a call through the lent handle runs, so that calls made from
+// several goroutines inside one callback are serialised) and the generation
+// (the bits above, bumped when the callback returns: handles of older
+// generations are expired). One word keeps the callback's fast path to a single
+// atomic read-modify-write for the lease.
 type lease struct {
-	opMu sync.Mutex
-	gen  atomic.Uint64 // incremented when a callback returns: older handles are expired
-	c    *Context
-	s    *Stream
+	state atomic.Uint64
+	c     *Context
+	s     *Stream
+}
+
+const opLocked = 1
+
+// gen returns the current generation.
+func (l *lease) gen() uint64 { return l.state.Load() >> 1 }
+
+// lock takes the op lock while the lease is at generation gen; it reports false,
+// taking nothing, once the lease has moved on. Contention is between goroutines
+// of one callback only, so it yields rather than parks.
+func (l *lease) lock(gen uint64) bool {
+	for {
+		old := l.state.Load()
+		if old>>1 != gen {
+			return false
+		}
+		if old&opLocked == 0 && l.state.CompareAndSwap(old, old|opLocked) {
+			return true
+		}
+		runtime.Gosched()
+	}
+}
+
+// unlock releases the op lock taken by lock.
+func (l *lease) unlock() { l.state.Add(^uint64(0)) }
+
+// advance waits for a call in flight, then moves to the next generation.
+func (l *lease) advance() {
+	for {
+		old := l.state.Load()
+		if old&opLocked == 0 && l.state.CompareAndSwap(old, old+2) {
+			return
+		}
+		runtime.Gosched()
+	}
 }
 
 // Stream returns the stream this handle's work is queued on (nil once expired).
 func (h Blas) Stream() *Stream {
-	if h.sl == nil {
+	if h.sl == nil || !h.sl.lease.lock(h.gen) {
 		return nil
 	}
-	h.sl.lease.opMu.Lock()
-	defer h.sl.lease.opMu.Unlock()
-	if h.sl.lease.gen.Load() != h.gen {
-		return nil
-	}
+	defer h.sl.lease.unlock()
 	return h.sl.lease.s
 }
 
@@ -92,17 +126,15 @@ func enter(sl *slot, gen uint64, op string) (*lease, func(), error) {
 		return nil, nil, fmt.Errorf("gpuctx: %s: %w (zero handle)", op, ErrHandleExpired)
 	}
 	l := &sl.lease
-	l.opMu.Lock()
-	if l.gen.Load() != gen {
-		l.opMu.Unlock()
+	if !l.lock(gen) {
 		return nil, nil, fmt.Errorf("gpuctx: %s: %w", op, ErrHandleExpired)
 	}
 	unlock, err := l.s.use(op)
 	if err != nil {
-		l.opMu.Unlock()
+		l.unlock()
 		return nil, nil, err
 	}
-	return l, func() { unlock(); l.opMu.Unlock() }, nil
+	return l, func() { unlock(); l.unlock() }, nil
 }
 
 func elems(op, name string, b *Buffer, t DType, d *Device) (int, error) {

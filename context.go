@@ -90,7 +90,6 @@ type ContextOptions struct {
 
 // ContextStats are a Context's counters since it was made.
 type ContextStats struct {
-	Callbacks        int64         // BLAS callbacks run
 	HandlesCreated   int64         // library handles created on behalf of this Context
 	Binds            int64         // SetStream calls on handles (first binds included)
 	Rebinds          int64         // binds that moved a handle from another stream
@@ -120,8 +119,8 @@ type ctxCore struct {
 	mu     sync.Mutex                            // serialises creation of shared slots
 	shared [numFlavours + 1]atomic.Pointer[slot] // SharedHandle policy: index numFlavours is Lt
 
-	callbacks, created, binds, rebinds, applies, waits atomic.Int64
-	waitNanos                                          atomic.Int64
+	created, binds, rebinds, applies, waits atomic.Int64
+	waitNanos                               atomic.Int64
 }
 
 // NewContext makes a Context on d.
@@ -210,7 +209,7 @@ func (c *Context) SetStreamRelease(s *Stream) error {
 // Stats returns the Context's counters.
 func (c *Context) Stats() ContextStats {
 	return ContextStats{
-		Callbacks: c.callbacks.Load(), HandlesCreated: c.created.Load(), Binds: c.binds.Load(),
+		HandlesCreated: c.created.Load(), Binds: c.binds.Load(),
 		Rebinds: c.rebinds.Load(), WorkspaceApplies: c.applies.Load(), LockWaits: c.waits.Load(),
 		LockWait: time.Duration(c.waitNanos.Load()),
 	}
@@ -276,21 +275,18 @@ type slot struct {
 // lend records who holds sl (whose mu the caller holds) and returns the lease
 // generation for the handle value given to the callback.
 func (sl *slot) lend(c *Context, s *Stream) uint64 {
-	// No opMu here: the previous holder's expire (under opMu) happens before our
-	// sl.mu acquisition, and handles of older leases fail their gen check before
-	// they read c or s.
+	// The previous holder's expire happens before our sl.mu acquisition, and
+	// handles of older leases fail their generation check before they read c or s.
 	l := &sl.lease
 	l.c, l.s = c, s
-	return l.gen.Load()
+	return l.gen()
 }
 
 // expire ends the current lease: every handle value lent so far is expired.
 func (sl *slot) expire() {
 	l := &sl.lease
-	l.opMu.Lock()
-	l.gen.Add(1)
+	l.advance()
 	l.c, l.s = nil, nil
-	l.opMu.Unlock()
 }
 
 func (sl *slot) destroy(d *Device) error {
@@ -710,7 +706,6 @@ func (c *Context) BlasFlavour(f Flavour, fn func(h Blas) error) (err error) {
 	if err := c.bind(sl, s); err != nil {
 		return err
 	}
-	c.callbacks.Add(1)
 	gen := sl.lend(c, s)
 	defer sl.expire() // runs before release: no call through the handle can follow it
 	return fn(Blas{sl: sl, gen: gen})
@@ -730,7 +725,6 @@ func (c *Context) BlasLt(fn func(lt BlasLt) error) error {
 		return err
 	}
 	defer c.release(sl)
-	c.callbacks.Add(1)
 	gen := sl.lend(c, s)
 	defer sl.expire()
 	return fn(BlasLt{sl: sl, gen: gen})

@@ -573,3 +573,82 @@ func contains(s, sub string) bool {
 	}
 	return false
 }
+
+// Calls through one lent handle from several goroutines inside the callback are
+// serialised on the handle and all land on the callback's stream; a goroutine
+// that goes on calling after the callback returned gets ErrHandleExpired, even
+// while a later callback holds the same handle on another stream.
+func TestHandleSharedByGoroutinesInsideCallback(t *testing.T) {
+	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+		if err := d.SetBlasHandleLimit(1); err != nil { // force the later callback onto the same handle
+			t.Fatal(err)
+		}
+		defer d.SetBlasHandleLimit(gpuctx.DefaultMaxHandles)
+		r := rand.New(rand.NewPCG(9, 10))
+		const m, n, k, workers, each = 16, 16, 32, 4, 10
+		a, b := randF32(r, m*k), randF32(r, k*n)
+		aDev, bDev := upload(t, d, a), upload(t, d, b)
+		want := refGemm(gpuctx.RowMajor, false, false, m, n, k, a, b)
+		outs := poison(t, d, workers*each*m*n)
+		sA, sB := newStream(t, d), newStream(t, d)
+		ctx := newContext(t, d, gpuctx.ContextOptions{Stream: sA})
+		var kept gpuctx.Blas
+		err := ctx.Blas(func(h gpuctx.Blas) error {
+			kept = h
+			var wg sync.WaitGroup
+			errs := make([]error, workers)
+			for w := range workers {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for i := range each {
+						c, err := outs.Slice(4*m*n*(w*each+i), 4*m*n)
+						if err == nil {
+							err = h.Gemm(gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: aDev, B: bDev, C: c, AB: gpuctx.F32, CType: gpuctx.F32})
+						}
+						if err != nil {
+							errs[w] = err
+							return
+						}
+					}
+				}()
+			}
+			wg.Wait()
+			return errors.Join(errs...)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sA.Synchronize(); err != nil {
+			t.Fatal(err)
+		}
+		got := download(t, outs)
+		for i := range workers * each {
+			checkClose(t, fmt.Sprintf("GEMM %d", i), got[i*m*n:(i+1)*m*n], want, 1e-5)
+		}
+		// A later callback on stream B holds the same (only) handle; the kept one
+		// stays expired and writes nothing.
+		if _, err := ctx.SetStream(sB); err != nil {
+			t.Fatal(err)
+		}
+		c := poison(t, d, m*n)
+		err = ctx.Blas(func(h gpuctx.Blas) error {
+			if err := kept.Gemm(gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: aDev, B: bDev, C: c, AB: gpuctx.F32, CType: gpuctx.F32}); !errors.Is(err, gpuctx.ErrHandleExpired) {
+				return fmt.Errorf("old handle inside a new callback: want ErrHandleExpired, got %v", err)
+			}
+			if kept.Stream() != nil {
+				return fmt.Errorf("old handle reports stream %v", kept.Stream())
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sB.Synchronize(); err != nil {
+			t.Fatal(err)
+		}
+		if v := download(t, c); !math.IsNaN(float64(v[0])) {
+			t.Fatalf("an expired handle wrote C: %v", v[0])
+		}
+	})
+}
