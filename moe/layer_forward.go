@@ -155,7 +155,7 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	if err != nil {
 		return err
 	}
-	if dual { // fork: the side stream starts once x is ready on the main stream
+	if dual && !doRouted { // fork: the side stream starts once x is ready on the main stream
 		if err := l.evFork.Record(l.main); err != nil {
 			return err
 		}
@@ -170,7 +170,14 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 		}
 	}
 	if doRouted {
-		if err := l.routed(xv, T, doShared && !dual); err != nil {
+		shared := sharedNone
+		if doShared {
+			shared = sharedMain
+			if dual {
+				shared = sharedSide
+			}
+		}
+		if err := l.routed(xv, T, shared); err != nil {
 			return err
 		}
 		l.routedT = T
@@ -201,11 +208,21 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 		flag(doRouted), flag(doShared), flag(doShared && l.sgate != nil), flag(l.dt == gpuctx.BF16))
 }
 
+// Where routed queues the shared expert.
+const (
+	sharedNone = iota
+	sharedMain // on the main stream, after the counts copy: it runs while the host waits
+	sharedSide // on the side stream, forked at the counts copy, joined by evJoin
+)
+
 // routed queues the router, routing and permutation, waits for the per-expert
-// counts, and queues the routed experts, all on the main stream. With
-// sharedOnMain it queues the shared expert on the main stream right after the
-// counts copy, so that it runs while the host waits.
-func (l *Layer) routed(x *gpuctx.Buffer, T int, sharedOnMain bool) error {
+// counts, and queues the routed experts, all on the main stream. The shared
+// expert (see sharedMain, sharedSide) is queued right after the counts copy, so
+// that it never competes with the router chain the host is waiting for: on the
+// main stream it fills the host's wait and delays the routed experts by what is
+// left of it; on the side stream (Dual) it fills the wait and then runs beside
+// the routed experts. The caller joins the side stream (evJoin).
+func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 	c := &l.cfg
 	H, E, K, I := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate
 	TK, es, s := T*K, l.es, &l.scr
@@ -254,8 +271,19 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, sharedOnMain bool) error {
 		x, s.pos, s.xp, int32(TK), int32(K), int32(H), int32(es)); err != nil {
 		return err
 	}
-	if sharedOnMain {
+	switch shared {
+	case sharedMain:
 		if err := l.sharedExpert(l.ctx, l.main, x, T); err != nil {
+			return err
+		}
+	case sharedSide: // fork at the counts copy: x and the router chain are done by then
+		if err := l.side.Wait(l.evCounts); err != nil {
+			return err
+		}
+		if err := l.sharedExpert(l.sctx, l.side, x, T); err != nil {
+			return err
+		}
+		if err := l.evJoin.Record(l.side); err != nil {
 			return err
 		}
 	}
