@@ -41,6 +41,13 @@
 //	    y[t,:] = sum_k w[t,k]*out[pos[t,k],:] (k ascending, pos -1 skipped) +
 //	    sigmoid(gate[t]) (or 1 without has_gate) * shared[t,:]; gate f32 [T].
 //	    Pointers of absent parts are not read. Any grid and block.
+//	gpuctx_moe_expert_up   (xp, gu, counts, offsets, act hal.Ptr, E, H, I, bf16 int32)
+//	    for each expert e and row r of its plan rows: act[r,i] = silu(g)*u with
+//	    g = xp[r,:].gu[e,i,:], u = xp[r,:].gu[e,I+i,:], both rounded to the dtype.
+//	    H, I multiples of 8. Grid (ceil(I/8), E), block 256.
+//	gpuctx_moe_expert_down (act, down, counts, offsets, out hal.Ptr, E, H, I, bf16 int32)
+//	    out[r,h] = act[r,:].down[e,h,:] for each expert's plan rows. Grid
+//	    (ceil(H/8), E), block 256.
 //
 // Everything here is read-only data and safe to use from any goroutine.
 package kernels

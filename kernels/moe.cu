@@ -359,3 +359,159 @@ extern "C" __global__ void gpuctx_moe_combine(const void* __restrict__ out, cons
         }
     }
 }
+
+// ---- Small-batch routed experts: device-side group sizes, no host round trip.
+//
+// gpuctx_moe_expert_up and gpuctx_moe_expert_down compute the routed experts
+// straight from the plan (counts, offsets) on the device, one warp per output
+// row of one expert, reading that row of the expert's weights once for up to
+// MOE_XT of the expert's tokens at a time. Each touched expert's weights are read
+// once (from DRAM; later token tiles hit the cache), so for small batches the
+// cost is the weight bytes, with no grouped-GEMM setup and no host wait for the
+// counts. Rounding matches the GEMM path: the gate and up dot products are
+// rounded to the activation dtype before SwiGLU, as a GEMM that stores h is.
+// H and I must be multiples of 8 and every matrix 16-byte aligned (the layer
+// checks); loads are 16 bytes wide.
+#define MOE_XW 8  // warps (output rows) per block
+#define MOE_XT 4  // tokens of one expert per pass over a weight row
+
+// moe_ld8 loads elements [i, i+8) of p (i a multiple of 8) as f32.
+template <int BF>
+static __device__ __forceinline__ void moe_ld8(const void* __restrict__ p, long long i, float* v) {
+    if (BF) {
+        const uint4 q = *(const uint4*)((const unsigned short*)p + i);
+        const unsigned int w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[2 * j] = __uint_as_float(w[j] << 16);
+            v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        }
+    } else {
+        const float4 a = *(const float4*)((const float*)p + i);
+        const float4 b = *(const float4*)((const float*)p + i + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+}
+
+// moe_round rounds v to the activation dtype (identity for f32).
+template <int BF>
+static __device__ __forceinline__ float moe_round(float v) {
+    return BF ? moe_bf16_to_f32(moe_f32_to_bf16(v)) : v;
+}
+
+template <int BF>
+static __device__ void moe_expert_up(const void* __restrict__ xp, const void* __restrict__ gu,
+                                     const int* __restrict__ counts, const int* __restrict__ offsets,
+                                     void* __restrict__ act, int E, int H, int I) {
+    const int e = blockIdx.y;
+    const int lane = threadIdx.x & 31;
+    const int i = blockIdx.x * MOE_XW + (threadIdx.x >> 5);
+    if (e >= E || i >= I) return;  // whole warps leave together: no block barrier below
+    const int n = counts[e];
+    const int off = offsets[e];
+    const long long g_row = ((long long)e * 2 * I + i) * H;
+    const long long u_row = ((long long)e * 2 * I + I + i) * H;
+    for (int t0 = 0; t0 < n; t0 += MOE_XT) {
+        const int nt = moe_imin(MOE_XT, n - t0);
+        float ag[MOE_XT], au[MOE_XT];
+#pragma unroll
+        for (int j = 0; j < MOE_XT; ++j) {
+            ag[j] = 0.0f;
+            au[j] = 0.0f;
+        }
+        for (int h = lane * 8; h < H; h += 32 * 8) {
+            float gw[8], uw[8];
+            moe_ld8<BF>(gu, g_row + h, gw);
+            moe_ld8<BF>(gu, u_row + h, uw);
+#pragma unroll
+            for (int j = 0; j < MOE_XT; ++j) {
+                if (j < nt) {
+                    float xv[8];
+                    moe_ld8<BF>(xp, (long long)(off + t0 + j) * H + h, xv);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) {
+                        ag[j] += gw[q] * xv[q];
+                        au[j] += uw[q] * xv[q];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MOE_XT; ++j) {
+            if (j < nt) {  // nt is the same on every lane: the shuffles stay converged
+                const float g = moe_round<BF>(moe_warp_sum(ag[j]));
+                const float u = moe_round<BF>(moe_warp_sum(au[j]));
+                if (lane == 0) moe_st(act, (long long)(off + t0 + j) * I + i, (g / (1.0f + expf(-g))) * u, BF);
+            }
+        }
+    }
+}
+
+template <int BF>
+static __device__ void moe_expert_down(const void* __restrict__ act, const void* __restrict__ down,
+                                       const int* __restrict__ counts, const int* __restrict__ offsets,
+                                       void* __restrict__ out, int E, int H, int I) {
+    const int e = blockIdx.y;
+    const int lane = threadIdx.x & 31;
+    const int h = blockIdx.x * MOE_XW + (threadIdx.x >> 5);
+    if (e >= E || h >= H) return;
+    const int n = counts[e];
+    const int off = offsets[e];
+    const long long d_row = ((long long)e * H + h) * I;
+    for (int t0 = 0; t0 < n; t0 += MOE_XT) {
+        const int nt = moe_imin(MOE_XT, n - t0);
+        float acc[MOE_XT];
+#pragma unroll
+        for (int j = 0; j < MOE_XT; ++j) acc[j] = 0.0f;
+        for (int k = lane * 8; k < I; k += 32 * 8) {
+            float dw[8];
+            moe_ld8<BF>(down, d_row + k, dw);
+#pragma unroll
+            for (int j = 0; j < MOE_XT; ++j) {
+                if (j < nt) {
+                    float av[8];
+                    moe_ld8<BF>(act, (long long)(off + t0 + j) * I + k, av);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[j] += dw[q] * av[q];
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MOE_XT; ++j) {
+            if (j < nt) {
+                const float v = moe_warp_sum(acc[j]);
+                if (lane == 0) moe_st(out, (long long)(off + t0 + j) * H + h, v, BF);
+            }
+        }
+    }
+}
+
+// gpuctx_moe_expert_up: for every expert e and every row r in [offsets[e],
+// offsets[e] + counts[e]) of xp [TK, H]: act[r, i] = silu(g) * u for i < I, with
+// g = xp[r, :] . gu[e, i, :] and u = xp[r, :] . gu[e, I + i, :] (gu is [E, 2I, H],
+// gate rows then up rows), each rounded to the activation dtype first.
+// Launch: grid (ceil(I / 8), E, 1), block (256, 1, 1).
+extern "C" __global__ void gpuctx_moe_expert_up(const void* __restrict__ xp, const void* __restrict__ gu,
+                                                const int* __restrict__ counts, const int* __restrict__ offsets,
+                                                void* __restrict__ act, int E, int H, int I, int bf16) {
+    if (bf16) {
+        moe_expert_up<1>(xp, gu, counts, offsets, act, E, H, I);
+    } else {
+        moe_expert_up<0>(xp, gu, counts, offsets, act, E, H, I);
+    }
+}
+
+// gpuctx_moe_expert_down: for every expert e and every row r in [offsets[e],
+// offsets[e] + counts[e]): out[r, h] = act[r, :] . down[e, h, :] for h < H
+// (down is [E, H, I], act [TK, I], out [TK, H]).
+// Launch: grid (ceil(H / 8), E, 1), block (256, 1, 1).
+extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, const void* __restrict__ down,
+                                                  const int* __restrict__ counts, const int* __restrict__ offsets,
+                                                  void* __restrict__ out, int E, int H, int I, int bf16) {
+    if (bf16) {
+        moe_expert_down<1>(act, down, counts, offsets, out, E, H, I);
+    } else {
+        moe_expert_down<0>(act, down, counts, offsets, out, E, H, I);
+    }
+}

@@ -93,6 +93,9 @@ func (p Part) String() string {
 // measurement says Dual wins.
 const DefaultAutoThreshold = math.MaxInt32
 
+// DefaultSmallBatchTokens is the default LayerOptions.SmallBatchTokens.
+const DefaultSmallBatchTokens = 16
+
 // Kernel limits (kernels/moe.cu): experts per layer and experts per token.
 const (
 	MaxExperts = 512
@@ -112,6 +115,12 @@ type LayerOptions struct {
 	AutoThreshold int
 	// Stream is the main stream. nil: the layer makes its own (closed by Close).
 	Stream *gpuctx.Stream
+	// SmallBatchTokens: batches of at most this many tokens compute the routed
+	// experts with the small-batch kernels, whose group sizes stay on the device
+	// (no host wait), instead of grouped GEMMs. 0 means DefaultSmallBatchTokens;
+	// a negative value turns the small-batch path off. It needs hidden_size and
+	// moe_intermediate_size to be multiples of 8 (else the GEMM path runs).
+	SmallBatchTokens int
 }
 
 // Layer is one MoE block on a device: the weights (experts fused as [E,2I,H]
@@ -131,29 +140,32 @@ type Layer struct {
 	es     int // element size of dt
 	mode   Mode
 	thresh int
+	small  int // SmallBatchTokens, resolved
 	flav   gpuctx.Flavour
 
-	main, side *gpuctx.Stream
-	ownMain    bool
-	ctx, sctx  *gpuctx.Context // sctx: ctx.WithStream(side)
-	evFork     *gpuctx.Event
-	evJoin     *gpuctx.Event
-	evCounts   *gpuctx.Event
-	kRoute     *gpuctx.Kernel
-	kPlan      *gpuctx.Kernel
-	kGather    *gpuctx.Kernel
-	kSwiglu    *gpuctx.Kernel
-	kCombine   *gpuctx.Kernel
-	countsHost *gpuctx.HostBuffer
-	weightBufs []*gpuctx.Buffer
-	router     *gpuctx.Buffer // [E,H] dt
-	bias       *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
-	gu, down   *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
-	sgu, sdown *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
-	sgate      *gpuctx.Buffer // [H] dt, or nil
-	scr        scratch
-	routedT    int  // tokens of the last forward that routed (0: none)
-	lastDual   bool // whether the last forward used the side stream (tests)
+	main, side  *gpuctx.Stream
+	ownMain     bool
+	ctx, sctx   *gpuctx.Context // sctx: ctx.WithStream(side)
+	evFork      *gpuctx.Event
+	evJoin      *gpuctx.Event
+	evCounts    *gpuctx.Event
+	kRoute      *gpuctx.Kernel
+	kPlan       *gpuctx.Kernel
+	kGather     *gpuctx.Kernel
+	kSwiglu     *gpuctx.Kernel
+	kCombine    *gpuctx.Kernel
+	kExpertUp   *gpuctx.Kernel
+	kExpertDown *gpuctx.Kernel
+	countsHost  *gpuctx.HostBuffer
+	weightBufs  []*gpuctx.Buffer
+	router      *gpuctx.Buffer // [E,H] dt
+	bias        *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
+	gu, down    *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
+	sgu, sdown  *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
+	sgate       *gpuctx.Buffer // [H] dt, or nil
+	scr         scratch
+	routedT     int  // tokens of the last forward that routed (0: none)
+	lastDual    bool // whether the last forward used the side stream (tests)
 }
 
 // scratch holds the reusable device buffers of a forward.
@@ -204,6 +216,12 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 	if l.thresh == 0 {
 		l.thresh = DefaultAutoThreshold
 	}
+	switch l.small = o.SmallBatchTokens; {
+	case l.small == 0:
+		l.small = DefaultSmallBatchTokens
+	case l.small < 0:
+		l.small = 0
+	}
 	if l.dt == gpuctx.BF16 {
 		l.flav = gpuctx.TensorOp
 	}
@@ -240,7 +258,8 @@ func (l *Layer) init(w *Weights) error {
 		dst  **gpuctx.Kernel
 		name string
 	}{{&l.kRoute, "gpuctx_moe_route"}, {&l.kPlan, "gpuctx_moe_plan"}, {&l.kGather, "gpuctx_moe_gather"},
-		{&l.kSwiglu, "gpuctx_moe_swiglu"}, {&l.kCombine, "gpuctx_moe_combine"}} {
+		{&l.kSwiglu, "gpuctx_moe_swiglu"}, {&l.kCombine, "gpuctx_moe_combine"},
+		{&l.kExpertUp, "gpuctx_moe_expert_up"}, {&l.kExpertDown, "gpuctx_moe_expert_down"}} {
 		if *k.dst, err = l.dev.Kernel(k.name); err != nil {
 			return err
 		}

@@ -261,8 +261,11 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 		s.idx, s.counts, s.offsets, s.pos, int32(TK), int32(E)); err != nil {
 		return err
 	}
-	if err := l.main.CopyDtoH(l.countsHost, 0, s.counts, 0, 4*E); err != nil {
-		return err
+	small := l.smallBatch(T)
+	if !small {
+		if err := l.main.CopyDtoH(l.countsHost, 0, s.counts, 0, 4*E); err != nil {
+			return err
+		}
 	}
 	if err := l.evCounts.Record(l.main); err != nil {
 		return err
@@ -270,6 +273,9 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 	if err := l.main.Launch(l.kGather, gpuctx.Dim3{X: gridFor(TK), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
 		x, s.pos, s.xp, int32(TK), int32(K), int32(H), int32(es)); err != nil {
 		return err
+	}
+	if small {
+		return l.smallExperts(x, T, shared)
 	}
 	switch shared {
 	case sharedMain:
@@ -473,3 +479,47 @@ func flag(b bool) int32 {
 	}
 	return 0
 }
+
+// smallBatch reports whether a batch of T tokens takes the small-batch path.
+func (l *Layer) smallBatch(T int) bool {
+	return T <= l.small && l.cfg.HiddenSize%8 == 0 && l.cfg.Intermediate%8 == 0
+}
+
+// smallExperts queues the routed experts of a small batch with the
+// device-planned kernels (gpuctx_moe_expert_up, gpuctx_moe_expert_down): the
+// group sizes stay on the device, so nothing waits for the host. The shared
+// expert goes on the main stream after them (Single) or on the side stream,
+// forked after the plan (evCounts) and joined by the caller (Dual), where it
+// runs beside the expert kernels.
+func (l *Layer) smallExperts(x *gpuctx.Buffer, T int, shared int) error {
+	c, s := &l.cfg, &l.scr
+	E, H, I := c.NumExperts, c.HiddenSize, c.Intermediate
+	bf := flag(l.dt == gpuctx.BF16)
+	block := gpuctx.Dim3{X: 32 * expertWarps, Y: 1, Z: 1}
+	if shared == sharedSide {
+		if err := l.side.Wait(l.evCounts); err != nil {
+			return err
+		}
+		if err := l.sharedExpert(l.sctx, l.side, x, T); err != nil {
+			return err
+		}
+		if err := l.evJoin.Record(l.side); err != nil {
+			return err
+		}
+	}
+	if err := l.main.Launch(l.kExpertUp, gpuctx.Dim3{X: (I + expertWarps - 1) / expertWarps, Y: E, Z: 1}, block, 0,
+		s.xp, l.gu, s.counts, s.offsets, s.act, int32(E), int32(H), int32(I), bf); err != nil {
+		return err
+	}
+	if err := l.main.Launch(l.kExpertDown, gpuctx.Dim3{X: (H + expertWarps - 1) / expertWarps, Y: E, Z: 1}, block, 0,
+		s.act, l.down, s.counts, s.offsets, s.out, int32(E), int32(H), int32(I), bf); err != nil {
+		return err
+	}
+	if shared == sharedMain {
+		return l.sharedExpert(l.ctx, l.main, x, T)
+	}
+	return nil
+}
+
+// expertWarps is MOE_XW of kernels/moe.cu: output rows (warps) per block.
+const expertWarps = 8

@@ -193,9 +193,10 @@ func TestLayerFixtures(t *testing.T) {
 			dir := filepath.Dir(cj)
 			cfg, w, cases := loadLayerFixture(t, dir)
 			for _, dt := range layerDTypes {
-				for _, mode := range []Mode{Single, Dual} {
-					t.Run(b.name+"/"+filepath.Base(dir)+"/"+dt.String()+"/"+mode.String(), func(t *testing.T) {
-						l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, Mode: mode})
+				for _, mp := range modePaths() {
+					mode, path := mp.mode, mp.path
+					t.Run(b.name+"/"+filepath.Base(dir)+"/"+dt.String()+"/"+mode.String()+"/"+path.name, func(t *testing.T) {
+						l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, Mode: mode, SmallBatchTokens: path.small})
 						if err != nil {
 							t.Fatal(err)
 						}
@@ -346,29 +347,31 @@ func TestLayerRandomPresets(t *testing.T) {
 				t.Fatal(err)
 			}
 			for _, dt := range layerDTypes {
-				t.Run(b.name+"/"+name+"/"+dt.String(), func(t *testing.T) {
-					l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, Mode: Auto, AutoThreshold: 8})
-					if err != nil {
-						t.Fatal(err)
-					}
-					defer l.Close()
-					got, err := l.Forward(x, T)
-					if err != nil {
-						t.Fatal(err)
-					}
-					if dt == gpuctx.F32 {
-						checkClose(t, "vs reference", got, want, nil, tolFor(b, dt))
-						checkRouting(t, l, cfg, w, x, T)
-						return
-					}
-					wr, xr := roundWeights(w), roundAll(x)
-					ref, err := Reference(cfg, wr, xr, T)
-					if err != nil {
-						t.Fatal(err)
-					}
-					checkClose(t, "vs reference on bf16 inputs", got, ref, nil, 2e-2)
-					checkRouting(t, l, cfg, wr, xr, T)
-				})
+				for _, path := range layerPaths {
+					t.Run(b.name+"/"+name+"/"+dt.String()+"/"+path.name, func(t *testing.T) {
+						l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, Mode: Auto, AutoThreshold: 8, SmallBatchTokens: path.small})
+						if err != nil {
+							t.Fatal(err)
+						}
+						defer l.Close()
+						got, err := l.Forward(x, T)
+						if err != nil {
+							t.Fatal(err)
+						}
+						if dt == gpuctx.F32 {
+							checkClose(t, "vs reference", got, want, nil, tolFor(b, dt))
+							checkRouting(t, l, cfg, w, x, T)
+							return
+						}
+						wr, xr := roundWeights(w), roundAll(x)
+						ref, err := Reference(cfg, wr, xr, T)
+						if err != nil {
+							t.Fatal(err)
+						}
+						checkClose(t, "vs reference on bf16 inputs", got, ref, nil, 2e-2)
+						checkRouting(t, l, cfg, wr, xr, T)
+					})
+				}
 			}
 		}
 	}
@@ -422,44 +425,71 @@ func TestLayerDualBitwise(t *testing.T) {
 				t.Fatal(err)
 			}
 			for _, dt := range layerDTypes {
-				t.Run(b.name+"/"+name+"/"+dt.String(), func(t *testing.T) {
-					l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, AutoThreshold: 7})
-					if err != nil {
-						t.Fatal(err)
-					}
-					defer l.Close()
-					for _, T := range []int{1, 7, 40} {
-						x := randomX(T, cfg.HiddenSize, uint64(T))
-						single := deviceRun(t, l, x, T, Single, Whole)
-						for _, mode := range []Mode{Dual, Auto, Single} {
-							if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, single) {
-								t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(single)))
+				for _, path := range layerPaths {
+					t.Run(b.name+"/"+name+"/"+dt.String()+"/"+path.name, func(t *testing.T) {
+						l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, AutoThreshold: 7, SmallBatchTokens: path.small})
+						if err != nil {
+							t.Fatal(err)
+						}
+						defer l.Close()
+						for _, T := range []int{1, 7, 40} {
+							x := randomX(T, cfg.HiddenSize, uint64(T))
+							single := deviceRun(t, l, x, T, Single, Whole)
+							for _, mode := range []Mode{Dual, Auto, Single} {
+								if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, single) {
+									t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(single)))
+								}
+							}
+							// Parts: whole = routed + shared, to f32 rounding.
+							if dt != gpuctx.F32 || cfg.SharedIntermediate == 0 {
+								continue
+							}
+							whole := l.decode(single)
+							routed := l.decode(deviceRun(t, l, x, T, Dual, RoutedOnly))
+							for _, mode := range []Mode{Single, Dual} {
+								shared := l.decode(deviceRun(t, l, x, T, mode, SharedOnly))
+								sum := make([]float32, len(routed))
+								for i := range sum {
+									sum[i] = routed[i] + shared[i]
+								}
+								if rel := relErr(sum, whole); !(rel <= 1e-6) {
+									t.Errorf("T=%d %v: routed+shared differs from whole by %.3g", T, mode, rel)
+								}
+								if rel := relErr(routed, whole); !(rel > 1e-4) {
+									t.Errorf("T=%d: routed alone equals whole (%.3g): the shared expert is missing", T, rel)
+								}
 							}
 						}
-						// Parts: whole = routed + shared, to f32 rounding.
-						if dt != gpuctx.F32 || cfg.SharedIntermediate == 0 {
-							continue
-						}
-						whole := l.decode(single)
-						routed := l.decode(deviceRun(t, l, x, T, Dual, RoutedOnly))
-						for _, mode := range []Mode{Single, Dual} {
-							shared := l.decode(deviceRun(t, l, x, T, mode, SharedOnly))
-							sum := make([]float32, len(routed))
-							for i := range sum {
-								sum[i] = routed[i] + shared[i]
-							}
-							if rel := relErr(sum, whole); !(rel <= 1e-6) {
-								t.Errorf("T=%d %v: routed+shared differs from whole by %.3g", T, mode, rel)
-							}
-							if rel := relErr(routed, whole); !(rel > 1e-4) {
-								t.Errorf("T=%d: routed alone equals whole (%.3g): the shared expert is missing", T, rel)
-							}
-						}
-					}
-				})
+					})
+				}
 			}
 		}
 	}
+}
+
+// layerPath is one way the routed experts run: grouped GEMMs sized on the host
+// ("gemm"), or the small-batch kernels planned on the device, forced for any T
+// ("small").
+type layerPath struct {
+	name  string
+	small int // LayerOptions.SmallBatchTokens
+}
+
+var layerPaths = []layerPath{{"gemm", -1}, {"small", 1 << 20}}
+
+type modePath struct {
+	mode Mode
+	path layerPath
+}
+
+// modePaths crosses Single and Dual with both paths.
+func modePaths() (out []modePath) {
+	for _, m := range []Mode{Single, Dual} {
+		for _, p := range layerPaths {
+			out = append(out, modePath{m, p})
+		}
+	}
+	return out
 }
 
 // TestLayerAutoThreshold checks that Auto runs Dual exactly at and above the

@@ -54,6 +54,7 @@ type moeBenchOpts struct {
 	seed          uint64
 	plot, out     string
 	fullSize      bool
+	smallBatch    int
 }
 
 // benchShape is the layer shape a bench ran.
@@ -151,6 +152,7 @@ real shape. CPU times say nothing about a GPU.`,
 	f.StringVar(&o.plot, "plot", "", "write a log-log PNG of latency vs tokens to this file")
 	f.StringVar(&o.out, "out", "", "write the markdown header and table to this file (for bench/RESULTS.md)")
 	f.BoolVar(&o.fullSize, "full-size", false, "on the CPU backend, keep the preset's real shape (slow)")
+	f.IntVar(&o.smallBatch, "small-batch", 0, fmt.Sprintf("batches of at most this many tokens use the small-batch expert kernels (no host wait); 0: the default (%d), -1: never", moe.DefaultSmallBatchTokens))
 	return cmd
 }
 
@@ -615,7 +617,7 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 	}
 	step("GEMM ceiling")
 
-	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold})
+	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch})
 	if err != nil {
 		return fail("building the MoE layer on the device", "try fewer experts (another preset) or --dtype bf16", err)
 	}

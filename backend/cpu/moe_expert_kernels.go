@@ -1,0 +1,133 @@
+package cpu
+
+import (
+	"fmt"
+
+	"github.com/gpuctx/gpuctx/internal/hal"
+)
+
+// The small-batch routed-expert kernels of kernels/moe.cu (gpuctx_moe_expert_up,
+// gpuctx_moe_expert_down): the routed experts computed straight from the
+// device-side plan (counts, offsets), with the same rounding as the CUDA
+// kernels (f32 dot products; gate and up rounded to the activation dtype before
+// SwiGLU; results stored in the activation dtype).
+
+func init() {
+	// gpuctx_moe_expert_up(const void* xp, const void* gu, const int* counts,
+	// const int* offsets, void* act, int E, int H, int I, int bf16).
+	registerKernel("gpuctx_moe_expert_up", []argKind{argPtr, argPtr, argPtr, argPtr, argPtr,
+		argI32, argI32, argI32, argI32}, moeExpertUp)
+	// gpuctx_moe_expert_down(const void* act, const void* down, const int* counts,
+	// const int* offsets, void* out, int E, int H, int I, int bf16).
+	registerKernel("gpuctx_moe_expert_down", []argKind{argPtr, argPtr, argPtr, argPtr, argPtr,
+		argI32, argI32, argI32, argI32}, moeExpertDown)
+}
+
+// expertPlan reads counts [E] and offsets [E+1] and checks that every expert's
+// rows lie inside [0, offsets[E]).
+func expertPlan(d *device, cp, op hal.Ptr, E int) (counts, offsets []int32, rows int, err error) {
+	if counts, err = deviceSlice[int32](d, "counts", cp, int64(E)); err != nil {
+		return nil, nil, 0, err
+	}
+	if offsets, err = deviceSlice[int32](d, "offsets", op, int64(E)+1); err != nil {
+		return nil, nil, 0, err
+	}
+	rows = int(offsets[E])
+	for e := range E {
+		if counts[e] < 0 || offsets[e] < 0 || int(offsets[e])+int(counts[e]) > rows {
+			return nil, nil, 0, fmt.Errorf("expert %d: rows [%d, %d) outside the plan's %d rows", e, offsets[e], offsets[e]+counts[e], rows)
+		}
+	}
+	return counts, offsets, rows, nil
+}
+
+func expertDims(a []any) (E, H, I int, bf int32, err error) {
+	E, H, I, bf = int(a[5].(int32)), int(a[6].(int32)), int(a[7].(int32)), a[8].(int32)
+	if E <= 0 || H <= 0 || I <= 0 || H%8 != 0 || I%8 != 0 {
+		return 0, 0, 0, 0, fmt.Errorf("E=%d H=%d I=%d: want E > 0 and H, I positive multiples of 8", E, H, I)
+	}
+	return E, H, I, bf, nil
+}
+
+// round rounds v to the activation dtype of s, as a store and a load would.
+func (a actSlice) round(v float32) float32 {
+	if a.h != nil {
+		return bf16ToF32(f32ToBF16(v))
+	}
+	return v
+}
+
+func moeExpertUp(d *device, a []any) error {
+	E, H, I, bf, err := expertDims(a)
+	if err != nil {
+		return fmt.Errorf("expert_up: %w", err)
+	}
+	counts, offsets, rows, err := expertPlan(d, a[2].(hal.Ptr), a[3].(hal.Ptr), E)
+	if err != nil {
+		return err
+	}
+	xp, err := actView(d, "xp", a[0].(hal.Ptr), int64(rows)*int64(H), bf)
+	if err != nil {
+		return err
+	}
+	gu, err := actView(d, "gu", a[1].(hal.Ptr), int64(E)*2*int64(I)*int64(H), bf)
+	if err != nil {
+		return err
+	}
+	act, err := actView(d, "act", a[4].(hal.Ptr), int64(rows)*int64(I), bf)
+	if err != nil {
+		return err
+	}
+	for e := range E {
+		for r := int(offsets[e]); r < int(offsets[e]+counts[e]); r++ {
+			for i := range I {
+				gRow, uRow := (e*2*I+i)*H, (e*2*I+I+i)*H
+				var g, u float32
+				for h := range H {
+					x := xp.load(r*H + h)
+					g += gu.load(gRow+h) * x
+					u += gu.load(uRow+h) * x
+				}
+				g, u = act.round(g), act.round(u)
+				act.store(r*I+i, (g/(1+expf(-g)))*u)
+			}
+		}
+	}
+	return nil
+}
+
+func moeExpertDown(d *device, a []any) error {
+	E, H, I, bf, err := expertDims(a)
+	if err != nil {
+		return fmt.Errorf("expert_down: %w", err)
+	}
+	counts, offsets, rows, err := expertPlan(d, a[2].(hal.Ptr), a[3].(hal.Ptr), E)
+	if err != nil {
+		return err
+	}
+	act, err := actView(d, "act", a[0].(hal.Ptr), int64(rows)*int64(I), bf)
+	if err != nil {
+		return err
+	}
+	down, err := actView(d, "down", a[1].(hal.Ptr), int64(E)*int64(H)*int64(I), bf)
+	if err != nil {
+		return err
+	}
+	out, err := actView(d, "out", a[4].(hal.Ptr), int64(rows)*int64(H), bf)
+	if err != nil {
+		return err
+	}
+	for e := range E {
+		for r := int(offsets[e]); r < int(offsets[e]+counts[e]); r++ {
+			for h := range H {
+				dRow := (e*H + h) * I
+				var v float32
+				for k := range I {
+					v += down.load(dRow+k) * act.load(r*I+k)
+				}
+				out.store(r*H+h, v)
+			}
+		}
+	}
+	return nil
+}
