@@ -24,6 +24,7 @@ type Device struct {
 	streams  map[*Stream]struct{}
 	events   map[*Event]struct{}
 	contexts map[*ctxCore]struct{}
+	graphs   map[*Graph]struct{}
 
 	blas blasState // handle pools and per-stream workspaces (context.go)
 }
@@ -31,7 +32,7 @@ type Device struct {
 func newDevice(r *Runtime, hd hal.Device) *Device {
 	d := &Device{rt: r, hd: hd, info: hd.Info(),
 		allocs: map[*allocation]struct{}{}, hosts: map[*HostBuffer]struct{}{},
-		streams: map[*Stream]struct{}{}, events: map[*Event]struct{}{}, contexts: map[*ctxCore]struct{}{}}
+		streams: map[*Stream]struct{}{}, events: map[*Event]struct{}{}, contexts: map[*ctxCore]struct{}{}, graphs: map[*Graph]struct{}{}}
 	d.blas.init(d)
 	return d
 }
@@ -88,8 +89,11 @@ func (d *Device) Close() error {
 	errs = append(errs, d.blas.close())
 	d.mu.Lock()
 	d.closed = true
-	streams, events, allocs, hosts := keys(d.streams), keys(d.events), keys(d.allocs), keys(d.hosts)
+	streams, events, allocs, hosts, graphs := keys(d.streams), keys(d.events), keys(d.allocs), keys(d.hosts), keys(d.graphs)
 	d.mu.Unlock()
+	for _, g := range graphs {
+		errs = append(errs, g.destroy())
+	}
 	for _, s := range streams {
 		errs = append(errs, s.destroy())
 	}

@@ -36,6 +36,7 @@ type stream struct {
 	completed uint64
 	err       error // sticky: the first error raised by queued work
 	destroyed bool
+	capt      *capture // non-nil while the stream's work is being captured
 }
 
 func newStream(d *device, o hal.StreamOptions) *stream {
@@ -105,6 +106,10 @@ func (s *stream) enqueue(call string, w work) error {
 	}
 	if s.err != nil {
 		return fmt.Errorf("cpu: %s: %w", call, s.err)
+	}
+	if s.capt != nil {
+		s.capt.add(w.fn)
+		return nil
 	}
 	s.queue = append(s.queue, w)
 	s.submitted++
@@ -199,10 +204,25 @@ func (s *stream) Wait(e hal.Event) error {
 	if !ok || ev == nil || ev.dev != s.dev {
 		return fmt.Errorf("cpu: Wait: event %v does not come from this device's NewEvent", e)
 	}
-	m, err := ev.current("Wait")
+	m, capt, err := ev.state("Wait")
 	if err != nil {
 		return err
 	}
+	s.mu.Lock()
+	switch {
+	case capt != nil: // the event was recorded during a capture: s joins it
+		if s.capt != nil && s.capt != capt {
+			s.mu.Unlock()
+			return fmt.Errorf("cpu: Wait: stream %d is already part of another capture", s.id)
+		}
+		s.capt = capt
+		s.mu.Unlock()
+		return nil // replay runs the capture's work in the order it was queued
+	case s.capt != nil:
+		s.mu.Unlock()
+		return fmt.Errorf("cpu: Wait: stream %d is capturing and the event was not recorded in that capture; CUDA refuses this too", s.id)
+	}
+	s.mu.Unlock()
 	if m == nil {
 		return nil
 	}
@@ -216,10 +236,13 @@ func (s *stream) Wait(e hal.Event) error {
 // the stream's sticky error, if any. Safe for concurrent use.
 func (s *stream) Synchronize() error {
 	s.mu.Lock()
-	destroyed := s.destroyed
+	destroyed, capturing := s.destroyed, s.capt != nil
 	s.mu.Unlock()
 	if destroyed {
 		return fmt.Errorf("cpu: Synchronize: stream %d is destroyed", s.id)
+	}
+	if capturing {
+		return fmt.Errorf("cpu: Synchronize: stream %d is capturing: end the capture first", s.id)
 	}
 	return s.wait()
 }
@@ -230,6 +253,9 @@ func (s *stream) Query() (bool, error) {
 	defer s.mu.Unlock()
 	if s.destroyed {
 		return false, fmt.Errorf("cpu: Query: stream %d is destroyed", s.id)
+	}
+	if s.capt != nil {
+		return false, fmt.Errorf("cpu: Query: stream %d is capturing: end the capture first", s.id)
 	}
 	return s.completed == s.submitted, s.err
 }
@@ -268,16 +294,27 @@ type event struct {
 
 	mu        sync.Mutex
 	cur       *marker
+	capt      *capture // the capture the last Record was made in, or nil
 	destroyed bool
 }
 
 func (e *event) current(call string) (*marker, error) {
+	m, _, err := e.state(call)
+	return m, err
+}
+
+// state returns the last recorded marker and, when that Record was made during
+// a capture that is still open, the capture.
+func (e *event) state(call string) (*marker, *capture, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.destroyed {
-		return nil, fmt.Errorf("cpu: %s: event is destroyed", call)
+		return nil, nil, fmt.Errorf("cpu: %s: event is destroyed", call)
 	}
-	return e.cur, nil
+	if e.capt != nil && e.capt.isEnded() {
+		e.capt = nil
+	}
+	return e.cur, e.capt, nil
 }
 
 // Record captures the work queued on s so far: the event completes when s
@@ -292,6 +329,14 @@ func (e *event) Record(s hal.Stream) error {
 	if e.destroyed {
 		return errors.New("cpu: Event.Record: event is destroyed")
 	}
+	st.mu.Lock()
+	capt := st.capt
+	st.mu.Unlock()
+	if capt != nil { // recorded into the capture: streams that wait on it join
+		e.cur, e.capt = nil, capt
+		return nil
+	}
+	e.capt = nil
 	m := &marker{done: make(chan struct{})}
 	if err := st.enqueue("Event.Record", work{marker: true, fn: func() error {
 		m.at = time.Now()

@@ -68,6 +68,15 @@ type driverAPI struct {
 	cuEventElapsedTimeV2 func(ms *float32, start, end uintptr) int32 // optional: CUDA >= 12.8
 	cuEventElapsedTime   func(ms *float32, start, end uintptr) int32 // optional: removed from CUDA 13 headers
 
+	// Stream capture and graphs (all present since CUDA 11.4; optional so that
+	// the backend still loads where they are not).
+	cuStreamBeginCapture        func(s uintptr, mode int32) int32 // cuStreamBeginCapture_v2
+	cuStreamEndCapture          func(s uintptr, graph *uintptr) int32
+	cuGraphInstantiateWithFlags func(exec *uintptr, graph uintptr, flags uint64) int32
+	cuGraphLaunch               func(exec uintptr, s uintptr) int32
+	cuGraphExecDestroy          func(exec uintptr) int32
+	cuGraphDestroy              func(graph uintptr) int32
+
 	cuModuleLoadData    func(mod *uintptr, image unsafe.Pointer) int32
 	cuModuleGetFunction func(fn *uintptr, mod uintptr, name string) int32
 	cuModuleUnload      func(mod uintptr) int32
@@ -183,6 +192,12 @@ func (a *driverAPI) symbols() []dynload.Symbol {
 		{Name: "cuModuleGetFunction", Fn: &a.cuModuleGetFunction},
 		{Name: "cuModuleUnload", Fn: &a.cuModuleUnload},
 		{Name: "cuFuncGetParamInfo", Fn: &a.cuFuncGetParamInfo, Optional: true},
+		{Name: "cuStreamBeginCapture_v2", Fn: &a.cuStreamBeginCapture, Optional: true},
+		{Name: "cuStreamEndCapture", Fn: &a.cuStreamEndCapture, Optional: true},
+		{Name: "cuGraphInstantiateWithFlags", Fn: &a.cuGraphInstantiateWithFlags, Optional: true},
+		{Name: "cuGraphLaunch", Fn: &a.cuGraphLaunch, Optional: true},
+		{Name: "cuGraphExecDestroy", Fn: &a.cuGraphExecDestroy, Optional: true},
+		{Name: "cuGraphDestroy", Fn: &a.cuGraphDestroy, Optional: true},
 		{Name: "cuLaunchKernel", Fn: &a.cuLaunchKernel},
 	}
 }

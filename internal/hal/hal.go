@@ -327,6 +327,27 @@ type WorkspaceChecker interface {
 	WorkspaceConflicts() int64
 }
 
+// Capturer is implemented by streams that can record their work into a graph
+// (CUDA stream capture) instead of running it. Between BeginCapture and
+// EndCapture, work queued on the stream is recorded, not run; a stream that
+// waits on an event recorded during the capture joins it, and must be joined back
+// (the capturing stream waits on an event recorded on it) before EndCapture.
+// Nothing may synchronise the host with a capturing stream.
+type Capturer interface {
+	BeginCapture() error
+	// EndCapture stops capturing and returns the recorded work as an executable
+	// graph.
+	EndCapture() (Graph, error)
+}
+
+// Graph is recorded work that can be launched again and again.
+type Graph interface {
+	// Launch queues the whole graph on s: it starts after the work queued on s
+	// so far and later work on s waits for all of it.
+	Launch(s Stream) error
+	Destroy() error
+}
+
 // Common errors backends return (wrapped with detail).
 var (
 	ErrUnavailable = errors.New("backend unavailable")
