@@ -121,6 +121,11 @@ type LayerOptions struct {
 	// a negative value turns the small-batch path off. It needs hidden_size and
 	// moe_intermediate_size to be multiples of 8 (else the GEMM path runs).
 	SmallBatchTokens int
+	// NoGraphs runs every forward eagerly. By default a forward that needs no
+	// host wait (the small-batch path, or the shared expert alone) is captured
+	// into a graph on its second run with that shape and replayed from then on,
+	// where the backend can capture streams.
+	NoGraphs bool
 }
 
 // Layer is one MoE block on a device: the weights (experts fused as [E,2I,H]
@@ -141,7 +146,12 @@ type Layer struct {
 	mode   Mode
 	thresh int
 	small  int // SmallBatchTokens, resolved
-	flav   gpuctx.Flavour
+
+	useGraphs bool                       // capture and replay where possible
+	graphs    map[graphKey]*gpuctx.Graph // captured forwards
+	seen      map[graphKey]int           // forwards run per shape (the first is eager)
+	gx, gy    *gpuctx.Buffer             // the graphs' staging input and output
+	flav      gpuctx.Flavour
 
 	main, side  *gpuctx.Stream
 	ownMain     bool
@@ -216,6 +226,8 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 	if l.thresh == 0 {
 		l.thresh = DefaultAutoThreshold
 	}
+	l.useGraphs = !o.NoGraphs
+	l.graphs, l.seen = map[graphKey]*gpuctx.Graph{}, map[graphKey]int{}
 	switch l.small = o.SmallBatchTokens; {
 	case l.small == 0:
 		l.small = DefaultSmallBatchTokens
@@ -456,7 +468,11 @@ func (l *Layer) release() error {
 			keep(s.Synchronize())
 		}
 	}
-	for _, b := range l.scr.all() {
+	for _, g := range l.graphs {
+		keep(g.Close())
+	}
+	l.graphs = nil
+	for _, b := range append(l.scr.all(), &l.gx, &l.gy) {
 		if *b != nil {
 			keep((*b).Free())
 			*b = nil

@@ -1,6 +1,7 @@
 package moe
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"unsafe"
@@ -147,6 +148,9 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	if err := l.ensure(T, doRouted, doShared); err != nil {
 		return err
 	}
+	if l.useGraphs && (!doRouted || l.smallBatch(T)) {
+		return l.forwardGraph(x, y, n, T, dual, doRouted, doShared)
+	}
 	xv, err := x.Slice(0, n)
 	if err != nil {
 		return err
@@ -155,6 +159,14 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	if err != nil {
 		return err
 	}
+	return l.enqueue(xv, yv, T, dual, doRouted, doShared)
+}
+
+// enqueue queues the forward of xv into yv (both exactly T*H elements) on the
+// main stream (and the side stream when dual).
+func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared bool) error {
+	c := &l.cfg
+	H, K := c.HiddenSize, c.TopK
 	if dual && !doRouted { // fork: the side stream starts once x is ready on the main stream
 		if err := l.evFork.Record(l.main); err != nil {
 			return err
@@ -418,6 +430,7 @@ func (l *Layer) grow(b **gpuctx.Buffer, n int, synced *bool) error {
 			}
 			*synced = true
 		}
+		l.dropGraphs() // they hold the old buffer's address
 		if err := (*b).Free(); err != nil {
 			return err
 		}
@@ -523,3 +536,91 @@ func (l *Layer) smallExperts(x *gpuctx.Buffer, T int, shared int) error {
 
 // expertWarps is MOE_XW of kernels/moe.cu: output rows (warps) per block.
 const expertWarps = 8
+
+// graphKey identifies a captured forward: its shape and what it computes.
+type graphKey struct {
+	T                    int
+	dual, routed, shared bool
+}
+
+// forwardGraph runs a forward that needs no host wait (the small-batch path, or
+// the shared expert alone) as a captured graph: x is copied into the layer's
+// staging input, the graph runs, and the staging output is copied to y, all on
+// the main stream. The first forward of each shape runs eagerly, so that library
+// handles, workspaces and heuristics are set up outside any capture; the second
+// captures the graph; later ones only launch it. Graphs are dropped when scratch
+// buffers grow (their pointers are baked in).
+func (l *Layer) forwardGraph(x, y *gpuctx.Buffer, n, T int, dual, doRouted, doShared bool) error {
+	key := graphKey{T, dual, doRouted, doShared}
+	if l.seen[key] == 0 {
+		l.seen[key]++
+		xv, err := x.Slice(0, n)
+		if err != nil {
+			return err
+		}
+		yv, err := y.Slice(0, n)
+		if err != nil {
+			return err
+		}
+		return l.enqueue(xv, yv, T, dual, doRouted, doShared)
+	}
+	synced := false
+	if err := l.grow(&l.gx, n, &synced); err != nil {
+		return err
+	}
+	if err := l.grow(&l.gy, n, &synced); err != nil {
+		return err
+	}
+	gx, err := l.gx.Slice(0, n)
+	if err != nil {
+		return err
+	}
+	gy, err := l.gy.Slice(0, n)
+	if err != nil {
+		return err
+	}
+	g := l.graphs[key]
+	if g == nil {
+		if err := l.main.BeginCapture(); err != nil {
+			if errors.Is(err, gpuctx.ErrUnavailable) { // this backend cannot capture: stay eager
+				l.useGraphs = false
+				xv, yv := x, y
+				if xv, err = x.Slice(0, n); err == nil {
+					yv, err = y.Slice(0, n)
+				}
+				if err != nil {
+					return err
+				}
+				return l.enqueue(xv, yv, T, dual, doRouted, doShared)
+			}
+			return fmt.Errorf("moe: capturing the forward of %d tokens: %w", T, err)
+		}
+		qerr := l.enqueue(gx, gy, T, dual, doRouted, doShared)
+		g, err = l.main.EndCapture()
+		if qerr != nil {
+			if g != nil {
+				_ = g.Close()
+			}
+			return fmt.Errorf("moe: capturing the forward of %d tokens: %w", T, qerr)
+		}
+		if err != nil {
+			return fmt.Errorf("moe: capturing the forward of %d tokens: %w", T, err)
+		}
+		l.graphs[key] = g
+	}
+	if err := l.main.CopyDtoD(gx, 0, x, 0, n); err != nil {
+		return err
+	}
+	if err := g.Launch(l.main); err != nil {
+		return err
+	}
+	return l.main.CopyDtoD(y, 0, gy, 0, n)
+}
+
+// dropGraphs closes every captured graph (their buffers are about to change).
+func (l *Layer) dropGraphs() {
+	for k, g := range l.graphs {
+		_ = g.Close()
+		delete(l.graphs, k)
+	}
+}

@@ -742,3 +742,50 @@ func TestWeightBytes(t *testing.T) {
 		}
 	}
 }
+
+// TestLayerGraphReplay runs the same small batch several times, so that the
+// forward is run eagerly, then captured, then replayed; every run must give the
+// bytes of a layer that never captures, in both modes and for every part, and
+// new inputs must flow through the replayed graph.
+func TestLayerGraphReplay(t *testing.T) {
+	cfg := scaledPresets()["deepseek-v2-lite"]
+	w, err := RandomWeights(cfg, 21)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range layerBackends(t) {
+		for _, dt := range layerDTypes {
+			t.Run(b.name+"/"+dt.String(), func(t *testing.T) {
+				eager, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, NoGraphs: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer eager.Close()
+				graphed, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer graphed.Close()
+				const T = 5
+				for run := range 4 {
+					x := randomX(T, cfg.HiddenSize, uint64(100+run)) // new inputs every run
+					for _, mode := range []Mode{Single, Dual} {
+						for _, part := range []Part{Whole, RoutedOnly, SharedOnly} {
+							want := deviceRun(t, eager, x, T, mode, part)
+							if got := deviceRun(t, graphed, x, T, mode, part); !bytes.Equal(got, want) {
+								t.Fatalf("run %d %v %v: the graphed layer differs from the eager one (relative %.3g)",
+									run, mode, part, relErr(graphed.decode(got), eager.decode(want)))
+							}
+						}
+					}
+				}
+				if len(graphed.graphs) == 0 {
+					t.Fatal("no forward was captured into a graph")
+				}
+				if len(eager.graphs) != 0 {
+					t.Fatal("NoGraphs layer captured a graph")
+				}
+			})
+		}
+	}
+}

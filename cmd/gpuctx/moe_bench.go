@@ -55,6 +55,7 @@ type moeBenchOpts struct {
 	plot, out     string
 	fullSize      bool
 	smallBatch    int
+	noGraphs      bool
 }
 
 // benchShape is the layer shape a bench ran.
@@ -152,6 +153,7 @@ real shape. CPU times say nothing about a GPU.`,
 	f.StringVar(&o.plot, "plot", "", "write a log-log PNG of latency vs tokens to this file")
 	f.StringVar(&o.out, "out", "", "write the markdown header and table to this file (for bench/RESULTS.md)")
 	f.BoolVar(&o.fullSize, "full-size", false, "on the CPU backend, keep the preset's real shape (slow)")
+	f.BoolVar(&o.noGraphs, "no-graphs", false, "run every forward eagerly (by default small batches replay a captured graph)")
 	f.IntVar(&o.smallBatch, "small-batch", 0, fmt.Sprintf("batches of at most this many tokens use the small-batch expert kernels (no host wait); 0: the default (%d), -1: never", moe.DefaultSmallBatchTokens))
 	return cmd
 }
@@ -617,7 +619,7 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 	}
 	step("GEMM ceiling")
 
-	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch})
+	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch, NoGraphs: o.noGraphs})
 	if err != nil {
 		return fail("building the MoE layer on the device", "try fewer experts (another preset) or --dtype bf16", err)
 	}
