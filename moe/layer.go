@@ -22,8 +22,9 @@ const (
 	// with an event after the input is ready and joined back with an event before
 	// the combine, so that it overlaps the router and the routed experts.
 	Dual
-	// Auto is Dual when the batch has at least the layer's AutoThreshold tokens,
-	// else Single.
+	// Auto is Dual for batches that take the small-batch path (graph-replayed,
+	// where the side stream measurably pays off) and for batches of at least the
+	// layer's AutoThreshold tokens; Single otherwise.
 	Auto
 )
 
@@ -81,16 +82,18 @@ func (p Part) String() string {
 }
 
 // DefaultAutoThreshold is the batch size (tokens) at and above which Auto uses
-// Dual when LayerOptions.AutoThreshold is 0.
+// Dual on the grouped-GEMM path when LayerOptions.AutoThreshold is 0.
 //
-// Measured on an H200 (bench/RESULTS.md, 2026-11-30): for DeepSeek-V2-Lite and
-// Qwen1.5-MoE layers in bf16, Dual was slower than Single at every size from 1
-// to 4096 tokens (by 1-18%), because Single already runs the shared expert
-// while the host waits for the per-expert counts and every GEMM below ~1024
-// tokens is bound by weight bandwidth, which the side stream cannot add to. So
-// Auto stays on Single for any batch (the threshold is larger than any batch
-// the kernels accept); set LayerOptions.AutoThreshold to opt in where your own
-// measurement says Dual wins.
+// Measured on an H200 (bench/RESULTS.md, 2026-11-30), DeepSeek-V2-Lite and
+// Qwen1.5-MoE layers in bf16: on the small-batch path (graph replay, no host
+// wait) Dual beat Single by 10% at 1 token and 1.5-8% up to 64 tokens, so Auto
+// always uses Dual there. On the grouped-GEMM path (which waits once for the
+// per-expert counts) Dual was within noise of Single or slower at every size
+// from 32 to 4096 tokens: Single already runs the shared expert while the host
+// waits, and those GEMMs are bound by weight bandwidth, which a second stream
+// cannot add to. So on that path Auto stays on Single for any batch (the
+// threshold is larger than any batch the kernels accept); set
+// LayerOptions.AutoThreshold to opt in where your own measurement says Dual wins.
 const DefaultAutoThreshold = math.MaxInt32
 
 // DefaultSmallBatchTokens is the default LayerOptions.SmallBatchTokens.

@@ -139,7 +139,7 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	doShared := hasShared && part != RoutedOnly
 	if mode == Auto {
 		mode = Single
-		if T >= l.thresh {
+		if (part != SharedOnly && l.smallBatch(T)) || T >= l.thresh {
 			mode = Dual
 		}
 	}

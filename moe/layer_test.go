@@ -502,23 +502,27 @@ func TestLayerAutoThreshold(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.F32, Mode: Auto, AutoThreshold: 5})
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, tc := range []struct {
-				T    int
-				mode Mode
-				want bool
-			}{{1, Auto, false}, {4, Auto, false}, {5, Auto, true}, {9, Auto, true}, {9, Single, false}, {2, Dual, true}} {
-				x := randomX(tc.T, cfg.HiddenSize, 1)
-				deviceRun(t, l, x, tc.T, tc.mode, Whole)
-				want := tc.want && cfg.SharedIntermediate > 0
-				if l.lastDual != want {
-					t.Errorf("%s %s T=%d %v: ran dual = %v, want %v", b.name, name, tc.T, tc.mode, l.lastDual, want)
+			// The threshold rule alone (no small-batch path), then with the
+			// small-batch path up to 3 tokens: Auto is Dual there too.
+			for _, small := range []int{-1, 3} {
+				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.F32, Mode: Auto, AutoThreshold: 5, SmallBatchTokens: small})
+				if err != nil {
+					t.Fatal(err)
 				}
+				for _, tc := range []struct {
+					T    int
+					mode Mode
+					want bool
+				}{{1, Auto, small > 0}, {3, Auto, small > 0}, {4, Auto, false}, {5, Auto, true}, {9, Auto, true}, {9, Single, false}, {2, Dual, true}, {2, Single, false}} {
+					x := randomX(tc.T, cfg.HiddenSize, 1)
+					deviceRun(t, l, x, tc.T, tc.mode, Whole)
+					want := tc.want && cfg.SharedIntermediate > 0
+					if l.lastDual != want {
+						t.Errorf("%s %s small=%d T=%d %v: ran dual = %v, want %v", b.name, name, small, tc.T, tc.mode, l.lastDual, want)
+					}
+				}
+				l.Close()
 			}
-			l.Close()
 		}
 	}
 }
