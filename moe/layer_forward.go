@@ -80,16 +80,23 @@ func (l *Layer) Forward(x []float32, T int) ([]float32, error) {
 // alone; mode selects Single, Dual (the shared expert on the side stream, forked
 // from and joined back into the main stream with events) or Auto.
 //
-// It returns once the work is queued, except for one wait: the routed path
-// needs the per-expert token counts on the host to size the grouped GEMMs, so it
-// blocks until the main stream has finished the router, the routing and the
-// permutation plan (an event after the counts copy; the shared expert, queued
-// before that wait, keeps the device busy meanwhile). The caller must keep x and
-// y alive and unmodified until the main stream has passed the forward; later work
-// on the main stream is ordered after it, including the side stream's part.
+// Batches of up to LayerOptions.SmallBatchTokens tokens (and the shared expert
+// alone) need no host wait: the routed experts read the per-expert plan on the
+// device, and from the second forward of a given shape on the whole forward is
+// replayed as a captured graph (x copied into the layer's staging buffer, the
+// graph, the result copied to y, all on the main stream). ForwardDevice then
+// returns once the work is queued. Larger batches use grouped GEMMs, whose sizes
+// the host needs: ForwardDevice blocks once until the main stream has finished
+// the router, the routing and the permutation plan (an event after the counts
+// copy; the shared expert, queued before that wait, keeps the device busy). The
+// caller must keep x and y alive and unmodified until the main stream has passed
+// the forward; later work on the main stream is ordered after it, including the
+// side stream's part.
 //
 // Single and Dual produce bitwise identical y: the same kernels and GEMMs with
-// the same shapes, and a combine with a fixed summation order.
+// the same shapes, and a combine with a fixed summation order. The small-batch
+// and grouped-GEMM paths agree to rounding (their dot products sum in different
+// orders).
 func (l *Layer) ForwardDevice(x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
