@@ -9,3 +9,5 @@ grep -E -- '^--- (FAIL|SKIP)' "$OUT/gpu-tests.log" | head
 grep -E -- '--- PASS: .*/cuda ' "$OUT/gpu-tests.log" | sed 's#/cuda .*##; s#^ *--- PASS: ##' | sort | uniq -c | sort -rn | head -30
 (.gpu/root.test -test.run XXX -test.bench 'BindingOverhead/cuda|AlternatingStreams/cuda|OverheadVsBare' -test.benchtime 300ms -test.count 3) > "$OUT/binding.txt" 2>&1
 grep -E '^Benchmark.*ns/op' "$OUT/binding.txt"
+.gpu/gpuctx moe bench --tokens 1,8,64,1024 --mode single,dual,auto --out "$OUT/moe-auto.md" > /dev/null 2>&1
+sed -n '/^| tokens/,/^$/p' "$OUT/moe-auto.md"
