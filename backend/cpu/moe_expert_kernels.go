@@ -44,7 +44,7 @@ func expertPlan(d *device, cp, op hal.Ptr, E int) (counts, offsets []int32, rows
 func expertDims(a []any) (E, H, I int, bf int32, err error) {
 	E, H, I, bf = int(a[5].(int32)), int(a[6].(int32)), int(a[7].(int32)), a[8].(int32)
 	if E <= 0 || H <= 0 || I <= 0 || H%8 != 0 || I%8 != 0 {
-		return 0, 0, 0, 0, fmt.Errorf("E=%d H=%d I=%d: want E > 0 and H, I positive multiples of 8", E, H, I)
+		return 0, 0, 0, 0, fmt.Errorf("dimensions E=%d H=%d I=%d: want E > 0 and H, I positive multiples of 8", E, H, I)
 	}
 	return E, H, I, bf, nil
 }
