@@ -7,10 +7,10 @@ import (
 	"sync/atomic"
 	"unsafe"
 
-	"github.com/x448/float16"
 	"gonum.org/v1/gonum/blas"
 	"gonum.org/v1/gonum/blas/gonum"
 
+	"github.com/gpuctx/gpuctx/half"
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
@@ -450,7 +450,7 @@ func reader(b []byte, dt hal.DType) func(i int) float64 {
 		return func(i int) float64 { return v[i] }
 	case hal.F16:
 		v := view[uint16](b)
-		return func(i int) float64 { return float64(float16.Frombits(v[i]).Float32()) }
+		return func(i int) float64 { return float64(half.FromF16(v[i])) }
 	case hal.BF16:
 		v := view[uint16](b)
 		return func(i int) float64 { return float64(bf16ToF32(v[i])) }
@@ -470,7 +470,7 @@ func writer(b []byte, dt hal.DType) func(i int, v float64) {
 		return func(i int, v float64) { o[i] = v }
 	case hal.F16:
 		o := view[uint16](b)
-		return func(i int, v float64) { o[i] = float16.Fromfloat32(float32(v)).Bits() }
+		return func(i int, v float64) { o[i] = half.F16(float32(v)) }
 	case hal.BF16:
 		o := view[uint16](b)
 		return func(i int, v float64) { o[i] = f32ToBF16(float32(v)) }
@@ -478,17 +478,10 @@ func writer(b []byte, dt hal.DType) func(i int, v float64) {
 	panic("cpu: writer: unsupported dtype " + dt.String())
 }
 
-func bf16ToF32(h uint16) float32 { return math.Float32frombits(uint32(h) << 16) }
+func bf16ToF32(h uint16) float32 { return half.FromBF16(h) }
 
-// f32ToBF16 rounds f to bfloat16, to nearest even; NaN stays NaN.
-func f32ToBF16(f float32) uint16 {
-	b := math.Float32bits(f)
-	if b&0x7fffffff > 0x7f800000 {
-		return uint16(b>>16) | 0x40
-	}
-	b += 0x7fff + (b>>16)&1
-	return uint16(b >> 16)
-}
+// f32ToBF16 rounds to the nearest bfloat16, ties to even (package half).
+func f32ToBF16(f float32) uint16 { return half.BF16(f) }
 
 // roundTF32 rounds f to TF32 precision (10 explicit mantissa bits), to nearest
 // even, as tensor cores do with f32 inputs in TF32 mode.

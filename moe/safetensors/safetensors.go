@@ -25,7 +25,7 @@ import (
 	"sort"
 	"strings"
 
-	"github.com/x448/float16"
+	"github.com/gpuctx/gpuctx/half"
 )
 
 // DType is a safetensors element type, spelled as in the file header.
@@ -284,7 +284,7 @@ func DecodeFloat32(dst []float32, src []byte, dt DType) error {
 		}
 	case F16:
 		for i := range dst {
-			dst[i] = float16.Frombits(binary.LittleEndian.Uint16(src[2*i:])).Float32()
+			dst[i] = half.FromF16(binary.LittleEndian.Uint16(src[2*i:]))
 		}
 	case F64:
 		for i := range dst {
@@ -297,19 +297,12 @@ func DecodeFloat32(dst []float32, src []byte, dt DType) error {
 }
 
 // BF16ToFloat32 widens a bfloat16 bit pattern to float32 (exact).
-func BF16ToFloat32(b uint16) float32 { return math.Float32frombits(uint32(b) << 16) }
+func BF16ToFloat32(b uint16) float32 { return half.FromBF16(b) }
 
 // Float32ToBF16 rounds f to the nearest bfloat16, ties to even (as PyTorch does).
 // NaN stays NaN. A value that came from a bfloat16 round-trips exactly, so
 // converting weights loaded from a BF16 file back to BF16 never rounds twice.
-func Float32ToBF16(f float32) uint16 {
-	u := math.Float32bits(f)
-	if u&0x7fffffff > 0x7f800000 { // NaN: keep it quiet and non-zero
-		return uint16(u>>16) | 0x40
-	}
-	u += 0x7fff + (u>>16)&1
-	return uint16(u >> 16)
-}
+func Float32ToBF16(f float32) uint16 { return half.BF16(f) }
 
 // Tensor is one tensor to write.
 type Tensor struct {
@@ -347,7 +340,7 @@ func FromFloat32(name string, dt DType, shape []int, data []float32) (Tensor, er
 	case F16:
 		t.Data = make([]byte, 2*n)
 		for i, v := range data {
-			binary.LittleEndian.PutUint16(t.Data[2*i:], float16.Fromfloat32(v).Bits())
+			binary.LittleEndian.PutUint16(t.Data[2*i:], half.F16(v))
 		}
 	default:
 		return Tensor{}, fmt.Errorf("safetensors: tensor %q: FromFloat32 cannot write dtype %q (want F32, F16 or BF16)", name, dt)
