@@ -158,6 +158,11 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	if l.useGraphs && (!doRouted || l.smallBatch(T)) {
 		return l.forwardGraph(x, y, n, T, dual, doRouted, doShared)
 	}
+	return l.eager(x, y, n, T, dual, doRouted, doShared)
+}
+
+// eager queues the forward of x's first n bytes into y's (see enqueue).
+func (l *Layer) eager(x, y *gpuctx.Buffer, n, T int, dual, doRouted, doShared bool) error {
 	xv, err := x.Slice(0, n)
 	if err != nil {
 		return err
@@ -561,15 +566,7 @@ func (l *Layer) forwardGraph(x, y *gpuctx.Buffer, n, T int, dual, doRouted, doSh
 	key := graphKey{T, dual, doRouted, doShared}
 	if l.seen[key] == 0 {
 		l.seen[key]++
-		xv, err := x.Slice(0, n)
-		if err != nil {
-			return err
-		}
-		yv, err := y.Slice(0, n)
-		if err != nil {
-			return err
-		}
-		return l.enqueue(xv, yv, T, dual, doRouted, doShared)
+		return l.eager(x, y, n, T, dual, doRouted, doShared)
 	}
 	synced := false
 	if err := l.grow(&l.gx, n, &synced); err != nil {
@@ -591,14 +588,7 @@ func (l *Layer) forwardGraph(x, y *gpuctx.Buffer, n, T int, dual, doRouted, doSh
 		if err := l.main.BeginCapture(); err != nil {
 			if errors.Is(err, gpuctx.ErrUnavailable) { // this backend cannot capture: stay eager
 				l.useGraphs = false
-				xv, yv := x, y
-				if xv, err = x.Slice(0, n); err == nil {
-					yv, err = y.Slice(0, n)
-				}
-				if err != nil {
-					return err
-				}
-				return l.enqueue(xv, yv, T, dual, doRouted, doShared)
+				return l.eager(x, y, n, T, dual, doRouted, doShared)
 			}
 			return fmt.Errorf("moe: capturing the forward of %d tokens: %w", T, err)
 		}
