@@ -26,6 +26,69 @@ func TestFixtures(t *testing.T) {
 }
 
 func checkFixture(t *testing.T, dir string) {
+	cfg, w, cases := loadLayerFixture(t, dir)
+	K := cfg.TopK
+	for _, c := range cases {
+		got, err := Reference(cfg, w, c.x, c.T)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got) != len(c.y) {
+			t.Fatalf("%s: %d values, expected file has %d", c.name, len(got), len(c.y))
+		}
+		var maxRef, maxDiff float64
+		for i := range got {
+			maxRef = max(maxRef, math.Abs(float64(c.y[i])))
+			maxDiff = max(maxDiff, math.Abs(float64(got[i])-float64(c.y[i])))
+		}
+		if rel := maxDiff / maxRef; !(rel <= 1e-5) {
+			t.Errorf("%s (T=%d): max|ref-hf|/max|hf| = %.3g > 1e-5", c.name, c.T, rel)
+		} else {
+			t.Logf("%s (T=%d): relative error %.3g", c.name, c.T, rel)
+		}
+		// Routing, when the fixture recorded it: same expert set per token, same weights.
+		if c.idx == nil {
+			continue
+		}
+		idx, wt, err := Route(cfg, w, c.x, c.T)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(c.idx) != c.T*K || len(c.wt) != c.T*K {
+			t.Fatalf("%s: %d indices, %d weights, want %d", c.name, len(c.idx), len(c.wt), c.T*K)
+		}
+		for tk := 0; tk < c.T; tk++ {
+			hf := map[int64]float32{}
+			for k := 0; k < K; k++ {
+				hf[c.idx[tk*K+k]] = c.wt[tk*K+k]
+			}
+			for k := 0; k < K; k++ {
+				hw, ok := hf[int64(idx[tk*K+k])]
+				if !ok {
+					t.Fatalf("token %d: Route chose %v, transformers %v", tk, idx[tk*K:(tk+1)*K], c.idx[tk*K:(tk+1)*K])
+				}
+				if d := math.Abs(float64(hw) - float64(wt[tk*K+k])); d > 1e-5*math.Max(1, math.Abs(float64(hw))) {
+					t.Fatalf("token %d expert %d: weight %v, transformers %v", tk, idx[tk*K+k], wt[tk*K+k], hw)
+				}
+			}
+		}
+	}
+}
+
+// fixtureCase is one input of a fixture with the block's output and, when the
+// generator recorded them, its top-k indices and weights.
+type fixtureCase struct {
+	name string
+	x, y []float32
+	T    int
+	idx  []int64
+	wt   []float32
+}
+
+// loadLayerFixture reads a fixture directory: config, the layer's weights (the
+// layer named in meta.json, else 1) and every input x<suffix> with its y<suffix>.
+func loadLayerFixture(t *testing.T, dir string) (*Config, *Weights, []fixtureCase) {
+	t.Helper()
 	cfg, err := LoadConfig(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -56,8 +119,7 @@ func checkFixture(t *testing.T, dir string) {
 		t.Fatal(err)
 	}
 	defer exp.Close()
-	H, K := cfg.HiddenSize, cfg.TopK
-	n := 0
+	var cases []fixtureCase
 	for _, name := range in.Header.Names() {
 		if !strings.HasPrefix(name, "x") {
 			continue
@@ -67,67 +129,26 @@ func checkFixture(t *testing.T, dir string) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(info.Shape) != 2 || info.Shape[1] != H {
-			t.Fatalf("%s has shape %v, want [T,%d]", name, info.Shape, H)
+		if len(info.Shape) != 2 || info.Shape[1] != cfg.HiddenSize {
+			t.Fatalf("%s has shape %v, want [T,%d]", name, info.Shape, cfg.HiddenSize)
 		}
-		T := info.Shape[0]
-		want, _, err := exp.Float32("y" + suffix)
+		y, _, err := exp.Float32("y" + suffix)
 		if err != nil {
 			t.Fatal(err)
 		}
-		got, err := Reference(cfg, w, x, T)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(got) != len(want) {
-			t.Fatalf("y%s: %d values, expected file has %d", suffix, len(got), len(want))
-		}
-		var maxRef, maxDiff float64
-		for i := range got {
-			maxRef = max(maxRef, math.Abs(float64(want[i])))
-			maxDiff = max(maxDiff, math.Abs(float64(got[i])-float64(want[i])))
-		}
-		if rel := maxDiff / maxRef; !(rel <= 1e-5) {
-			t.Errorf("y%s (T=%d): max|ref-hf|/max|hf| = %.3g > 1e-5", suffix, T, rel)
-		} else {
-			t.Logf("y%s (T=%d): relative error %.3g", suffix, T, rel)
-		}
-		n++
-		// Routing, when the fixture recorded it: same expert set per token, same weights.
-		if _, ok := exp.Info("topk_idx" + suffix); !ok {
-			continue
-		}
-		hfIdx := readInts(t, exp, "topk_idx"+suffix)
-		hfW, _, err := exp.Float32("topk_weight" + suffix)
-		if err != nil {
-			t.Fatal(err)
-		}
-		idx, wt, err := Route(cfg, w, x, T)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(hfIdx) != T*K || len(hfW) != T*K {
-			t.Fatalf("topk%s: %d indices, %d weights, want %d", suffix, len(hfIdx), len(hfW), T*K)
-		}
-		for tk := 0; tk < T; tk++ {
-			hf := map[int64]float32{}
-			for k := 0; k < K; k++ {
-				hf[hfIdx[tk*K+k]] = hfW[tk*K+k]
-			}
-			for k := 0; k < K; k++ {
-				hw, ok := hf[int64(idx[tk*K+k])]
-				if !ok {
-					t.Fatalf("token %d: Route chose %v, transformers %v", tk, idx[tk*K:(tk+1)*K], hfIdx[tk*K:(tk+1)*K])
-				}
-				if d := math.Abs(float64(hw) - float64(wt[tk*K+k])); d > 1e-5*math.Max(1, math.Abs(float64(hw))) {
-					t.Fatalf("token %d expert %d: weight %v, transformers %v", tk, idx[tk*K+k], wt[tk*K+k], hw)
-				}
+		c := fixtureCase{name: name, x: x, y: y, T: info.Shape[0]}
+		if _, ok := exp.Info("topk_idx" + suffix); ok {
+			c.idx = readInts(t, exp, "topk_idx"+suffix)
+			if c.wt, _, err = exp.Float32("topk_weight" + suffix); err != nil {
+				t.Fatal(err)
 			}
 		}
+		cases = append(cases, c)
 	}
-	if n == 0 {
+	if len(cases) == 0 {
 		t.Fatalf("%s/input.safetensors has no tensor named x*", dir)
 	}
+	return cfg, w, cases
 }
 
 func readInts(t *testing.T, f *safetensors.File, name string) []int64 {

@@ -2,18 +2,15 @@ package moe
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"math"
 	"math/rand/v2"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/half"
-	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
 
 // testBackend is one device the Layer tests run on, with the f32 tolerance of
@@ -119,65 +116,6 @@ func checkRouting(t *testing.T, l *Layer, cfg *Config, w *Weights, x []float32, 
 			}
 		}
 	}
-}
-
-type fixtureCase struct {
-	name string
-	x, y []float32
-	T    int
-}
-
-func loadLayerFixture(t *testing.T, dir string) (*Config, *Weights, []fixtureCase) {
-	t.Helper()
-	cfg, err := LoadConfig(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	layer := 1
-	if data, err := os.ReadFile(filepath.Join(dir, "meta.json")); err == nil {
-		var m struct {
-			Layer *int `json:"layer"`
-		}
-		if err := json.Unmarshal(data, &m); err != nil {
-			t.Fatalf("meta.json: %v", err)
-		}
-		if m.Layer != nil {
-			layer = *m.Layer
-		}
-	}
-	w, err := LoadWeights(dir, cfg, layer)
-	if err != nil {
-		t.Fatal(err)
-	}
-	in, err := safetensors.Open(filepath.Join(dir, "input.safetensors"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer in.Close()
-	exp, err := safetensors.Open(filepath.Join(dir, "expected.safetensors"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer exp.Close()
-	var cases []fixtureCase
-	for _, name := range in.Header.Names() {
-		if !strings.HasPrefix(name, "x") {
-			continue
-		}
-		x, info, err := in.Float32(name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		y, _, err := exp.Float32("y" + strings.TrimPrefix(name, "x"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cases = append(cases, fixtureCase{name, x, y, info.Shape[0]})
-	}
-	if len(cases) == 0 {
-		t.Fatalf("%s: no inputs", dir)
-	}
-	return cfg, w, cases
 }
 
 // TestLayerFixtures runs every transformers fixture through Layer.Forward on
