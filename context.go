@@ -30,6 +30,7 @@ const (
 	SharedHandle
 )
 
+// String returns "pooled" or "shared".
 func (p HandlePolicy) String() string {
 	if p == SharedHandle {
 		return "shared"
@@ -52,6 +53,7 @@ const (
 	numFlavours
 )
 
+// String returns "default", "tensor-op" or "tf32".
 func (f Flavour) String() string {
 	return [...]string{"default", "tensor-op", "tf32"}[f]
 }

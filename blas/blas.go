@@ -28,6 +28,7 @@ const (
 	ColMajor
 )
 
+// String returns "row-major" or "col-major".
 func (l Layout) String() string {
 	if l == ColMajor {
 		return "col-major"

@@ -201,6 +201,7 @@ func (d DType) Size() int {
 	return 0
 }
 
+// String returns the short name used in errors and on the command line (f32, bf16, ...).
 func (d DType) String() string {
 	switch d {
 	case F32:
