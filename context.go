@@ -55,6 +55,9 @@ const (
 
 // String returns "default", "tensor-op" or "tf32".
 func (f Flavour) String() string {
+	if f < 0 || f >= numFlavours {
+		return fmt.Sprintf("Flavour(%d)", int(f))
+	}
 	return [...]string{"default", "tensor-op", "tf32"}[f]
 }
 
