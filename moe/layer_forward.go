@@ -183,13 +183,7 @@ func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared b
 		if err := l.evFork.Record(l.main); err != nil {
 			return err
 		}
-		if err := l.side.Wait(l.evFork); err != nil {
-			return err
-		}
-		if err := l.sharedExpert(l.sctx, l.side, xv, T); err != nil {
-			return err
-		}
-		if err := l.evJoin.Record(l.side); err != nil {
+		if err := l.sharedOnSide(l.evFork, xv, T); err != nil {
 			return err
 		}
 	}
@@ -307,13 +301,7 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 			return err
 		}
 	case sharedSide: // fork at the counts copy: x and the router chain are done by then
-		if err := l.side.Wait(l.evCounts); err != nil {
-			return err
-		}
-		if err := l.sharedExpert(l.sctx, l.side, x, T); err != nil {
-			return err
-		}
-		if err := l.evJoin.Record(l.side); err != nil {
+		if err := l.sharedOnSide(l.evCounts, x, T); err != nil {
 			return err
 		}
 	}
@@ -522,13 +510,7 @@ func (l *Layer) smallExperts(x *gpuctx.Buffer, T int, shared int) error {
 	bf := flag(l.dt == gpuctx.BF16)
 	block := gpuctx.Dim3{X: 32 * expertWarps, Y: 1, Z: 1}
 	if shared == sharedSide {
-		if err := l.side.Wait(l.evCounts); err != nil {
-			return err
-		}
-		if err := l.sharedExpert(l.sctx, l.side, x, T); err != nil {
-			return err
-		}
-		if err := l.evJoin.Record(l.side); err != nil {
+		if err := l.sharedOnSide(l.evCounts, x, T); err != nil {
 			return err
 		}
 	}
@@ -620,4 +602,17 @@ func (l *Layer) dropGraphs() {
 		_ = g.Close()
 		delete(l.graphs, k)
 	}
+}
+
+// sharedOnSide forks the shared expert onto the side stream after fork (an event
+// recorded on the main stream) and records evJoin after it; the caller makes the
+// main stream wait on evJoin before the combine.
+func (l *Layer) sharedOnSide(fork *gpuctx.Event, x *gpuctx.Buffer, T int) error {
+	if err := l.side.Wait(fork); err != nil {
+		return err
+	}
+	if err := l.sharedExpert(l.sctx, l.side, x, T); err != nil {
+		return err
+	}
+	return l.evJoin.Record(l.side)
 }

@@ -164,15 +164,11 @@ func (a *app) runGemm(o gemmOpts) error {
 	if err := o.validate(); err != nil {
 		return err
 	}
-	rt, err := a.openRuntime()
+	rt, dev, err := a.openDevice()
 	if err != nil {
 		return err
 	}
 	defer rt.Close()
-	dev, err := rt.Device(0)
-	if err != nil {
-		return fail("opening device 0", "check 'gpuctx info'", err)
-	}
 	t, flavour := o.types()
 	es := t.Size()
 	aBytes, bBytes, cBytes := o.m*o.k*es, o.k*o.n*es, o.m*o.n*es

@@ -201,3 +201,18 @@ func (a *app) jsonOut(v any) error {
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
 }
+
+// openDevice opens the runtime (see openRuntime) and its device 0. The caller
+// closes the Runtime.
+func (a *app) openDevice() (*gpuctx.Runtime, *gpuctx.Device, error) {
+	rt, err := a.openRuntime()
+	if err != nil {
+		return nil, nil, err
+	}
+	dev, err := rt.Device(0)
+	if err != nil {
+		_ = rt.Close()
+		return nil, nil, fail("opening device 0", "check 'gpuctx info'", err)
+	}
+	return rt, dev, nil
+}

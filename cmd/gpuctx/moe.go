@@ -242,15 +242,11 @@ func (a *app) runMoe(o moeRunOpts) error {
 	if err != nil {
 		return err
 	}
-	rt, err := a.openRuntime()
+	rt, dev, err := a.openDevice()
 	if err != nil {
 		return err
 	}
 	defer rt.Close()
-	dev, err := rt.Device(0)
-	if err != nil {
-		return fail("opening device 0", "check 'gpuctx info'", err)
-	}
 	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold})
 	if err != nil {
 		return fail("building the MoE layer on the device", "try --dtype f32, or check 'gpuctx info'", err)

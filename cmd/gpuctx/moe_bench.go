@@ -521,15 +521,11 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 			return fail(fmt.Sprintf("--preset %q is not a preset", o.preset), "use one of "+strings.Join(moe.PresetNames(), ", "), nil)
 		}
 	}
-	rt, err := a.openRuntime()
+	rt, dev, err := a.openDevice()
 	if err != nil {
 		return err
 	}
 	defer rt.Close()
-	dev, err := rt.Device(0)
-	if err != nil {
-		return fail("opening device 0", "check 'gpuctx info'", err)
-	}
 	cpu := dev.Backend() == "cpu"
 	rep := moeBenchReport{Backend: dev.Backend(), Device: dev.Info().Name, DType: dt.String(),
 		Date: time.Now().UTC().Format("2006-01-02 15:04 UTC"), Commit: commit(), Command: commandLine(cmd),
