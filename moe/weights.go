@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"sort"
 	"sync"
 
@@ -344,7 +345,7 @@ func (c *checkpoint) read(name string, shape ...int) ([]float32, DType, error) {
 		return nil, "", fmt.Errorf("tensor %s (shape %v expected) is missing from %s", name, shape, c.describe)
 	}
 	info, _ := f.Info(name)
-	if !equalShape(info.Shape, shape) {
+	if !slices.Equal(info.Shape, shape) {
 		return nil, "", fmt.Errorf("tensor %s has shape %v, expected %v (in %s)", name, info.Shape, shape, f.Path)
 	}
 	switch info.DType {
@@ -354,18 +355,6 @@ func (c *checkpoint) read(name string, shape ...int) ([]float32, DType, error) {
 	}
 	v, _, err := f.Float32(name)
 	return v, info.DType, err
-}
-
-func equalShape(a, b []int) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // LoadWeights loads MoE layer `layer` of the checkpoint in dir (model.safetensors,

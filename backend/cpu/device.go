@@ -19,20 +19,17 @@
 package cpu
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
-	"os"
 	"runtime"
 	"runtime/debug"
 	"sort"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"unsafe"
 
 	"github.com/gpuctx/gpuctx/internal/hal"
+	"github.com/gpuctx/gpuctx/internal/sysmem"
 )
 
 // Open returns the CPU backend, which has one device (index 0). It never fails
@@ -141,33 +138,7 @@ func newDevice(b *backend) *device {
 	}
 }
 
-// meminfo reads a field (in kB) of /proc/meminfo and returns it in bytes, or 0.
-func meminfo(field string) uint64 {
-	f, err := os.Open("/proc/meminfo")
-	if err != nil {
-		return 0
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		name, rest, ok := strings.Cut(sc.Text(), ":")
-		if !ok || name != field {
-			continue
-		}
-		fields := strings.Fields(rest)
-		if len(fields) == 0 {
-			return 0
-		}
-		kb, err := strconv.ParseUint(fields[0], 10, 64)
-		if err != nil {
-			return 0
-		}
-		return kb * 1024
-	}
-	return 0
-}
-
-func memTotal() uint64 { return meminfo("MemTotal") }
+func memTotal() uint64 { return sysmem.Field("MemTotal") }
 
 func (d *device) close() error {
 	d.mu.Lock()
@@ -458,7 +429,7 @@ func (d *device) MemInfo() (free, total uint64, err error) {
 	if total == 0 {
 		return 0, 0, errors.New("cpu: MemInfo: cannot read MemTotal from /proc/meminfo")
 	}
-	return meminfo("MemAvailable"), total, nil
+	return sysmem.Field("MemAvailable"), total, nil
 }
 
 // WorkspaceConflicts reports how many times a BLAS operation started while

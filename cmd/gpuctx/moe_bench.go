@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
@@ -19,6 +18,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/internal/sysmem"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
@@ -221,26 +221,6 @@ func layerElems(c *moe.Config) int64 {
 	return n
 }
 
-// memAvailable returns MemAvailable from /proc/meminfo in bytes, or 0 when it
-// cannot be read (not Linux).
-func memAvailable() uint64 {
-	f, err := os.Open("/proc/meminfo")
-	if err != nil {
-		return 0
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), "MemAvailable:"); ok {
-			kb, err := strconv.ParseUint(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
-			if err == nil {
-				return kb << 10
-			}
-		}
-	}
-	return 0
-}
-
 func gib(b float64) string { return fmt.Sprintf("%.1f GiB", b/(1<<30)) }
 
 // checkMemory refuses a preset whose random weights cannot fit, and returns a
@@ -253,7 +233,7 @@ func checkMemory(dev *gpuctx.Device, c *moe.Config, dt gpuctx.DType, name string
 		return "", fail(fmt.Sprintf("preset %s at full size needs ~%s of host memory for its f32 random weights plus ~%s of simulated device memory on the CPU backend",
 			name, gib(host), gib(device)), "drop --full-size (the CPU backend then runs a scaled-down shape) or run on a GPU", nil)
 	}
-	if avail := memAvailable(); avail > 0 && host > 0.9*float64(avail) {
+	if avail := sysmem.Field("MemAvailable"); avail > 0 && host > 0.9*float64(avail) {
 		return "", fail(fmt.Sprintf("preset %s needs ~%s of host memory for its f32 random weights; %s is available", name, gib(host), gib(float64(avail))), fix, nil)
 	}
 	if free, _, err := dev.MemInfo(); err == nil && dev.Backend() != "cpu" && device > 0.9*float64(free) {

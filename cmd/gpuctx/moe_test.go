@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -319,22 +320,10 @@ func TestParseTokens(t *testing.T) {
 	}
 	for _, c := range cases {
 		got, err := parseTokens(c.in)
-		if (err == nil) != c.ok || (c.ok && !equalInts(got, c.want)) {
+		if (err == nil) != c.ok || (c.ok && !slices.Equal(got, c.want)) {
 			t.Errorf("parseTokens(%q) = %v, %v; want %v, ok=%v", c.in, got, err, c.want, c.ok)
 		}
 	}
-}
-
-func equalInts(a, b []int) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 func TestMoeBenchModel(t *testing.T) {
