@@ -77,6 +77,9 @@ func Sources() map[string]string {
 		}
 		out[e.Name()] = string(b)
 	}
+	if src, ok := out[MoEGemmFile]; ok {
+		out[MoEGemmFile] = src + moeGemmInstances()
+	}
 	return out
 }
 
