@@ -515,3 +515,132 @@ extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, 
         moe_expert_down<0>(act, down, counts, offsets, out, E, H, I);
     }
 }
+
+// ---- Fused routed path (with moe_gemm.cu): block-aligned sort and row combine.
+//
+// gpuctx_moe_align: vLLM's moe_align_block_size, stable. For experts e in
+// order, c_e = assignments a in [0, TK) with topk_idx[a] == e (others ignored);
+// expert e's segment holds roundup(c_e, BM) rows starting at S_e = sum of the
+// earlier segments. sorted [cap]: sorted[S_e + j] = the j-th assignment of e in
+// increasing a; every other entry (padding, and everything from npost on) is
+// TK. block_expert [cap/BM]: e for the blocks of e's segment, -1 past npost.
+// npost [1]: the padded total. The caller sizes cap = roundup(TK + min(E, TK)
+// * (BM - 1), BM); a cap too small leaves npost = -1 and writes nothing else.
+// Launch: grid (1,1,1), block (256,1,1). E <= 512.
+extern "C" __global__ void gpuctx_moe_align(const int* __restrict__ topk_idx, int* __restrict__ sorted,
+                                            int* __restrict__ block_expert, int* __restrict__ npost, int TK, int E,
+                                            int BM, int cap) {
+    __shared__ int cnt[MOE_PLAN_WARPS][MOE_MAX_E];
+    __shared__ int seg[MOE_MAX_E + 1];
+    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_PLAN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 ||
+        cap % BM != 0) {
+        return;
+    }
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    for (int i = tid; i < MOE_PLAN_WARPS * MOE_MAX_E; i += blockDim.x) cnt[i / MOE_MAX_E][i % MOE_MAX_E] = 0;
+    __syncthreads();
+    const int per = (TK + MOE_PLAN_WARPS - 1) / MOE_PLAN_WARPS;
+    const int s0 = warp * per;
+    const int s1 = moe_imin(TK, s0 + per);
+    for (int base = s0; base < s1; base += 32) {
+        const int a = base + lane;
+        int e = -1;
+        if (a < s1) {
+            e = topk_idx[a];
+            if (e < 0 || e >= E) e = -1;
+        }
+        const unsigned m = __match_any_sync(MOE_FULL, e);
+        if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+        int run = 0;
+        for (int w = 0; w < MOE_PLAN_WARPS; ++w) {
+            const int c = cnt[w][e];
+            cnt[w][e] = run;
+            run += c;
+        }
+        seg[e] = (run + BM - 1) / BM * BM;
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive scan of the padded sizes
+        const int chunk = (E + 31) / 32;
+        const int lo = lane * chunk;
+        const int hi = moe_imin(E, lo + chunk);
+        int s = 0;
+        for (int e = lo; e < hi; ++e) s += seg[e];
+        int incl = s;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int v = __shfl_up_sync(MOE_FULL, incl, d);
+            if (lane >= d) incl += v;
+        }
+        int acc = incl - s;
+        for (int e = lo; e < hi; ++e) {
+            const int c = seg[e];
+            seg[e] = acc;
+            acc += c;
+        }
+        if (lane == 31) seg[E] = incl;
+    }
+    __syncthreads();
+    const int total = seg[E];
+    if (total > cap) {
+        if (tid == 0) npost[0] = -1;
+        return;
+    }
+    for (int p = tid; p < cap; p += blockDim.x) sorted[p] = TK;
+    for (int b = tid; b < cap / BM; b += blockDim.x) block_expert[b] = -1;
+    for (int e = tid; e < E; e += blockDim.x) {
+        for (int w = 0; w < MOE_PLAN_WARPS; ++w) cnt[w][e] += seg[e];
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+        for (int b = seg[e] / BM; b < seg[e + 1] / BM; ++b) block_expert[b] = e;
+    }
+    if (tid == 0) npost[0] = total;
+    const unsigned lower = (1u << lane) - 1u;
+    for (int base = s0; base < s1; base += 32) {
+        const int a = base + lane;
+        int e = -1;
+        if (a < s1) {
+            e = topk_idx[a];
+            if (e < 0 || e >= E) e = -1;
+        }
+        const unsigned m = __match_any_sync(MOE_FULL, e);
+        if (e >= 0) sorted[cnt[warp][e] + __popc(m & lower)] = a;
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
+        __syncwarp();
+    }
+}
+
+// gpuctx_moe_combine_rows: gpuctx_moe_combine with the routed rows in
+// assignment order: y[t, :] = sum_{k ascending} w[t*K+k] * out[t*K+k, :] (when
+// has_routed) + s * shared[t, :] (when has_shared; s = sigmoid(gate[t]) when
+// has_gate, else 1), f32 in that order, stored f32 or bf16. One thread per
+// element. Launch: any grid and block.
+extern "C" __global__ void gpuctx_moe_combine_rows(const void* __restrict__ out, const float* __restrict__ w,
+                                                   const void* __restrict__ shared, const float* __restrict__ gate,
+                                                   void* __restrict__ y, int T, int K, int H, int has_routed,
+                                                   int has_shared, int has_gate, int bf16) {
+    const long long n = (long long)T * H;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const int t = (int)(i / H);
+        const int h = (int)(i - (long long)t * H);
+        float acc = 0.0f;
+        if (has_routed) {
+            for (int k = 0; k < K; ++k) {
+                const long long a = (long long)t * K + k;
+                acc += w[a] * moe_ld(out, a * H + h, bf16);
+            }
+        }
+        if (has_shared) {
+            const float sg = has_gate ? 1.0f / (1.0f + expf(-gate[t])) : 1.0f;
+            acc += sg * moe_ld(shared, i, bf16);
+        }
+        moe_st(y, i, acc, bf16);
+    }
+}

@@ -1,7 +1,223 @@
-// Fused expert GEMMs for Mixture-of-Experts layers (bf16, tensor cores).
-// Placeholder: the template body lands in the next commit.
+// Fused expert GEMMs for Mixture-of-Experts layers: bf16 operands, f32
+// accumulation on tensor cores (mma.sync m16n8k16, ldmatrix, a cp.async
+// pipeline STAGES deep), the per-expert token sort read from device memory.
+//
+// The rows of one launch are the sorted, block-aligned assignments of
+// gpuctx_moe_align: block b of BM rows belongs to expert block_expert[b] and
+// holds assignment ids sorted[p] (a = token*topk + slot; TK marks padding).
+// Blocks at or past npost[0] exit at once, so a launch sized for the worst case
+// (cap rows) is correct for any routing and can be captured in a graph.
+//
+//   UP (gate/up + SwiGLU): A row p is x[sorted[p] / topk] ([T, Kdim]), the B
+//   tiles are rows n of the expert's gate block and of its up block of
+//   gu [E, 2N, Kdim]; act[p, n] = bf16(silu(bf16(g)) * bf16(u)); padding rows
+//   get zeros.
+//   DOWN: A row p is act[p] ([cap, Kdim]), B rows n of down [E, N, Kdim];
+//   out[sorted[p], n] = bf16(acc) for real rows (out is [TK, N]).
+//
+// Every output element sums its K dimension in the same order whatever the tile
+// shape (64-wide stages in increasing k, each through the same mma sequence), so
+// results do not depend on the config. Kdim and N must be multiples of 8 and
+// the matrices 16-byte aligned; partial tiles are zero-filled.
+//
+// The extern "C" instances are generated from kernels.MoEGemms (moe_gemm.go)
+// and appended to this file when it is loaded.
+
+#define MG_BK 64
+
+static __device__ __forceinline__ unsigned mg_smem(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void mg_cp16(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+static __device__ __forceinline__ void mg_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+static __device__ __forceinline__ void mg_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+static __device__ __forceinline__ void mg_ldsm4(unsigned* r, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void mg_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ float mg_bf2f(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+
+static __device__ __forceinline__ unsigned short mg_f2bf(float f) {
+    unsigned int b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (unsigned short)(b >> 16);
+}
+
+static __device__ __forceinline__ float mg_round(float v) { return mg_bf2f(mg_f2bf(v)); }
+
+// Element offset of 16-byte chunk ch of row r in a [rows][64] bf16 tile, with
+// the chunk index XOR-swizzled by the row so that ldmatrix's eight row
+// addresses fall in eight different bank groups.
+static __device__ __forceinline__ int mg_swz(int r, int ch) { return r * MG_BK + ((ch ^ (r & 7)) << 3); }
+
+extern __shared__ __align__(128) unsigned char mg_dyn[];
+
 template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool UP>
-static __device__ void moe_gemm(const unsigned short* __restrict__ A, const unsigned short* __restrict__ B,
-                                const int* __restrict__ sorted, const int* __restrict__ block_expert,
-                                const int* __restrict__ npost, unsigned short* __restrict__ C, int TK, int topk,
-                                int Kdim, int N) {}
+static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict__ A,
+                                                const unsigned short* __restrict__ B,
+                                                const int* __restrict__ sorted,
+                                                const int* __restrict__ block_expert,
+                                                const int* __restrict__ npost, unsigned short* __restrict__ C,
+                                                int TK, int topk, int Kdim, int N) {
+    constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+    constexpr int WM = BM / WARPS_M;
+    constexpr int WN = BN / WARPS_N;
+    constexpr int MT = WM / 16;
+    constexpr int NT = WN / 8;
+    constexpr int NB = UP ? 2 : 1;  // B tiles per stage: gate and up, or down
+    constexpr int A_EL = BM * MG_BK;
+    constexpr int B_EL = NB * BN * MG_BK;
+    constexpr int ST_EL = A_EL + B_EL;
+    static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be a multiple of 16x16");
+
+    __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
+    __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
+
+    const int mb = blockIdx.y;
+    if (mb * BM >= npost[0]) return;
+    const int e = block_expert[mb];
+    const int n0 = blockIdx.x * BN;
+    if (e < 0 || n0 >= N) return;
+    const int tid = threadIdx.x;
+    for (int r = tid; r < BM; r += THREADS) {
+        const int p = mb * BM + r;
+        const int a = sorted[p];
+        const bool real = a >= 0 && a < TK;
+        if (UP) {
+            row_src[r] = real ? a / topk : -1;
+            row_dst[r] = p;
+        } else {
+            row_src[r] = real ? p : -1;
+            row_dst[r] = real ? a : -1;
+        }
+    }
+    __syncthreads();
+
+    unsigned short* sm = (unsigned short*)mg_dyn;
+    const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
+    const int KT = (Kdim + MG_BK - 1) / MG_BK;
+
+    auto load = [&](int slot, int kt) {
+        unsigned short* sa = sm + slot * ST_EL;
+        unsigned short* sb = sa + A_EL;
+        const int k0 = kt * MG_BK;
+#pragma unroll
+        for (int c = tid; c < BM * 8; c += THREADS) {
+            const int r = c >> 3, ch = c & 7;
+            const int k = k0 + ch * 8;
+            const int src = row_src[r];
+            const bool ok = src >= 0 && k < Kdim;
+            const unsigned short* g = ok ? A + (long long)src * Kdim + k : A;
+            mg_cp16(mg_smem(sa + mg_swz(r, ch)), g, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int c = tid; c < NB * BN * 8; c += THREADS) {
+            const int r = c >> 3, ch = c & 7;
+            const int k = k0 + ch * 8;
+            const int half = UP ? r / BN : 0;
+            const int n = n0 + (UP ? r % BN : r);
+            const bool ok = n < N && k < Kdim;
+            const unsigned short* g = ok ? B + (b_base + (long long)half * N + n) * Kdim + k : B;
+            mg_cp16(mg_smem(sb + mg_swz(r, ch)), g, ok ? 16 : 0);
+        }
+    };
+
+    const int warp = tid >> 5, lane = tid & 31;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    float acc[NB][MT][NT][4];
+#pragma unroll
+    for (int q = 0; q < NB; ++q)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[q][i][j][v] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load(s, s);
+        mg_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+        mg_wait<STAGES - 2>();
+        __syncthreads();
+        const int nk = kt + STAGES - 1;
+        if (nk < KT) load(nk % STAGES, nk);
+        mg_commit();
+        const unsigned short* sa = sm + (kt % STAGES) * ST_EL;
+        const unsigned short* sb = sa + A_EL;
+#pragma unroll
+        for (int kk = 0; kk < MG_BK / 16; ++kk) {
+            unsigned af[MT][4];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const int r = wm * WM + i * 16 + (lane & 15);
+                mg_ldsm4(af[i], mg_smem(sa + mg_swz(r, kk * 2 + (lane >> 4))));
+            }
+#pragma unroll
+            for (int q = 0; q < NB; ++q) {
+#pragma unroll
+                for (int j = 0; j < NT; j += 2) {
+                    unsigned bf[4];
+                    const int r = q * BN + wn * WN + j * 8 + (lane & 7) + ((lane >> 4) << 3);
+                    mg_ldsm4(bf, mg_smem(sb + mg_swz(r, kk * 2 + ((lane >> 3) & 1))));
+#pragma unroll
+                    for (int i = 0; i < MT; ++i) {
+                        mg_mma(acc[q][i][j], af[i], bf[0], bf[1]);
+                        mg_mma(acc[q][i][j + 1], af[i], bf[2], bf[3]);
+                    }
+                }
+            }
+        }
+    }
+    mg_wait<0>();
+
+    // Epilogue: thread holds rows g and g+8 of each 16x8 tile, columns 2c, 2c+1.
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = wm * WM + i * 16 + (lane >> 2) + hr * 8;
+            const int dst = row_dst[r];
+            if (dst < 0) continue;
+            const bool zero = UP && row_src[r] < 0;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const int n = n0 + wn * WN + j * 8 + (lane & 3) * 2;
+                if (n >= N) continue;
+                unsigned short v0, v1;
+                if (UP) {
+                    const float g0 = mg_round(acc[0][i][j][hr * 2]), g1 = mg_round(acc[0][i][j][hr * 2 + 1]);
+                    const float u0 = mg_round(acc[NB - 1][i][j][hr * 2]), u1 = mg_round(acc[NB - 1][i][j][hr * 2 + 1]);
+                    v0 = zero ? 0 : mg_f2bf((g0 / (1.0f + expf(-g0))) * u0);
+                    v1 = zero ? 0 : mg_f2bf((g1 / (1.0f + expf(-g1))) * u1);
+                } else {
+                    v0 = mg_f2bf(acc[0][i][j][hr * 2]);
+                    v1 = mg_f2bf(acc[0][i][j][hr * 2 + 1]);
+                }
+                *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
+            }
+        }
+    }
+}

@@ -80,6 +80,7 @@ type driverAPI struct {
 	cuModuleLoadData    func(mod *uintptr, image unsafe.Pointer) int32
 	cuModuleGetFunction func(fn *uintptr, mod uintptr, name string) int32
 	cuModuleUnload      func(mod uintptr) int32
+	cuFuncSetAttribute  func(fn uintptr, attr int32, v int32) int32
 	cuFuncGetParamInfo  func(fn uintptr, index uintptr, offset, size *uintptr) int32 // optional: CUDA >= 12.4
 
 	// cuLaunchKernel(f, gridX, gridY, gridZ, blockX, blockY, blockZ,
@@ -192,6 +193,7 @@ func (a *driverAPI) symbols() []dynload.Symbol {
 		{Name: "cuModuleGetFunction", Fn: &a.cuModuleGetFunction},
 		{Name: "cuModuleUnload", Fn: &a.cuModuleUnload},
 		{Name: "cuFuncGetParamInfo", Fn: &a.cuFuncGetParamInfo, Optional: true},
+		{Name: "cuFuncSetAttribute", Fn: &a.cuFuncSetAttribute},
 		{Name: "cuStreamBeginCapture_v2", Fn: &a.cuStreamBeginCapture, Optional: true},
 		{Name: "cuStreamEndCapture", Fn: &a.cuStreamEndCapture, Optional: true},
 		{Name: "cuGraphInstantiateWithFlags", Fn: &a.cuGraphInstantiateWithFlags, Optional: true},
@@ -210,6 +212,9 @@ const (
 	attrMultiprocessors   = 16  // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 	attrL2CacheSize       = 38  // CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
 	attrComputeCapability = 75  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR (minor is 76)
+
+	funcAttrMaxDynamicShared = 8        // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+	defaultDynamicShared     = 48 << 10 // dynamic shared memory a launch gets without opting in
 )
 
 // driverSpec says where libcuda comes from. The driver is installed with the

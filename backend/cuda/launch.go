@@ -5,6 +5,7 @@ import (
 	"math"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/gpuctx/gpuctx/internal/hal"
@@ -18,6 +19,10 @@ type kernel struct {
 	// params are the byte sizes of the kernel's parameters from
 	// cuFuncGetParamInfo, or nil when the driver lacks it (CUDA < 12.4).
 	params []uintptr
+	// dynShared is the dynamic shared memory this function has been opted in
+	// to (cuFuncSetAttribute), beyond the default 48 KiB; raised on demand.
+	dynShared   atomic.Int32
+	dynSharedMu sync.Mutex // serialises raising it, so it never goes down
 }
 
 // Name returns the kernel's (unmangled) name.
@@ -135,6 +140,11 @@ func (s *stream) launch(k *kernel, grid, block hal.Dim3, sharedMem int, args []a
 		params = unsafe.Pointer(&pb.ptrs[0])
 	}
 	err = s.do("Launch", func() error {
+		if sharedMem > defaultDynamicShared && int32(sharedMem) > k.dynShared.Load() {
+			if err := k.raiseDynShared(int32(sharedMem)); err != nil {
+				return err
+			}
+		}
 		r := s.d.api.launchKernel(k.fn, g, b, uint32(sharedMem), s.h, params)
 		runtime.KeepAlive(pb)
 		return check(s.d.api, "cuLaunchKernel", r)
@@ -142,6 +152,22 @@ func (s *stream) launch(k *kernel, grid, block hal.Dim3, sharedMem int, args []a
 	if err != nil {
 		return fmt.Errorf("cuda: Launch %s (grid %v, block %v): %w", k.name, grid, block, err)
 	}
+	return nil
+}
+
+// raiseDynShared opts k in to n bytes of dynamic shared memory (more than the
+// default 48 KiB needs it). Call inside Do.
+func (k *kernel) raiseDynShared(n int32) error {
+	k.dynSharedMu.Lock()
+	defer k.dynSharedMu.Unlock()
+	if n <= k.dynShared.Load() {
+		return nil
+	}
+	r := k.d.api.cuFuncSetAttribute(k.fn, funcAttrMaxDynamicShared, n)
+	if err := check(k.d.api, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", r); err != nil {
+		return err
+	}
+	k.dynShared.Store(n)
 	return nil
 }
 
