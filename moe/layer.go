@@ -10,6 +10,7 @@ import (
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/half"
+	"github.com/gpuctx/gpuctx/kernels"
 )
 
 // Mode says on which streams Layer.ForwardDevice runs the shared expert.
@@ -129,6 +130,17 @@ type LayerOptions struct {
 	// into a graph on its second run with that shape and replayed from then on,
 	// where the backend can capture streams.
 	NoGraphs bool
+	// NoFused turns the fused routed path off (bf16 layers use it by default for
+	// batches above SmallBatchTokens; f32 layers never do): the routed experts
+	// then run as grouped GEMMs with host-side group sizes, as before it existed.
+	NoFused bool
+	// Tile forces one tile config of the fused expert GEMMs for every batch
+	// (a kernels.MoEGemm tag such as "m16n64w1x4s6"); empty: tuned per bucket.
+	Tile string
+	// NoAutotune picks fused tiles by a rule of thumb instead of timing the
+	// candidates on the first forward of each token bucket (timing needs CUDA
+	// events and waits for the main stream once per bucket).
+	NoAutotune bool
 }
 
 // Layer is one MoE block on a device: the weights (experts fused as [E,2I,H]
@@ -169,29 +181,42 @@ type Layer struct {
 	kCombine    *gpuctx.Kernel
 	kExpertUp   *gpuctx.Kernel
 	kExpertDown *gpuctx.Kernel
-	countsHost  *gpuctx.HostBuffer
-	weightBufs  []*gpuctx.Buffer
-	router      *gpuctx.Buffer // [E,H] dt
-	bias        *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
-	gu, down    *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
-	sgu, sdown  *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
-	sgate       *gpuctx.Buffer // [H] dt, or nil
-	scr         scratch
-	routedT     int  // tokens of the last forward that routed (0: none)
-	lastDual    bool // whether the last forward used the side stream (tests)
+	kAlign      *gpuctx.Kernel
+	kCombRows   *gpuctx.Kernel
+
+	fusedOK    bool                               // bf16, H and I multiples of 8, not NoFused
+	kUp        map[kernels.MoEGemm]*gpuctx.Kernel // fused up kernels by tile
+	kDown      map[kernels.MoEGemm]*gpuctx.Kernel // fused down kernels by tile
+	forceTile  *kernels.MoEGemm                   // LayerOptions.Tile
+	autotune   bool                               // time the tiles per bucket
+	tiles      map[int]tilePair                   // chosen tiles by token bucket
+	tuneLog    []string                           // what tune chose (TileChoices)
+	evTune     [2]*gpuctx.Event                   // timing events of tune
+	capturing  bool                               // a graph capture is under way
+	countsHost *gpuctx.HostBuffer
+	weightBufs []*gpuctx.Buffer
+	router     *gpuctx.Buffer // [E,H] dt
+	bias       *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
+	gu, down   *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
+	sgu, sdown *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
+	sgate      *gpuctx.Buffer // [H] dt, or nil
+	scr        scratch
+	routedT    int  // tokens of the last forward that routed (0: none)
+	lastDual   bool // whether the last forward used the side stream (tests)
 }
 
 // scratch holds the reusable device buffers of a forward.
 type scratch struct {
 	logits, idx, w, counts, offsets, pos *gpuctx.Buffer // routing
 	xp, h, act, out                      *gpuctx.Buffer // routed experts
+	sorted, bexp, npost                  *gpuctx.Buffer // fused path: aligned sort
 	sh, sact, sout, sg                   *gpuctx.Buffer // shared expert
 	xio, yio                             *gpuctx.Buffer // Forward's input and output
 }
 
 func (s *scratch) all() []**gpuctx.Buffer {
 	return []**gpuctx.Buffer{&s.logits, &s.idx, &s.w, &s.counts, &s.offsets, &s.pos,
-		&s.xp, &s.h, &s.act, &s.out, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
+		&s.xp, &s.h, &s.act, &s.out, &s.sorted, &s.bexp, &s.npost, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
 }
 
 // NewLayer validates cfg and w, uploads the weights to dev in o.DType
@@ -240,6 +265,16 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 	if l.dt == gpuctx.BF16 {
 		l.flav = gpuctx.TensorOp
 	}
+	l.fusedOK = l.dt == gpuctx.BF16 && !o.NoFused && cfg.HiddenSize%8 == 0 && cfg.Intermediate%8 == 0
+	l.kUp, l.kDown, l.tiles = map[kernels.MoEGemm]*gpuctx.Kernel{}, map[kernels.MoEGemm]*gpuctx.Kernel{}, map[int]tilePair{}
+	if o.Tile != "" {
+		t, err := parseTile(o.Tile)
+		if err != nil {
+			return nil, fmt.Errorf("%s: LayerOptions.Tile: %w", op, err)
+		}
+		l.forceTile = &t
+	}
+	l.autotune = !o.NoAutotune && dev.Backend() == "cuda"
 	if err := l.init(w); err != nil {
 		_ = l.release()
 		return nil, fmt.Errorf("%s: %w", op, err)
@@ -269,12 +304,18 @@ func (l *Layer) init(w *Weights) error {
 			return err
 		}
 	}
+	for i := range l.evTune {
+		if l.evTune[i], err = l.dev.NewEvent(true); err != nil {
+			return err
+		}
+	}
 	for _, k := range []struct {
 		dst  **gpuctx.Kernel
 		name string
 	}{{&l.kRoute, "gpuctx_moe_route"}, {&l.kPlan, "gpuctx_moe_plan"}, {&l.kGather, "gpuctx_moe_gather"},
 		{&l.kSwiglu, "gpuctx_moe_swiglu"}, {&l.kCombine, "gpuctx_moe_combine"},
-		{&l.kExpertUp, "gpuctx_moe_expert_up"}, {&l.kExpertDown, "gpuctx_moe_expert_down"}} {
+		{&l.kExpertUp, "gpuctx_moe_expert_up"}, {&l.kExpertDown, "gpuctx_moe_expert_down"},
+		{&l.kAlign, "gpuctx_moe_align"}, {&l.kCombRows, "gpuctx_moe_combine_rows"}} {
 		if *k.dst, err = l.dev.Kernel(k.name); err != nil {
 			return err
 		}
@@ -489,7 +530,7 @@ func (l *Layer) release() error {
 		keep(l.countsHost.Free())
 		l.countsHost = nil
 	}
-	for _, e := range []*gpuctx.Event{l.evFork, l.evJoin, l.evCounts} {
+	for _, e := range []*gpuctx.Event{l.evFork, l.evJoin, l.evCounts, l.evTune[0], l.evTune[1]} {
 		if e != nil {
 			keep(e.Close())
 		}

@@ -155,7 +155,7 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	if err := l.ensure(T, doRouted, doShared); err != nil {
 		return err
 	}
-	if l.useGraphs && (!doRouted || l.smallBatch(T)) {
+	if l.useGraphs && (!doRouted || l.smallBatch(T) || l.fused(T)) {
 		return l.forwardGraph(x, y, n, T, dual, doRouted, doShared)
 	}
 	return l.eager(x, y, n, T, dual, doRouted, doShared)
@@ -221,6 +221,12 @@ func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared b
 			sg = s.sg
 		}
 	}
+	if doRouted && l.fused(T) { // routed rows are in assignment order
+		n := T * H
+		return l.main.Launch(l.kCombRows, gpuctx.Dim3{X: max(1, min((n+255)/256, 4096)), Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
+			out, w, sout, sg, yv, int32(T), int32(K), int32(H),
+			flag(doRouted), flag(doShared), flag(doShared && l.sgate != nil), flag(l.dt == gpuctx.BF16))
+	}
 	return l.main.Launch(l.kCombine, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
 		out, pos, w, sout, sg, yv, int32(T), int32(K), int32(H),
 		flag(doRouted), flag(doShared), flag(doShared && l.sgate != nil), flag(l.dt == gpuctx.BF16))
@@ -274,6 +280,9 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 		s.logits, l.bias, s.idx, s.w, int32(T), int32(E), int32(K), scoring, method,
 		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale); err != nil {
 		return err
+	}
+	if l.fused(T) {
+		return l.routedFused(x, T, shared)
 	}
 	if err := l.main.Launch(l.kPlan, one, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
 		s.idx, s.counts, s.offsets, s.pos, int32(TK), int32(E)); err != nil {
@@ -398,9 +407,11 @@ func (l *Layer) ensure(T int, routed, shared bool) error {
 	}
 	var needs []need
 	if routed {
-		needs = append(needs, need{&s.logits, 4 * T * E}, need{&s.idx, 4 * TK}, need{&s.w, 4 * TK},
-			need{&s.counts, 4 * E}, need{&s.offsets, 4 * (E + 1)}, need{&s.pos, 4 * TK},
-			need{&s.xp, TK * H * es}, need{&s.h, TK * 2 * I * es}, need{&s.act, TK * I * es}, need{&s.out, TK * H * es})
+		needs = append(needs, need{&s.logits, 4 * T * E}, need{&s.idx, 4 * TK}, need{&s.w, 4 * TK})
+		if !l.fused(T) { // the fused path sizes its own (ensureFused)
+			needs = append(needs, need{&s.counts, 4 * E}, need{&s.offsets, 4 * (E + 1)}, need{&s.pos, 4 * TK},
+				need{&s.xp, TK * H * es}, need{&s.h, TK * 2 * I * es}, need{&s.act, TK * I * es}, need{&s.out, TK * H * es})
+		}
 	}
 	if shared {
 		needs = append(needs, need{&s.sh, T * 2 * Is * es}, need{&s.sact, T * Is * es}, need{&s.sout, T * H * es}, need{&s.sg, 4 * T})
@@ -574,7 +585,9 @@ func (l *Layer) forwardGraph(x, y *gpuctx.Buffer, n, T int, dual, doRouted, doSh
 			}
 			return fmt.Errorf("moe: capturing the forward of %d tokens: %w", T, err)
 		}
+		l.capturing = true
 		qerr := l.enqueue(gx, gy, T, dual, doRouted, doShared)
+		l.capturing = false
 		g, err = l.main.EndCapture()
 		if qerr != nil {
 			if g != nil {

@@ -1,0 +1,302 @@
+package moe
+
+import (
+	"fmt"
+	"math/bits"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/kernels"
+)
+
+// The fused routed path (bf16): vLLM's fused-MoE design on gpuctx kernels.
+//
+//	router GEMM -> gpuctx_moe_route -> gpuctx_moe_align (block-aligned,
+//	stable per-expert sort, sizes on the device) -> gpuctx_moe_up_<tile>
+//	(gather + gate/up GEMM + SwiGLU) -> gpuctx_moe_down_<tile> (down GEMM,
+//	rows scattered back to assignment order) -> gpuctx_moe_combine_rows
+//
+// Nothing waits for the host, so every batch size is captured into a graph and
+// replayed. The expert GEMMs run on tensor cores (kernels/moe_gemm.cu); the
+// tile shape is picked per token bucket, by timing the candidates on the first
+// forward of a bucket on CUDA (see tune) or by a rule of thumb elsewhere.
+
+// fused reports whether a batch of T tokens takes the fused routed path.
+func (l *Layer) fused(T int) bool {
+	return l.fusedOK && !l.smallBatch(T)
+}
+
+// alignCap is the worst-case padded row count of gpuctx_moe_align for TK
+// assignments over E experts in blocks of bm rows.
+func alignCap(TK, E, bm int) int {
+	n := TK + min(E, TK)*(bm-1)
+	return (n + bm - 1) / bm * bm
+}
+
+// tileBucket is the token bucket whose tile choice a batch of T tokens shares:
+// the next power of two.
+func tileBucket(T int) int {
+	if T <= 1 {
+		return 1
+	}
+	return 1 << bits.Len(uint(T-1))
+}
+
+// ruleTile picks a tile by the rows each touched expert gets on average.
+func ruleTile(T, K, E int) kernels.MoEGemm {
+	TK := T * K
+	m := (TK + min(E, TK) - 1) / min(E, TK)
+	want := kernels.MoEGemm{BM: 16, BN: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
+	switch {
+	case m > 96:
+		want = kernels.MoEGemm{BM: 128, BN: 128, WarpsM: 2, WarpsN: 4, Stages: 3}
+	case m > 32:
+		want = kernels.MoEGemm{BM: 64, BN: 64, WarpsM: 2, WarpsN: 2, Stages: 4}
+	case m > 16:
+		want = kernels.MoEGemm{BM: 32, BN: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
+	}
+	return want
+}
+
+// parseTile finds the config whose tag (kernels.MoEGemm.Tag) is s.
+func parseTile(s string) (kernels.MoEGemm, error) {
+	var tags []string
+	for _, c := range kernels.MoEGemms {
+		if c.Tag() == s {
+			return c, nil
+		}
+		tags = append(tags, c.Tag())
+	}
+	return kernels.MoEGemm{}, fmt.Errorf("%w: moe: unknown tile %q; use one of %s", gpuctx.ErrInvalid, s, strings.Join(tags, ", "))
+}
+
+// tilePair is the tile of the up and the down kernel of one bucket (same BM:
+// they share the alignment).
+type tilePair struct{ up, down kernels.MoEGemm }
+
+// fusedKernels looks up (compiling on first use) the kernels of tile c.
+func (l *Layer) fusedKernels(c kernels.MoEGemm) (up, down *gpuctx.Kernel, err error) {
+	if k, ok := l.kUp[c]; ok {
+		return k, l.kDown[c], nil
+	}
+	if up, err = l.dev.Kernel(c.UpName()); err != nil {
+		return nil, nil, err
+	}
+	if down, err = l.dev.Kernel(c.DownName()); err != nil {
+		return nil, nil, err
+	}
+	l.kUp[c], l.kDown[c] = up, down
+	return up, down, nil
+}
+
+// ensureFused grows the fused path's scratch for T tokens and tile rows bm.
+func (l *Layer) ensureFused(T, bm int) error {
+	c := &l.cfg
+	TK := T * c.TopK
+	cp := alignCap(TK, c.NumExperts, bm)
+	s := &l.scr
+	synced := false
+	for _, nd := range []struct {
+		b **gpuctx.Buffer
+		n int
+	}{{&s.sorted, 4 * cp}, {&s.bexp, 4 * (cp / bm)}, {&s.npost, 4}, {&s.act, cp * c.Intermediate * l.es}, {&s.out, TK * c.HiddenSize * l.es}} {
+		if err := l.grow(nd.b, nd.n, &synced); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// launchAlign queues gpuctx_moe_align for T tokens with tile rows bm.
+func (l *Layer) launchAlign(T, bm int) error {
+	c, s := &l.cfg, &l.scr
+	TK := T * c.TopK
+	return l.main.Launch(l.kAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
+		s.idx, s.sorted, s.bexp, s.npost, int32(TK), int32(c.NumExperts), int32(bm), int32(alignCap(TK, c.NumExperts, bm)))
+}
+
+// launchExperts queues the up and down kernels of tiles tp on the main stream
+// (gpuctx_moe_align with tp's BM must have run).
+func (l *Layer) launchExperts(x *gpuctx.Buffer, T int, tp tilePair) error {
+	c, s := &l.cfg, &l.scr
+	H, I, K, E := c.HiddenSize, c.Intermediate, c.TopK, c.NumExperts
+	TK := T * K
+	cp := alignCap(TK, E, tp.up.BM)
+	kUp, _, err := l.fusedKernels(tp.up)
+	if err != nil {
+		return err
+	}
+	_, kDown, err := l.fusedKernels(tp.down)
+	if err != nil {
+		return err
+	}
+	if err := l.main.Launch(kUp, gpuctx.Dim3{X: (I + tp.up.BN - 1) / tp.up.BN, Y: cp / tp.up.BM, Z: 1},
+		gpuctx.Dim3{X: tp.up.Threads(), Y: 1, Z: 1}, tp.up.SmemBytes(true),
+		x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I)); err != nil {
+		return err
+	}
+	return l.main.Launch(kDown, gpuctx.Dim3{X: (H + tp.down.BN - 1) / tp.down.BN, Y: cp / tp.down.BM, Z: 1},
+		gpuctx.Dim3{X: tp.down.Threads(), Y: 1, Z: 1}, tp.down.SmemBytes(false),
+		s.act, l.down, s.sorted, s.bexp, s.npost, s.out, int32(TK), int32(H), int32(I))
+}
+
+// tilesFor returns the tiles of T's bucket: the forced tile, the tuned or
+// rule-of-thumb choice. Tuning (CUDA, first forward of a bucket, never during a
+// capture) needs the routing of this forward in s.idx, and waits for the main
+// stream.
+func (l *Layer) tilesFor(x *gpuctx.Buffer, T int) (tilePair, error) {
+	if l.forceTile != nil {
+		return tilePair{*l.forceTile, *l.forceTile}, nil
+	}
+	b := tileBucket(T)
+	if tp, ok := l.tiles[b]; ok {
+		return tp, nil
+	}
+	c := &l.cfg
+	tp := tilePair{ruleTile(T, c.TopK, c.NumExperts), ruleTile(T, c.TopK, c.NumExperts)}
+	if l.autotune && !l.capturing {
+		var err error
+		if tp, err = l.tune(x, T); err != nil {
+			return tilePair{}, err
+		}
+	}
+	l.tiles[b] = tp
+	return tp, nil
+}
+
+// tune times every tile's up and down kernel on this forward's routing (three
+// runs each after one warm-up, median) and returns the fastest up and the
+// fastest down of the fastest BM. It runs on the main stream and waits for it.
+func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
+	c := &l.cfg
+	H, I, K, E := c.HiddenSize, c.Intermediate, c.TopK, c.NumExperts
+	TK := T * K
+	start, stop := l.evTune[0], l.evTune[1]
+	timeIt := func(launch func() error) (time.Duration, error) {
+		var ts []time.Duration
+		for r := 0; r < 4; r++ {
+			if err := start.Record(l.main); err != nil {
+				return 0, err
+			}
+			if err := launch(); err != nil {
+				return 0, err
+			}
+			if err := stop.Record(l.main); err != nil {
+				return 0, err
+			}
+			if err := stop.Synchronize(); err != nil {
+				return 0, err
+			}
+			d, err := stop.Elapsed(start)
+			if err != nil {
+				return 0, err
+			}
+			if r > 0 {
+				ts = append(ts, d)
+			}
+		}
+		slices.Sort(ts)
+		return ts[len(ts)/2], nil
+	}
+	type best struct {
+		c kernels.MoEGemm
+		d time.Duration
+	}
+	var bestPair tilePair
+	bestSum := time.Duration(-1)
+	bms := map[int]bool{}
+	for _, cand := range kernels.MoEGemms {
+		bms[cand.BM] = true
+	}
+	for _, bm := range []int{16, 32, 64, 128} {
+		if !bms[bm] {
+			continue
+		}
+		if err := l.ensureFused(T, bm); err != nil {
+			return tilePair{}, err
+		}
+		if err := l.launchAlign(T, bm); err != nil {
+			return tilePair{}, err
+		}
+		cp := alignCap(TK, E, bm)
+		s := &l.scr
+		up, down := best{d: -1}, best{d: -1}
+		for _, cand := range kernels.MoEGemms {
+			if cand.BM != bm {
+				continue
+			}
+			kUp, kDown, err := l.fusedKernels(cand)
+			if err != nil {
+				return tilePair{}, err
+			}
+			du, err := timeIt(func() error {
+				return l.main.Launch(kUp, gpuctx.Dim3{X: (I + cand.BN - 1) / cand.BN, Y: cp / bm, Z: 1},
+					gpuctx.Dim3{X: cand.Threads(), Y: 1, Z: 1}, cand.SmemBytes(true),
+					x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I))
+			})
+			if err != nil {
+				return tilePair{}, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
+			}
+			dd, err := timeIt(func() error {
+				return l.main.Launch(kDown, gpuctx.Dim3{X: (H + cand.BN - 1) / cand.BN, Y: cp / bm, Z: 1},
+					gpuctx.Dim3{X: cand.Threads(), Y: 1, Z: 1}, cand.SmemBytes(false),
+					s.act, l.down, s.sorted, s.bexp, s.npost, s.out, int32(TK), int32(H), int32(I))
+			})
+			if err != nil {
+				return tilePair{}, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
+			}
+			if up.d < 0 || du < up.d {
+				up = best{cand, du}
+			}
+			if down.d < 0 || dd < down.d {
+				down = best{cand, dd}
+			}
+		}
+		if up.d >= 0 && (bestSum < 0 || up.d+down.d < bestSum) {
+			bestSum = up.d + down.d
+			bestPair = tilePair{up.c, down.c}
+		}
+	}
+	l.tuneLog = append(l.tuneLog, fmt.Sprintf("T=%d (bucket %d): up %s, down %s, %.1f us", T, tileBucket(T), bestPair.up.Tag(), bestPair.down.Tag(), float64(bestSum.Nanoseconds())/1e3))
+	return bestPair, nil
+}
+
+// TileChoices returns one line per token bucket that the autotuner timed: the
+// chosen up and down tiles and their time. For benchmarks and logs.
+func (l *Layer) TileChoices() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.tuneLog)
+}
+
+// routedFused queues the fused routed path on the main stream after the router
+// and the routing (s.idx, s.w); the shared expert as in smallExperts.
+func (l *Layer) routedFused(x *gpuctx.Buffer, T int, shared int) error {
+	tp, err := l.tilesFor(x, T)
+	if err != nil {
+		return err
+	}
+	if err := l.ensureFused(T, tp.up.BM); err != nil {
+		return err
+	}
+	if err := l.launchAlign(T, tp.up.BM); err != nil {
+		return err
+	}
+	if err := l.evCounts.Record(l.main); err != nil {
+		return err
+	}
+	if shared == sharedSide {
+		if err := l.sharedOnSide(l.evCounts, x, T); err != nil {
+			return err
+		}
+	}
+	if err := l.launchExperts(x, T, tp); err != nil {
+		return err
+	}
+	if shared == sharedMain {
+		return l.sharedExpert(l.ctx, l.main, x, T)
+	}
+	return nil
+}
