@@ -418,7 +418,6 @@ type layerPath struct {
 
 var layerPaths = []layerPath{{"gemm", -1, true}, {"fused", -1, false}, {"small", 1 << 20, false}}
 
-
 type modePath struct {
 	mode Mode
 	path layerPath
@@ -713,7 +712,7 @@ func TestLayerGraphReplay(t *testing.T) {
 				}
 				defer graphed.Close()
 				for run := range 8 {
-					T := []int{5, 40}[run%2] // the small-batch path and the fused (bf16) or GEMM path
+					T := []int{5, 40}[run%2]                         // the small-batch path and the fused (bf16) or GEMM path
 					x := randomX(T, cfg.HiddenSize, uint64(100+run)) // new inputs every run
 					for _, mode := range []Mode{Single, Dual} {
 						for _, part := range []Part{Whole, RoutedOnly, SharedOnly} {
