@@ -206,6 +206,7 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 	}
 	var bestPair tilePair
 	bestSum := time.Duration(-1)
+	var timed []string
 	bms := map[int]bool{}
 	for _, cand := range kernels.MoEGemms {
 		bms[cand.BM] = true
@@ -247,6 +248,7 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 			if err != nil {
 				return tilePair{}, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
 			}
+			timed = append(timed, fmt.Sprintf("%s %.1f+%.1f", cand.Tag(), us(du), us(dd)))
 			if up.d < 0 || du < up.d {
 				up = best{cand, du}
 			}
@@ -259,9 +261,12 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 			bestPair = tilePair{up.c, down.c}
 		}
 	}
-	l.tuneLog = append(l.tuneLog, fmt.Sprintf("T=%d (bucket %d): up %s, down %s, %.1f us", T, tileBucket(T), bestPair.up.Tag(), bestPair.down.Tag(), float64(bestSum.Nanoseconds())/1e3))
+	l.tuneLog = append(l.tuneLog, fmt.Sprintf("T=%d (bucket %d): up %s, down %s, %.1f us (up+down us: %s)",
+		T, tileBucket(T), bestPair.up.Tag(), bestPair.down.Tag(), us(bestSum), strings.Join(timed, ", ")))
 	return bestPair, nil
 }
+
+func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
 // TileChoices returns one line per token bucket that the autotuner timed: the
 // chosen up and down tiles and their time. For benchmarks and logs.
