@@ -2,6 +2,7 @@ package cpu
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -431,5 +432,52 @@ func TestMoEFusedKernelErrors(t *testing.T) {
 				t.Fatalf("got %v, want an error naming %s and containing %q", err, tc.kernel, tc.want)
 			}
 		})
+	}
+}
+
+// TestMoEFusedUpRounding checks the bf16 rounding of gate and up before SwiGLU
+// exactly: the dot products are exact in f32 (dyadic values, two terms) but
+// not in bf16, and the test checks that its expected values differ from those
+// without either rounding, so dropping one changes the result.
+func TestMoEFusedUpRounding(t *testing.T) {
+	d := newTestDevice(t)
+	const H, I = 8, 8
+	p := math.Ldexp
+	// Two-term gate and up rows (g = a + b, u = c + e with x = [1, 1, 0...]).
+	g := [I][2]float64{{-8, -p(1, -5)}, {-6, -p(1, -6)}, {3, p(1, -7)}, {-8, 0}, {-8, 0}, {-8, 0}, {1, 0}, {-1, 0}}
+	u := [I][2]float64{{1, 0}, {1, 0}, {1, 0}, {1, p(1, -8)}, {1, 3 * p(1, -9)}, {4, p(3, -6)}, {1, p(5, -10)}, {3, p(5, -9)}}
+	x := make([]float64, H)
+	x[0], x[1] = 1, 1
+	gu := make([]float64, 2*I*H)
+	for i := range I {
+		gu[i*H], gu[i*H+1] = g[i][0], g[i][1]
+		gu[(I+i)*H], gu[(I+i)*H+1] = u[i][0], u[i][1]
+	}
+	rnd := func(v float32) float32 { return bf16ToF32(f32ToBF16(v)) }
+	swiglu := func(gv, uv float32) uint16 { return f32ToBF16((gv / (1 + expf(-gv))) * uv) }
+	var want [I]uint16
+	gDiff, uDiff := false, false
+	for i := range I {
+		gv, uv := float32(g[i][0]+g[i][1]), float32(u[i][0]+u[i][1])
+		want[i] = swiglu(rnd(gv), rnd(uv))
+		gDiff = gDiff || swiglu(gv, rnd(uv)) != want[i]
+		uDiff = uDiff || swiglu(rnd(gv), uv) != want[i]
+	}
+	if !gDiff || !uDiff {
+		t.Fatalf("test values insensitive to the rounding of gate (%v) or up (%v)", gDiff, uDiff)
+	}
+	c := kernels.MoEGemms[0]
+	_, _, _, pl := runAlign(t, d, []int32{0}, 1, c.BM, alignCap(1, 1, c.BM))
+	ap := upload(t, d, asBytes(filled(c.BM*I, poisonBF16)))
+	if err := launchSync(t, d, c.UpName(), upload(t, d, asBytes(bf16Bits(x))), upload(t, d, asBytes(bf16Bits(gu))),
+		pl[0], pl[1], pl[2], ap, int32(1), int32(1), int32(H), int32(I)); err != nil {
+		t.Fatal(err)
+	}
+	act := fromBytes[uint16](download(t, d, ap, 2*c.BM*I))
+	if !slices.Equal(act[:I], want[:]) {
+		t.Errorf("act row 0 %#x, want %#x", act[:I], want)
+	}
+	if !slices.Equal(act[I:], make([]uint16, (c.BM-1)*I)) {
+		t.Errorf("padding rows %#x, want zeros", act[I:])
 	}
 }
