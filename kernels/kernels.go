@@ -49,6 +49,24 @@
 //	    out[r,h] = act[r,:].down[e,h,:] for each expert's plan rows. Grid
 //	    (ceil(H/8), E), block 256.
 //
+// The fused routed path (graph-capturable: no host round trip) sorts the
+// assignments into blocks of BM rows per expert, runs the grouped expert GEMMs
+// of moe_gemm.cu on them (gpuctx_moe_up_<tag>, gpuctx_moe_down_<tag>, one pair
+// per tile config; see MoEGemm) and combines the rows in assignment order:
+//
+//	gpuctx_moe_align    (topk_idx, sorted, block_expert, npost hal.Ptr, TK, E, BM, cap int32)
+//	    stable sort of the TK assignments (topk_idx [TK] i32; out-of-range experts
+//	    skipped) into per-expert segments, experts in order, each padded to a
+//	    multiple of BM rows (empty experts get none): sorted [cap] = assignment
+//	    of each row, TK for padding and for every row from npost to cap;
+//	    block_expert [cap/BM] = expert of each block, -1 from npost/BM on;
+//	    npost [1] = padded row count. E <= 512, cap a multiple of BM and at
+//	    least npost; size it roundup(TK + min(E,TK)*(BM-1), BM).
+//	gpuctx_moe_combine_rows (out, w, shared, gate, y hal.Ptr, T, K, H, has_routed,
+//	                     has_shared, has_gate, bf16 int32)
+//	    gpuctx_moe_combine with pos[t,k] = t*K+k: y[t,:] = sum_k w[t,k]*out[t*K+k,:]
+//	    + sigmoid(gate[t]) (or 1) * shared[t,:]. Any grid and block.
+//
 // Everything here is read-only data and safe to use from any goroutine.
 package kernels
 

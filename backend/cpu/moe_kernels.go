@@ -338,26 +338,45 @@ func moeSwiglu(d *device, a []any) error {
 }
 
 func moeCombine(d *device, a []any) error {
-	T, K, H := int(a[6].(int32)), int(a[7].(int32)), int(a[8].(int32))
-	hasRouted, hasShared, hasGate, bf := a[9].(int32) != 0, a[10].(int32) != 0, a[11].(int32) != 0, a[12].(int32)
-	if T < 0 || K < 0 || H <= 0 || (hasRouted && K == 0) {
+	return combine(d, combineArgs{
+		out: a[0].(hal.Ptr), pos: a[1].(hal.Ptr), w: a[2].(hal.Ptr), shared: a[3].(hal.Ptr), gate: a[4].(hal.Ptr), y: a[5].(hal.Ptr),
+		T: int(a[6].(int32)), K: int(a[7].(int32)), H: int(a[8].(int32)),
+		hasRouted: a[9].(int32) != 0, hasShared: a[10].(int32) != 0, hasGate: a[11].(int32) != 0, bf: a[12].(int32),
+	})
+}
+
+// combineArgs are the arguments of gpuctx_moe_combine and
+// gpuctx_moe_combine_rows; identity replaces pos by pos[i] = i (the routed
+// rows of out are in assignment order).
+type combineArgs struct {
+	out, pos, w, shared, gate, y            hal.Ptr
+	T, K, H                                 int
+	hasRouted, hasShared, hasGate, identity bool
+	bf                                      int32
+}
+
+func combine(d *device, c combineArgs) error {
+	T, K, H := c.T, c.K, c.H
+	if T < 0 || K < 0 || H <= 0 || (c.hasRouted && K == 0) {
 		return fmt.Errorf("combine: T=%d K=%d H=%d: want T >= 0, H > 0 and K > 0 when routed", T, K, H)
 	}
-	y, err := actView(d, "y", a[5].(hal.Ptr), int64(T)*int64(H), bf)
+	y, err := actView(d, "y", c.y, int64(T)*int64(H), c.bf)
 	if err != nil {
 		return err
 	}
 	var out actSlice
 	var pos []int32
 	var w []float32
-	if hasRouted {
-		if out, err = actView(d, "out", a[0].(hal.Ptr), int64(T)*int64(K)*int64(H), bf); err != nil {
+	if c.hasRouted {
+		if out, err = actView(d, "out", c.out, int64(T)*int64(K)*int64(H), c.bf); err != nil {
 			return err
 		}
-		if pos, err = deviceSlice[int32](d, "pos", a[1].(hal.Ptr), int64(T)*int64(K)); err != nil {
-			return err
+		if !c.identity {
+			if pos, err = deviceSlice[int32](d, "pos", c.pos, int64(T)*int64(K)); err != nil {
+				return err
+			}
 		}
-		if w, err = deviceSlice[float32](d, "w", a[2].(hal.Ptr), int64(T)*int64(K)); err != nil {
+		if w, err = deviceSlice[float32](d, "w", c.w, int64(T)*int64(K)); err != nil {
 			return err
 		}
 		for i, p := range pos {
@@ -368,32 +387,36 @@ func moeCombine(d *device, a []any) error {
 	}
 	var shared actSlice
 	var gate []float32
-	if hasShared {
-		if shared, err = actView(d, "shared", a[3].(hal.Ptr), int64(T)*int64(H), bf); err != nil {
+	if c.hasShared {
+		if shared, err = actView(d, "shared", c.shared, int64(T)*int64(H), c.bf); err != nil {
 			return err
 		}
-		if hasGate {
-			if gate, err = deviceSlice[float32](d, "gate", a[4].(hal.Ptr), int64(T)); err != nil {
+		if c.hasGate {
+			if gate, err = deviceSlice[float32](d, "gate", c.gate, int64(T)); err != nil {
 				return err
 			}
 		}
 	}
 	for t := 0; t < T; t++ {
 		sg := float32(1)
-		if hasShared && hasGate {
+		if c.hasShared && c.hasGate {
 			sg = 1 / (1 + expf(-gate[t]))
 		}
 		row := t * H
 		for h := 0; h < H; h++ {
 			var acc float32
-			if hasRouted {
+			if c.hasRouted {
 				for k := 0; k < K; k++ {
-					if p := pos[t*K+k]; p >= 0 {
+					p := int32(t*K + k)
+					if !c.identity {
+						p = pos[t*K+k]
+					}
+					if p >= 0 {
 						acc += w[t*K+k] * out.load(int(p)*H+h)
 					}
 				}
 			}
-			if hasShared {
+			if c.hasShared {
 				acc += sg * shared.load(row+h)
 			}
 			y.store(row+h, acc)
