@@ -70,5 +70,9 @@ grep -E '^--- (FAIL|SKIP)' "$log" | head -20
 exit $fail
 RUN
 chmod +x .gpu/run.sh
-du -sh .gpu | awk '{print "packed", $1, "into .gpu/ (limit for what travels: 64 MiB)"}'
+size=$(du -sb .gpu | cut -f1)
+echo "packed $((size >> 20)) MiB ($size bytes) into .gpu/ (limit for what the device tool carries: 64 MiB)"
+if [ "$size" -gt $((60 << 20)) ]; then
+  echo "pack.sh: warning: .gpu/ is near or over the 64 MiB carry limit; pass only the packages needed, e.g. bash bench/gpu/pack.sh . ./moe/..." >&2
+fi
 cat .gpu/tests.txt
