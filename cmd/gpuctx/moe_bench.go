@@ -16,6 +16,7 @@ import (
 
 	"github.com/schollz/progressbar/v3"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/internal/sysmem"
@@ -285,28 +286,40 @@ func commit() string {
 	return "unknown (built with -buildvcs=false, outside a git checkout)"
 }
 
-// commandLine rebuilds the invocation from the flags that were set.
+// commandLine rebuilds the invocation from every flag the user set (the flag
+// set's own record, so a new flag is never left out), in the order given, with
+// $GPUCTX_BACKEND in front when it chose the backend.
 func commandLine(cmd *cobra.Command) string {
 	parts := []string{cmd.CommandPath()}
-	if v := os.Getenv(gpuctx.BackendEnv); v != "" && !cmd.Flags().Changed("backend") {
-		parts = append([]string{gpuctx.BackendEnv + "=" + v}, parts...)
+	fs := cmd.Flags()
+	if v := os.Getenv(gpuctx.BackendEnv); v != "" && !fs.Changed("backend") {
+		parts = append([]string{gpuctx.BackendEnv + "=" + shellQuote(v)}, parts...)
 	}
-	for _, name := range []string{"backend", "preset", "model", "layer", "tokens", "mode", "dtype", "iters", "warmup", "seed", "full-size", "plot", "out", "json"} {
-		f := cmd.Flags().Lookup(name)
-		if f == nil || !f.Changed {
-			continue
+	sorted := fs.SortFlags
+	fs.SortFlags = false // Visit then walks the flags in the order they were set
+	defer func() { fs.SortFlags = sorted }()
+	fs.Visit(func(f *pflag.Flag) {
+		switch {
+		case f.Value.Type() == "bool" && f.Value.String() == "true":
+			parts = append(parts, "--"+f.Name)
+		case f.Value.Type() == "bool":
+			parts = append(parts, "--"+f.Name+"=false")
+		default:
+			parts = append(parts, "--"+f.Name+" "+shellQuote(f.Value.String()))
 		}
-		if f.Value.Type() == "bool" {
-			if f.Value.String() == "true" {
-				parts = append(parts, "--"+f.Name)
-			} else {
-				parts = append(parts, "--"+f.Name+"=false")
-			}
-		} else {
-			parts = append(parts, "--"+f.Name+" "+f.Value.String())
-		}
-	}
+	})
 	return strings.Join(parts, " ")
+}
+
+// shellQuote returns s as one shell word: unchanged when it needs no quoting,
+// else in single quotes.
+func shellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune(",._-+/:=@%^", r))
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // stderrIsTerminal reports whether w is a character device (a terminal).

@@ -343,3 +343,23 @@ func TestMoeBenchModel(t *testing.T) {
 		t.Errorf("report does not describe the run: %+v", rep)
 	}
 }
+
+func TestMoeBenchCommandLine(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	code, stdout, stderr := execute(t, "moe", "bench", "--tokens", "1", "--iters", "1", "--warmup", "0", "--small-batch", "-1", "--no-graphs",
+		"--mode", "single", "--seed", "3", "--json")
+	if code != 0 {
+		t.Fatalf("exit code %d, stderr %q", code, stderr)
+	}
+	var rep moeBenchReport
+	if err := json.Unmarshal([]byte(stdout), &rep); err != nil {
+		t.Fatal(err)
+	}
+	want := "GPUCTX_BACKEND=cpu gpuctx moe bench --tokens 1 --iters 1 --warmup 0 --small-batch -1 --no-graphs --mode single --seed 3 --json"
+	if rep.Command != want {
+		t.Errorf("command\n %q, want\n %q", rep.Command, want)
+	}
+	if got := shellQuote("a b'c"); got != `'a b'\''c'` {
+		t.Errorf("shellQuote: %s", got)
+	}
+}
