@@ -20,6 +20,10 @@ import (
 // so that no point sits on the frame and a single point still has a range.
 const plotPadX, plotPadY = 1.4, 1.3
 
+// plotLegendShare is the share of the frame's height above the data, where
+// the legend goes.
+const plotLegendShare = 0.3
+
 // plotSeries is one line of the plot.
 type plotSeries struct {
 	name   string
@@ -148,7 +152,8 @@ func (r *moeBenchReport) writePlot(path string) error {
 	palette := []color.Color{
 		color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 255}, color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 255},
 		color.RGBA{R: 0x94, G: 0x67, B: 0xbd, A: 255}, color.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 255},
-		color.RGBA{R: 0xff, G: 0x7f, B: 0x0e, A: 255}, color.RGBA{A: 255}, color.RGBA{R: 0x8c, G: 0x56, B: 0x4b, A: 255},
+		color.RGBA{R: 0xff, G: 0x7f, B: 0x0e, A: 255}, color.RGBA{R: 0x8c, G: 0x56, B: 0x4b, A: 255},
+		color.RGBA{R: 0x17, G: 0xbe, B: 0xcf, A: 255}, color.RGBA{R: 0xe3, G: 0x77, B: 0xc2, A: 255},
 	}
 	var xs, ys []float64
 	var tokens []int
@@ -189,6 +194,8 @@ func (r *moeBenchReport) writePlot(path string) error {
 	if !okx || !oky {
 		return fmt.Errorf("nothing to plot: no positive latency was measured")
 	}
+	// the top quarter of the frame is left to the legend
+	yhi = ylo * math.Pow(yhi/ylo, 1/(1-plotLegendShare))
 	p.X.Min, p.X.Max, p.Y.Min, p.Y.Max = xlo, xhi, ylo, yhi
 	p.X.Tick.Marker = tokenTicks(tokens)
 	p.Y.Tick.Marker = plot.TickerFunc(latencyTicks)
