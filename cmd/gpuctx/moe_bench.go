@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -20,6 +21,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/internal/benchkit"
 	"github.com/gpuctx/gpuctx/internal/sysmem"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
@@ -356,157 +358,17 @@ func stderrIsTerminal(w io.Writer) bool {
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
 
-// eventTimer times work queued on one stream with a pair of timing events.
-type eventTimer struct {
-	s          *gpuctx.Stream
-	start, end *gpuctx.Event
-}
-
-func newEventTimer(dev *gpuctx.Device, s *gpuctx.Stream) (*eventTimer, error) {
-	st, err := dev.NewEvent(true)
-	if err != nil {
-		return nil, err
+// benchErr turns a benchkit failure into the CLI's (same message and advice).
+func benchErr(err error) error {
+	var be *benchkit.Error
+	if errors.As(err, &be) {
+		return fail(be.What, be.Fix, be.Err)
 	}
-	en, err := dev.NewEvent(true)
-	if err != nil {
-		st.Close()
-		return nil, err
-	}
-	return &eventTimer{s: s, start: st, end: en}, nil
-}
-
-func (t *eventTimer) close() { t.start.Close(); t.end.Close() }
-
-// median runs work warmup times untimed, then iters times between two events on
-// t.s, and returns the median device time in seconds.
-func (t *eventTimer) median(warmup, iters int, work func() error) (float64, error) {
-	for range warmup {
-		if err := work(); err != nil {
-			return 0, err
-		}
-	}
-	if err := t.s.Synchronize(); err != nil {
-		return 0, err
-	}
-	times := make([]float64, 0, iters)
-	for range iters {
-		if err := t.start.Record(t.s); err != nil {
-			return 0, err
-		}
-		if err := work(); err != nil {
-			return 0, err
-		}
-		if err := t.end.Record(t.s); err != nil {
-			return 0, err
-		}
-		if err := t.end.Synchronize(); err != nil {
-			return 0, err
-		}
-		d, err := t.end.Elapsed(t.start)
-		if err != nil {
-			return 0, err
-		}
-		times = append(times, max(d.Seconds(), 1e-9))
-	}
-	return median(times), nil
-}
-
-// measureCopy returns the device-to-device copy bandwidth in bytes (read +
-// written) per second for an n-byte copy on a new stream.
-func measureCopy(dev *gpuctx.Device, n, iters int) (float64, error) {
-	s, err := dev.NewStream(gpuctx.StreamOptions{})
-	if err != nil {
-		return 0, err
-	}
-	defer s.Close()
-	src, err := dev.Alloc(n)
-	if err != nil {
-		return 0, fail(fmt.Sprintf("allocating %d MiB for the copy ceiling", n>>20), "free device memory", err)
-	}
-	defer src.Free()
-	dst, err := dev.Alloc(n)
-	if err != nil {
-		return 0, fail(fmt.Sprintf("allocating %d MiB for the copy ceiling", n>>20), "free device memory", err)
-	}
-	defer dst.Free()
-	if err := s.Memset(src, 0x5a); err != nil {
-		return 0, err
-	}
-	t, err := newEventTimer(dev, s)
-	if err != nil {
-		return 0, err
-	}
-	defer t.close()
-	sec, err := t.median(2, iters, func() error { return s.CopyDtoD(dst, 0, src, 0, n) })
-	if err != nil {
-		return 0, fail("timing the device-to-device copy", "", err)
-	}
-	return 2 * float64(n) / sec, nil
-}
-
-// measureGemm returns the rate in FLOP/s of an n³ GEMM in dt (output in dt, f32
-// compute; bf16 through the TensorOp flavour, f32 through Default, as the layer
-// uses them) through a Context on a new stream, perRound GEMMs per timed round.
-func measureGemm(dev *gpuctx.Device, n int, dt gpuctx.DType, perRound, iters int) (float64, error) {
-	s, err := dev.NewStream(gpuctx.StreamOptions{})
-	if err != nil {
-		return 0, err
-	}
-	defer s.Close()
-	ctx, err := dev.NewContext(gpuctx.ContextOptions{Stream: s})
-	if err != nil {
-		return 0, err
-	}
-	defer ctx.Close()
-	bytes := n * n * dt.Size()
-	// Random operands: a block of 2^19 random values tiled over the matrix.
-	r := rand.New(rand.NewPCG(7, uint64(n)))
-	block := encode(randVec(r, min(n*n, 1<<19)), dt)
-	host := make([]byte, bytes)
-	for off := 0; off < bytes; off += len(block) {
-		copy(host[off:], block)
-	}
-	var bufs [3]*gpuctx.Buffer
-	for i := range bufs {
-		if bufs[i], err = dev.Alloc(bytes); err != nil {
-			return 0, fail(fmt.Sprintf("allocating %d MiB for the GEMM ceiling", bytes>>20), "free device memory", err)
-		}
-		defer bufs[i].Free()
-		if i < 2 {
-			if err := bufs[i].CopyFromHost(host); err != nil {
-				return 0, err
-			}
-		}
-	}
-	g := gpuctx.Gemm{M: n, N: n, K: n, Alpha: 1, A: bufs[0], B: bufs[1], C: bufs[2], AB: dt, CType: dt}
-	flavour := gpuctx.Default
-	if dt == gpuctx.BF16 {
-		flavour = gpuctx.TensorOp
-	}
-	t, err := newEventTimer(dev, s)
-	if err != nil {
-		return 0, err
-	}
-	defer t.close()
-	sec, err := t.median(1, iters, func() error {
-		for range perRound {
-			if err := ctx.BlasFlavour(flavour, func(h gpuctx.Blas) error { return h.Gemm(g) }); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		return 0, fail(fmt.Sprintf("timing the %s GEMM ceiling", dt), fmt.Sprintf("check 'gpuctx gemm --dtype %s'", dt), err)
-	}
-	return 2 * float64(n) * float64(n) * float64(n) * float64(perRound) / sec, nil
+	return err
 }
 
 // batchFLOPs is the arithmetic of one forward of T tokens.
-func batchFLOPs(c *moe.Config, T int) float64 {
-	t, H, E, K, I, S := float64(T), float64(c.HiddenSize), float64(c.NumExperts), float64(c.TopK), float64(c.Intermediate), float64(c.SharedIntermediate)
-	return 2*t*H*E + 2*t*K*3*H*I + 2*t*3*H*S
-}
+func batchFLOPs(c *moe.Config, T int) float64 { return benchkit.BatchFLOPs(c, T) }
 
 func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 	changed := cmd.Flags().Changed
@@ -702,12 +564,12 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 	if cpu {
 		rep.CopyBytes, rep.GemmN, gemmPerRound = copyBytesCPU, gemmNCPU, 1
 	}
-	if rep.CopyBW, err = measureCopy(dev, rep.CopyBytes, max(rep.Iters, 5)); err != nil {
-		return nil, err
+	if rep.CopyBW, err = benchkit.CopyBandwidth(dev, rep.CopyBytes, max(rep.Iters, 5)); err != nil {
+		return nil, benchErr(err)
 	}
 	step("copy ceiling")
-	if rep.GemmRate, err = measureGemm(dev, rep.GemmN, dt, gemmPerRound, min(max(rep.Iters, 3), 10)); err != nil {
-		return nil, err
+	if rep.GemmRate, err = benchkit.GemmRate(dev, rep.GemmN, dt, gemmPerRound, min(max(rep.Iters, 3), 10)); err != nil {
+		return nil, benchErr(err)
 	}
 	step("GEMM ceiling")
 
@@ -716,23 +578,19 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 		return nil, fail("building the MoE layer on the device", "try fewer experts (another preset) or --dtype bf16", err)
 	}
 	defer l.Close()
-	timer, err := newEventTimer(dev, l.MainStream())
+	timer, err := benchkit.NewTimer(dev, l.MainStream())
 	if err != nil {
 		return nil, fail("creating timing events", "", err)
 	}
-	defer timer.close()
+	defer timer.Close()
 
 	for _, T := range tokens {
 		row, err := a.benchTokens(l, dev, timer, cfg, dt, modes, T, o.seed, rep.Iters, rep.Warmup, step)
 		if err != nil {
 			return nil, err
 		}
-		row.BytesFloorUS = float64(row.WeightBytes) / rep.CopyBW * 1e6
-		row.ComputeFloorUS = row.FLOPs / rep.GemmRate * 1e6
-		row.FloorUS, row.Bound = row.BytesFloorUS, "bytes"
-		if row.ComputeFloorUS > row.BytesFloorUS {
-			row.FloorUS, row.Bound = row.ComputeFloorUS, "compute"
-		}
+		f := benchkit.NewFloor(row.WeightBytes, row.FLOPs, rep.CopyBW, rep.GemmRate)
+		row.BytesFloorUS, row.ComputeFloorUS, row.FloorUS, row.Bound = f.BytesUS, f.ComputeUS, f.US, f.Bound
 		row.PctOfFloor = 100 * row.FloorUS / row.MedianUS[row.Best]
 		rep.Rows = append(rep.Rows, row)
 	}
@@ -751,12 +609,12 @@ func boolInt(b bool) int {
 }
 
 // benchTokens times every variant for T tokens on fresh random inputs.
-func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *eventTimer, cfg *moe.Config, dt gpuctx.DType,
+func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *benchkit.Timer, cfg *moe.Config, dt gpuctx.DType,
 	modes []moe.Mode, T int, seed uint64, iters, warmup int, step func(string)) (benchRow, error) {
 	H := cfg.HiddenSize
 	row := benchRow{Tokens: T, MedianUS: map[string]float64{}}
 	r := rand.New(rand.NewPCG(seed, uint64(T)+1000))
-	host := encode(randVec(r, T*H), dt)
+	host := benchkit.Encode(benchkit.RandVec(r, T*H), dt)
 	x, err := dev.Alloc(len(host))
 	if err != nil {
 		return row, fail(fmt.Sprintf("allocating the input for %d tokens", T), "use fewer --tokens", err)
@@ -771,7 +629,7 @@ func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *eventTimer, c
 	}
 	defer y.Free()
 	variant := func(name string, m moe.Mode, p moe.Part) (float64, error) {
-		sec, err := timer.median(warmup, iters, func() error { return l.ForwardDevice(x, y, T, m, p) })
+		sec, err := timer.Median(warmup, iters, func() error { return l.ForwardDevice(x, y, T, m, p) })
 		if err != nil {
 			return 0, fail(fmt.Sprintf("timing %s for %d tokens", name, T), "check 'gpuctx info'; try --backend cpu to compare", err)
 		}

@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/internal/benchkit"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
@@ -419,5 +420,20 @@ func TestPlotRangesAndTicks(t *testing.T) {
 	rep.Backend = "cuda"
 	if strings.Contains(rep.plotTitle(), "GPU") {
 		t.Errorf("CUDA plot title %q", rep.plotTitle())
+	}
+}
+
+func TestFloorModel(t *testing.T) {
+	// 1 MB at 1e12 B/s = 1 µs; 1e9 FLOP at 1e15 FLOP/s = 1 µs
+	f := benchkit.NewFloor(2e6, 1e9, 1e12, 1e15)
+	if f.BytesUS != 2 || f.ComputeUS != 1 || f.US != 2 || f.Bound != "bytes" {
+		t.Errorf("bytes-bound floor %+v", f)
+	}
+	f = benchkit.NewFloor(1e6, 3e9, 1e12, 1e15)
+	if f.US != 3 || f.Bound != "compute" {
+		t.Errorf("compute-bound floor %+v", f)
+	}
+	if m := benchkit.Median([]float64{3, 1, 2, 10}); m != 3 {
+		t.Errorf("median %v, want the upper median 3", m)
 	}
 }
