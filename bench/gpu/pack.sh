@@ -1,29 +1,58 @@
 #!/usr/bin/env bash
-# pack.sh: build what the GPU machine needs into .gpu/ (like ../shared/tools/gpu-pack,
-# whose tests.txt gets the root package's folder wrong: "root /abs/path" instead of
-# "root ."). Usage: bash bench/gpu/pack.sh [PKG...]   (default: . ./backend/cuda/... ./moe/...)
-# CLI=DIR picks the folder the gpuctx binary is built from (default ./cmd/gpuctx).
+# pack.sh: build what the GPU machine needs from this checkout into .gpu/.
+# Self-contained: needs only this repository and a Go toolchain (no GPU). The GPU
+# machine has no Go toolchain: it gets compiled test binaries, the CLIs and the peers.
+#
+#   bash bench/gpu/pack.sh [PKG-PATTERN...]   (default: every package with tests, ./...)
+#
+# It writes into .gpu/ (ignored by git):
+#   NAME.test     CGO_ENABLED=0 go test -c -ldflags='-s -w' of every package with tests;
+#                 NAME is the import path below the module, '/' -> '_' (root: "root")
+#   tests.txt     one line per test binary: NAME DIR, DIR relative to the repository
+#                 root ("." for the root package), so run.sh finds the package folder
+#                 (its testdata) in the copy on the GPU machine
+#   CMD           every cmd/CMD, with -X main.buildCommit=HEAD so moe bench reports it
+#   peers/        bench/peers/ (e.g. peers/triton_fused_moe.py, the vLLM Triton peer)
+#   run.sh        runs every test binary from its package folder; logs to $OUT
+# CLI=DIR builds the gpuctx binary from another folder (default ./cmd/gpuctx).
+#
+# Then run the device tool with carry [".gpu"] and e.g. the command  bash .gpu/run.sh
+# Environment read by run.sh there: RUN (a -test.run regexp, default "."),
+# BENCH (a -test.bench regexp, default none), EXTRA (more flags for every binary).
+# Logs land in $OUT/gpu-tests.log (it comes back with the reply).
 set -euo pipefail
-top=$(git rev-parse --show-toplevel); cd "$top"
-grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-pkgs=("$@"); [ ${#pkgs[@]} -gt 0 ] || pkgs=(. ./backend/cuda/... ./moe/...)
+top=$(git rev-parse --show-toplevel)
+cd "$top"
+rm -rf .gpu && mkdir -p .gpu
+pkgs=("$@"); [ ${#pkgs[@]} -gt 0 ] || pkgs=(./...)
 export CGO_ENABLED=0
-# build the shared tool's run.sh, then fix tests.txt
-../shared/tools/gpu-pack "${pkgs[@]}" >/dev/null 2>&1 || true
-rm -f .gpu/*.test; : > .gpu/tests.txt
 mod=$(go list -m)
-go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}} {{.Dir}}{{end}}' "${pkgs[@]}" | while read -r path dir; do
+list=$(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}}{{end}}' "${pkgs[@]}")
+: > .gpu/tests.txt
+while read -r path; do
   [ -n "$path" ] || continue
-  name=$(echo "${path#$mod}" | sed 's#^/##; s#/#_#g'); [ -n "$name" ] || name=root
-  rel=$(realpath --relative-to="$top" "$dir")
+  # the folder relative to the repository root, from the import path (one module)
+  case "$path" in
+    "$mod") rel=. ;;
+    "$mod"/*) rel=${path#"$mod"/} ;;
+    *) echo "pack.sh: $path is not in module $mod" >&2; exit 1 ;;
+  esac
+  name=$(echo "$rel" | sed 's#/#_#g'); [ "$rel" != . ] || name=root
   go test -c -ldflags='-s -w' -o ".gpu/$name.test" "$path"
   echo "$name $rel" >> .gpu/tests.txt
+done <<< "$list"
+rev=$(git rev-parse HEAD)
+for c in cmd/*/; do
+  c=${c%/}
+  src=./$c; [ "$(basename "$c")" != gpuctx ] || src=${CLI:-./cmd/gpuctx}
+  go build -ldflags="-s -w -X main.buildCommit=$rev" -o ".gpu/$(basename "$c")" "$src"
 done
-go build -ldflags="-s -w -X main.buildCommit=$(git rev-parse HEAD)" -o .gpu/gpuctx "${CLI:-./cmd/gpuctx}"
-if [ ! -f .gpu/run.sh ]; then
-  # gpu-pack stopped before writing run.sh: write an equivalent one.
-  cat > .gpu/run.sh <<'RUN'
+# the peers travel with the binaries (python3 .gpu/peers/triton_fused_moe.py)
+mkdir -p .gpu/peers
+cp bench/peers/*.py .gpu/peers/
+cat > .gpu/run.sh <<'RUN'
 #!/usr/bin/env bash
+# Runs every packed test binary from its package folder; logs to $OUT.
 top=$(cd "$(dirname "$0")/.." && pwd)
 log=${OUT:-/tmp}/gpu-tests.log
 fail=0
@@ -40,6 +69,10 @@ echo "totals: $(grep -E '^ *--- (PASS|FAIL|SKIP)' "$log" | awk '{print $2}' | so
 grep -E '^--- (FAIL|SKIP)' "$log" | head -20
 exit $fail
 RUN
-  chmod +x .gpu/run.sh
+chmod +x .gpu/run.sh
+size=$(du -sb .gpu | cut -f1)
+echo "packed $((size >> 20)) MiB ($size bytes) into .gpu/ (limit for what the device tool carries: 64 MiB)"
+if [ "$size" -gt $((60 << 20)) ]; then
+  echo "pack.sh: warning: .gpu/ is near or over the 64 MiB carry limit; pass only the packages needed, e.g. bash bench/gpu/pack.sh . ./moe/..." >&2
 fi
-du -sh .gpu | awk '{print "packed", $1, "into .gpu/"}'; cat .gpu/tests.txt
+cat .gpu/tests.txt

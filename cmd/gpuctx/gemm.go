@@ -1,18 +1,14 @@
 package main
 
 import (
-	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"slices"
-	"sync"
-	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/half"
+	"github.com/gpuctx/gpuctx/internal/benchkit"
 )
 
 func init() { register(newGemmCmd) }
@@ -122,39 +118,6 @@ func (o *gemmOpts) types() (gpuctx.DType, gpuctx.Flavour) {
 	return gpuctx.F32, gpuctx.Default
 }
 
-// encode returns x in dtype t as little-endian bytes.
-func encode(x []float32, t gpuctx.DType) []byte {
-	out := make([]byte, len(x)*t.Size())
-	for i, v := range x {
-		switch t {
-		case gpuctx.F32:
-			binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(v))
-		case gpuctx.F64:
-			binary.LittleEndian.PutUint64(out[8*i:], math.Float64bits(float64(v)))
-		case gpuctx.BF16:
-			binary.LittleEndian.PutUint16(out[2*i:], half.BF16(v))
-		case gpuctx.F16:
-			binary.LittleEndian.PutUint16(out[2*i:], half.F16(v))
-		}
-	}
-	return out
-}
-
-// decode reads element i of b in dtype t.
-func decode(b []byte, i int, t gpuctx.DType) float64 {
-	switch t {
-	case gpuctx.F32:
-		return float64(math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:])))
-	case gpuctx.F64:
-		return math.Float64frombits(binary.LittleEndian.Uint64(b[8*i:]))
-	case gpuctx.BF16:
-		return float64(half.FromBF16(binary.LittleEndian.Uint16(b[2*i:])))
-	case gpuctx.F16:
-		return float64(half.FromF16(binary.LittleEndian.Uint16(b[2*i:])))
-	}
-	return math.NaN()
-}
-
 type gemmSet struct {
 	a, b, c   *gpuctx.Buffer
 	hostA, hB []byte
@@ -209,8 +172,8 @@ func (a *app) runGemm(o gemmOpts) error {
 			return err
 		}
 		for range sets {
-			ha := encode(randVec(r, o.m*o.k), t)
-			hb := encode(randVec(r, o.k*o.n), t)
+			ha := benchkit.Encode(benchkit.RandVec(r, o.m*o.k), t)
+			hb := benchkit.Encode(benchkit.RandVec(r, o.k*o.n), t)
 			var g gemmSet
 			if g.a, err = alloc(aBytes, ha); err != nil {
 				return err
@@ -254,7 +217,7 @@ func (a *app) runGemm(o gemmOpts) error {
 	var totals []float64
 	per := make([][]float64, o.streams)
 	for range o.repeats {
-		all, each, err := timeRound(dev, streams, func(s int) error { return issue(s, o.iters) })
+		all, each, err := benchkit.TimeRound(dev, streams, func(s int) error { return issue(s, o.iters) })
 		if err != nil {
 			return err
 		}
@@ -265,11 +228,11 @@ func (a *app) runGemm(o gemmOpts) error {
 	}
 	rep := gemmReport{Backend: dev.Backend(), Device: dev.Info().Name, M: o.m, N: o.n, K: o.k, DType: o.dtype,
 		Streams: o.streams, Iters: o.iters, Policy: o.policy, Path: map[bool]string{false: "blas", true: "blasLt"}[o.lt]}
-	medAll := median(totals)
+	medAll := benchkit.Median(totals)
 	rep.TFLOPS = flop * float64(o.streams) / medAll / 1e12
 	rep.MedianUS = medAll / float64(o.iters) * 1e6
 	for s := range per {
-		rep.PerStream = append(rep.PerStream, flop/median(per[s])/1e12)
+		rep.PerStream = append(rep.PerStream, flop/benchkit.Median(per[s])/1e12)
 	}
 	if o.check {
 		if rep.MaxRelErr, rep.Checked, err = checkGemm(r, o, t, data); err != nil {
@@ -297,90 +260,6 @@ func (a *app) runGemm(o gemmOpts) error {
 	return nil
 }
 
-// timeRound forks all streams from one start event, runs work(s) on each from
-// its own goroutine, and returns the device time from the start to the last
-// stream's end, and each stream's own time, in seconds.
-func timeRound(dev *gpuctx.Device, streams []*gpuctx.Stream, work func(s int) error) (float64, []float64, error) {
-	mk := func() (*gpuctx.Event, error) { return dev.NewEvent(true) }
-	start, err := mk()
-	if err != nil {
-		return 0, nil, err
-	}
-	defer start.Close()
-	if err := start.Record(streams[0]); err != nil {
-		return 0, nil, err
-	}
-	begins, ends := make([]*gpuctx.Event, len(streams)), make([]*gpuctx.Event, len(streams))
-	for s, st := range streams {
-		if begins[s], err = mk(); err != nil {
-			return 0, nil, err
-		}
-		defer begins[s].Close()
-		if ends[s], err = mk(); err != nil {
-			return 0, nil, err
-		}
-		defer ends[s].Close()
-		if err := st.Wait(start); err != nil {
-			return 0, nil, err
-		}
-		if err := begins[s].Record(st); err != nil {
-			return 0, nil, err
-		}
-	}
-	var wg sync.WaitGroup
-	errs := make([]error, len(streams))
-	for s := range streams {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if errs[s] = work(s); errs[s] == nil {
-				errs[s] = ends[s].Record(streams[s])
-			}
-		}()
-	}
-	wg.Wait()
-	for _, e := range errs {
-		if e != nil {
-			return 0, nil, e
-		}
-	}
-	var all float64
-	each := make([]float64, len(streams))
-	for s := range streams {
-		if err := ends[s].Synchronize(); err != nil {
-			return 0, nil, err
-		}
-		d, err := ends[s].Elapsed(start)
-		if err != nil {
-			return 0, nil, err
-		}
-		all = max(all, d.Seconds())
-		own, err := ends[s].Elapsed(begins[s])
-		if err != nil {
-			return 0, nil, err
-		}
-		each[s] = max(own.Seconds(), float64(time.Nanosecond)/1e9)
-	}
-	return all, each, nil
-}
-
-func randVec(r *rand.Rand, n int) []float32 {
-	x := make([]float32, n)
-	for i := range x {
-		x[i] = float32(r.NormFloat64())
-	}
-	return x
-}
-
-func median(x []float64) float64 {
-	y := slices.Clone(x)
-	slices.Sort(y)
-	if len(y) == 0 {
-		return math.NaN()
-	}
-	return y[len(y)/2]
-}
-
 // checkGemm compares 64 sampled entries of every stream's last-written C sets
 // with float64 dot products of the host operands (as stored on the device).
 func checkGemm(r *rand.Rand, o gemmOpts, t gpuctx.DType, data [][]gemmSet) (float64, int, error) {
@@ -398,11 +277,11 @@ func checkGemm(r *rand.Rand, o gemmOpts, t gpuctx.DType, data [][]gemmSet) (floa
 				i, j := r.IntN(o.m), r.IntN(o.n)
 				var want, scale float64
 				for p := range o.k {
-					x := decode(g.hostA, i*o.k+p, t) * decode(g.hB, p*o.n+j, t)
+					x := benchkit.Decode(g.hostA, i*o.k+p, t) * benchkit.Decode(g.hB, p*o.n+j, t)
 					want += x
 					scale += math.Abs(x)
 				}
-				got := decode(hc, i*o.n+j, t)
+				got := benchkit.Decode(hc, i*o.n+j, t)
 				// Error relative to the sum of |terms| (the dot product's condition).
 				e := math.Abs(got-want) / max(scale, 1e-30)
 				if math.IsNaN(got) {

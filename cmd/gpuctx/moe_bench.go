@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -16,8 +18,10 @@ import (
 
 	"github.com/schollz/progressbar/v3"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/internal/benchkit"
 	"github.com/gpuctx/gpuctx/internal/sysmem"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
@@ -56,6 +60,7 @@ type moeBenchOpts struct {
 	fullSize      bool
 	smallBatch    int
 	noGraphs      bool
+	peer, python  string // --peer script, --peer-python
 }
 
 // benchShape is the layer shape a bench ran.
@@ -84,31 +89,40 @@ type benchRow struct {
 	Bound          string             `json:"bound"` // "bytes" or "compute"
 	Best           string             `json:"best_mode"`
 	PctOfFloor     float64            `json:"pct_of_floor"` // 100*floor/best
+
+	// With --peer: the peer's median per mode, its best mode, and
+	// peer best / gpuctx best (>1: gpuctx faster). Absent without a peer
+	// result for this token count.
+	PeerUS        map[string]float64 `json:"peer_us,omitempty"`
+	PeerBestUS    *float64           `json:"peer_best_us,omitempty"`
+	PeerBestMode  string             `json:"peer_best_mode,omitempty"`
+	SpeedupVsPeer *float64           `json:"speedup_vs_peer,omitempty"`
 }
 
 // moeBenchReport is what moe bench prints with --json.
 type moeBenchReport struct {
-	Backend    string     `json:"backend"`
-	Device     string     `json:"device"`
-	DType      string     `json:"dtype"`
-	Date       string     `json:"date"`
-	Commit     string     `json:"commit"`
-	Command    string     `json:"command"`
-	Preset     string     `json:"preset,omitempty"`
-	Model      string     `json:"model,omitempty"`
-	Layer      *int       `json:"layer,omitempty"`
-	ScaledDown bool       `json:"scaled_down"`
-	Seed       uint64     `json:"seed"`
-	Shape      benchShape `json:"shape"`
-	Modes      []string   `json:"modes"`
-	Iters      int        `json:"iters"`
-	Warmup     int        `json:"warmup"`
-	CopyBytes  int        `json:"copy_bytes"`
-	CopyBW     float64    `json:"copy_bytes_per_s"` // read + written
-	GemmN      int        `json:"gemm_n"`
-	GemmRate   float64    `json:"gemm_flop_per_s"`
-	Notes      []string   `json:"notes"`
-	Rows       []benchRow `json:"rows"`
+	Backend    string      `json:"backend"`
+	Device     string      `json:"device"`
+	DType      string      `json:"dtype"`
+	Date       string      `json:"date"`
+	Commit     string      `json:"commit"`
+	Command    string      `json:"command"`
+	Preset     string      `json:"preset,omitempty"`
+	Model      string      `json:"model,omitempty"`
+	Layer      *int        `json:"layer,omitempty"`
+	ScaledDown bool        `json:"scaled_down"`
+	Seed       uint64      `json:"seed"`
+	Shape      benchShape  `json:"shape"`
+	Modes      []string    `json:"modes"`
+	Iters      int         `json:"iters"`
+	Warmup     int         `json:"warmup"`
+	CopyBytes  int         `json:"copy_bytes"`
+	CopyBW     float64     `json:"copy_bytes_per_s"` // read + written
+	GemmN      int         `json:"gemm_n"`
+	GemmRate   float64     `json:"gemm_flop_per_s"`
+	Notes      []string    `json:"notes"`
+	Rows       []benchRow  `json:"rows"`
+	Peer       *peerReport `json:"peer,omitempty"` // with --peer
 }
 
 func newMoeBenchCmd(a *app) *cobra.Command {
@@ -133,10 +147,21 @@ min(shared alone, routed alone): 1 means the shared expert hid completely.
 
 On the CPU backend the presets are scaled down (H=256, E=16, I=64; tokens
 1,8,64; fewer iterations) so that the run takes seconds; --full-size keeps the
-real shape. CPU times say nothing about a GPU.`,
+real shape. CPU times say nothing about a GPU, so there the table leaves out
+the overlap and "% of floor" columns (--json keeps them).
+
+--peer bench/peers/triton_fused_moe.py runs the peer, vLLM's Triton fused MoE
+rebuilt standalone (torch + triton, CUDA only), after gpuctx's measurements in
+the same invocation: same preset, token counts, iterations and warm-up. Its
+stderr and progress lines stream to stderr; the table gains "peer µs" (the best
+of its modes: eager, graph single, graph dual, graph tuned; named) and
+"vs peer" = peer best / gpuctx best (>1: gpuctx faster), and a last line gives
+the range over token counts. If the peer fails, the table is printed without
+it and the exit status is 1.`,
 		Example: `  gpuctx moe bench
   gpuctx moe bench --preset qwen1.5-moe --tokens 1,64,1024 --plot moe.png --out moe.md
-  gpuctx moe bench --model ./DeepSeek-V2-Lite --layer 1 --mode single,dual,auto --json`,
+  gpuctx moe bench --model ./DeepSeek-V2-Lite --layer 1 --mode single,dual,auto --json
+  gpuctx moe bench --preset qwen1.5-moe --peer bench/peers/triton_fused_moe.py --out moe.md`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return a.runMoeBench(cmd, o) },
 	}
@@ -154,6 +179,8 @@ real shape. CPU times say nothing about a GPU.`,
 	f.StringVar(&o.out, "out", "", "write the markdown header and table to this file (for bench/RESULTS.md)")
 	f.BoolVar(&o.fullSize, "full-size", false, "on the CPU backend, keep the preset's real shape (slow)")
 	f.BoolVar(&o.noGraphs, "no-graphs", false, "run every forward eagerly (by default small batches replay a captured graph)")
+	f.StringVar(&o.peer, "peer", "", "after gpuctx's runs, time this peer script with the same preset and tokens (e.g. "+peerDefaultScript+"; CUDA only)")
+	f.StringVar(&o.python, "peer-python", "python3", "the Python interpreter that runs --peer")
 	f.IntVar(&o.smallBatch, "small-batch", 0, fmt.Sprintf("batches of at most this many tokens use the small-batch expert kernels (no host wait); 0: the default (%d), -1: never", moe.DefaultSmallBatchTokens))
 	return cmd
 }
@@ -285,28 +312,40 @@ func commit() string {
 	return "unknown (built with -buildvcs=false, outside a git checkout)"
 }
 
-// commandLine rebuilds the invocation from the flags that were set.
+// commandLine rebuilds the invocation from every flag the user set (the flag
+// set's own record, so a new flag is never left out), in the order given, with
+// $GPUCTX_BACKEND in front when it chose the backend.
 func commandLine(cmd *cobra.Command) string {
 	parts := []string{cmd.CommandPath()}
-	if v := os.Getenv(gpuctx.BackendEnv); v != "" && !cmd.Flags().Changed("backend") {
-		parts = append([]string{gpuctx.BackendEnv + "=" + v}, parts...)
+	fs := cmd.Flags()
+	if v := os.Getenv(gpuctx.BackendEnv); v != "" && !fs.Changed("backend") {
+		parts = append([]string{gpuctx.BackendEnv + "=" + shellQuote(v)}, parts...)
 	}
-	for _, name := range []string{"backend", "preset", "model", "layer", "tokens", "mode", "dtype", "iters", "warmup", "seed", "full-size", "plot", "out", "json"} {
-		f := cmd.Flags().Lookup(name)
-		if f == nil || !f.Changed {
-			continue
+	sorted := fs.SortFlags
+	fs.SortFlags = false // Visit then walks the flags in the order they were set
+	defer func() { fs.SortFlags = sorted }()
+	fs.Visit(func(f *pflag.Flag) {
+		switch {
+		case f.Value.Type() == "bool" && f.Value.String() == "true":
+			parts = append(parts, "--"+f.Name)
+		case f.Value.Type() == "bool":
+			parts = append(parts, "--"+f.Name+"=false")
+		default:
+			parts = append(parts, "--"+f.Name+" "+shellQuote(f.Value.String()))
 		}
-		if f.Value.Type() == "bool" {
-			if f.Value.String() == "true" {
-				parts = append(parts, "--"+f.Name)
-			} else {
-				parts = append(parts, "--"+f.Name+"=false")
-			}
-		} else {
-			parts = append(parts, "--"+f.Name+" "+f.Value.String())
-		}
-	}
+	})
 	return strings.Join(parts, " ")
+}
+
+// shellQuote returns s as one shell word: unchanged when it needs no quoting,
+// else in single quotes.
+func shellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune(",._-+/:=@%^", r))
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // stderrIsTerminal reports whether w is a character device (a terminal).
@@ -319,157 +358,17 @@ func stderrIsTerminal(w io.Writer) bool {
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
 
-// eventTimer times work queued on one stream with a pair of timing events.
-type eventTimer struct {
-	s          *gpuctx.Stream
-	start, end *gpuctx.Event
-}
-
-func newEventTimer(dev *gpuctx.Device, s *gpuctx.Stream) (*eventTimer, error) {
-	st, err := dev.NewEvent(true)
-	if err != nil {
-		return nil, err
+// benchErr turns a benchkit failure into the CLI's (same message and advice).
+func benchErr(err error) error {
+	var be *benchkit.Error
+	if errors.As(err, &be) {
+		return fail(be.What, be.Fix, be.Err)
 	}
-	en, err := dev.NewEvent(true)
-	if err != nil {
-		st.Close()
-		return nil, err
-	}
-	return &eventTimer{s: s, start: st, end: en}, nil
-}
-
-func (t *eventTimer) close() { t.start.Close(); t.end.Close() }
-
-// median runs work warmup times untimed, then iters times between two events on
-// t.s, and returns the median device time in seconds.
-func (t *eventTimer) median(warmup, iters int, work func() error) (float64, error) {
-	for range warmup {
-		if err := work(); err != nil {
-			return 0, err
-		}
-	}
-	if err := t.s.Synchronize(); err != nil {
-		return 0, err
-	}
-	times := make([]float64, 0, iters)
-	for range iters {
-		if err := t.start.Record(t.s); err != nil {
-			return 0, err
-		}
-		if err := work(); err != nil {
-			return 0, err
-		}
-		if err := t.end.Record(t.s); err != nil {
-			return 0, err
-		}
-		if err := t.end.Synchronize(); err != nil {
-			return 0, err
-		}
-		d, err := t.end.Elapsed(t.start)
-		if err != nil {
-			return 0, err
-		}
-		times = append(times, max(d.Seconds(), 1e-9))
-	}
-	return median(times), nil
-}
-
-// measureCopy returns the device-to-device copy bandwidth in bytes (read +
-// written) per second for an n-byte copy on a new stream.
-func measureCopy(dev *gpuctx.Device, n, iters int) (float64, error) {
-	s, err := dev.NewStream(gpuctx.StreamOptions{})
-	if err != nil {
-		return 0, err
-	}
-	defer s.Close()
-	src, err := dev.Alloc(n)
-	if err != nil {
-		return 0, fail(fmt.Sprintf("allocating %d MiB for the copy ceiling", n>>20), "free device memory", err)
-	}
-	defer src.Free()
-	dst, err := dev.Alloc(n)
-	if err != nil {
-		return 0, fail(fmt.Sprintf("allocating %d MiB for the copy ceiling", n>>20), "free device memory", err)
-	}
-	defer dst.Free()
-	if err := s.Memset(src, 0x5a); err != nil {
-		return 0, err
-	}
-	t, err := newEventTimer(dev, s)
-	if err != nil {
-		return 0, err
-	}
-	defer t.close()
-	sec, err := t.median(2, iters, func() error { return s.CopyDtoD(dst, 0, src, 0, n) })
-	if err != nil {
-		return 0, fail("timing the device-to-device copy", "", err)
-	}
-	return 2 * float64(n) / sec, nil
-}
-
-// measureGemm returns the rate in FLOP/s of an n³ GEMM in dt (output in dt, f32
-// compute; bf16 through the TensorOp flavour, f32 through Default, as the layer
-// uses them) through a Context on a new stream, perRound GEMMs per timed round.
-func measureGemm(dev *gpuctx.Device, n int, dt gpuctx.DType, perRound, iters int) (float64, error) {
-	s, err := dev.NewStream(gpuctx.StreamOptions{})
-	if err != nil {
-		return 0, err
-	}
-	defer s.Close()
-	ctx, err := dev.NewContext(gpuctx.ContextOptions{Stream: s})
-	if err != nil {
-		return 0, err
-	}
-	defer ctx.Close()
-	bytes := n * n * dt.Size()
-	// Random operands: a block of 2^19 random values tiled over the matrix.
-	r := rand.New(rand.NewPCG(7, uint64(n)))
-	block := encode(randVec(r, min(n*n, 1<<19)), dt)
-	host := make([]byte, bytes)
-	for off := 0; off < bytes; off += len(block) {
-		copy(host[off:], block)
-	}
-	var bufs [3]*gpuctx.Buffer
-	for i := range bufs {
-		if bufs[i], err = dev.Alloc(bytes); err != nil {
-			return 0, fail(fmt.Sprintf("allocating %d MiB for the GEMM ceiling", bytes>>20), "free device memory", err)
-		}
-		defer bufs[i].Free()
-		if i < 2 {
-			if err := bufs[i].CopyFromHost(host); err != nil {
-				return 0, err
-			}
-		}
-	}
-	g := gpuctx.Gemm{M: n, N: n, K: n, Alpha: 1, A: bufs[0], B: bufs[1], C: bufs[2], AB: dt, CType: dt}
-	flavour := gpuctx.Default
-	if dt == gpuctx.BF16 {
-		flavour = gpuctx.TensorOp
-	}
-	t, err := newEventTimer(dev, s)
-	if err != nil {
-		return 0, err
-	}
-	defer t.close()
-	sec, err := t.median(1, iters, func() error {
-		for range perRound {
-			if err := ctx.BlasFlavour(flavour, func(h gpuctx.Blas) error { return h.Gemm(g) }); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		return 0, fail(fmt.Sprintf("timing the %s GEMM ceiling", dt), fmt.Sprintf("check 'gpuctx gemm --dtype %s'", dt), err)
-	}
-	return 2 * float64(n) * float64(n) * float64(n) * float64(perRound) / sec, nil
+	return err
 }
 
 // batchFLOPs is the arithmetic of one forward of T tokens.
-func batchFLOPs(c *moe.Config, T int) float64 {
-	t, H, E, K, I, S := float64(T), float64(c.HiddenSize), float64(c.NumExperts), float64(c.TopK), float64(c.Intermediate), float64(c.SharedIntermediate)
-	return 2*t*H*E + 2*t*K*3*H*I + 2*t*3*H*S
-}
+func batchFLOPs(c *moe.Config, T int) float64 { return benchkit.BatchFLOPs(c, T) }
 
 func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 	changed := cmd.Flags().Changed
@@ -501,13 +400,92 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 			return fail(fmt.Sprintf("--preset %q is not a preset", o.preset), "use one of "+strings.Join(moe.PresetNames(), ", "), nil)
 		}
 	}
-	rt, dev, err := a.openDevice()
+	var peerPreset string
+	if o.peer != "" {
+		if o.model != "" {
+			return fail("--peer with --model", "the peer runs presets only (random weights of a known shape): pass --preset, or drop --peer", nil)
+		}
+		var ok bool
+		if peerPreset, ok = peerPresets[o.preset]; !ok {
+			return fail(fmt.Sprintf("--peer: the peer has no preset for %s", o.preset), "use one of "+strings.Join(slices.Sorted(maps.Keys(peerPresets)), ", "), nil)
+		}
+		if st, err := os.Stat(o.peer); err != nil || st.IsDir() {
+			return fail(fmt.Sprintf("--peer %s: no such script", o.peer), "pass the peer's path, e.g. --peer "+peerDefaultScript+" from the repository root", err)
+		}
+	} else if changed("peer-python") {
+		return fail("--peer-python without --peer", "pass --peer "+peerDefaultScript+", or drop --peer-python", nil)
+	}
+	rep, err := a.measureMoeBench(cmd, o, cfg, dt, modes)
 	if err != nil {
 		return err
 	}
+
+	// The peer runs after gpuctx has released the device.
+	var peerErr error
+	if o.peer != "" {
+		args := peerArgs(o.peer, peerPreset, rep.tokens(), rep.Iters, rep.Warmup)
+		rep.Peer = &peerReport{Name: peerName, Script: o.peer, Python: o.python, Preset: peerPreset,
+			Command: o.python + " " + strings.Join(args, " ")}
+		fmt.Fprintf(a.errOut, "moe bench: running the peer: %s\n", rep.Peer.Command)
+		debug.FreeOSMemory() // the host copy of the weights is garbage now
+		rows, err := runPeer(cmd.Context(), o.python, args, rep.tokens(), a.errOut)
+		rep.applyPeer(rows)
+		rep.Peer.OK = err == nil
+		if err != nil {
+			rep.Peer.Error = oneLine(err.Error())
+			peerErr = fail(fmt.Sprintf("the peer (%s) failed", o.peer), "gpuctx's own results are above; the peer needs CUDA, torch and triton ("+o.python+")", err)
+		}
+	}
+
+	md := rep.markdown()
+	if o.out != "" {
+		if err := safetensors.WriteFileAtomic(o.out, []byte(md)); err != nil {
+			return fail(fmt.Sprintf("writing --out %s", o.out), "check that the directory exists and is writable", err)
+		}
+	}
+	if o.plot != "" {
+		if err := rep.writePlot(o.plot); err != nil {
+			return fail(fmt.Sprintf("writing --plot %s", o.plot), "check that the directory exists and is writable", err)
+		}
+	}
+	if a.json {
+		if err := a.jsonOut(rep); err != nil {
+			return err
+		}
+		if rep.Peer != nil {
+			fmt.Fprintln(a.errOut, rep.peerSummary())
+		}
+		return peerErr
+	}
+	if _, err = io.WriteString(a.out, md); err != nil {
+		return err
+	}
+	return peerErr
+}
+
+// tokens returns the token counts of the rows.
+func (r *moeBenchReport) tokens() []int {
+	ts := make([]int, len(r.Rows))
+	for i, row := range r.Rows {
+		ts[i] = row.Tokens
+	}
+	return ts
+}
+
+// measureMoeBench opens the device, measures the ceilings and every token
+// count, and closes the device again.
+func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Config, dt gpuctx.DType, modes []moe.Mode) (*moeBenchReport, error) {
+	changed := cmd.Flags().Changed
+	rt, dev, err := a.openDevice()
+	if err != nil {
+		return nil, err
+	}
 	defer rt.Close()
 	cpu := dev.Backend() == "cpu"
-	rep := moeBenchReport{Backend: dev.Backend(), Device: dev.Info().Name, DType: dt.String(),
+	if o.peer != "" && cpu && !allowPeerOnCPU {
+		return nil, fail("--peer on the CPU backend", "the peer ("+peerName+") needs CUDA: run on a GPU machine, or drop --peer", nil)
+	}
+	rep := &moeBenchReport{Backend: dev.Backend(), Device: dev.Info().Name, DType: dt.String(),
 		Date: time.Now().UTC().Format("2006-01-02 15:04 UTC"), Commit: commit(), Command: commandLine(cmd),
 		Seed: o.seed, Iters: o.iters, Warmup: o.warmup, Notes: []string{}}
 	if cpu {
@@ -523,17 +501,17 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 	}
 	tokens, err := parseTokens(o.tokens)
 	if err != nil {
-		return err
+		return nil, err
 	}
 
 	var w *moe.Weights
 	if o.model != "" {
 		var layer int
 		if cfg, layer, err = resolveModel(o.model, o.layer); err != nil {
-			return err
+			return nil, err
 		}
 		if w, err = loadLayerWeights(o.model, cfg, layer); err != nil {
-			return err
+			return nil, err
 		}
 		rep.Model, rep.Layer = o.model, &layer
 	} else {
@@ -541,7 +519,7 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 		if cpu && !o.fullSize {
 			full := *cfg
 			if cfg, err = scaleDown(cfg); err != nil {
-				return err
+				return nil, err
 			}
 			rep.ScaledDown = true
 			rep.Notes = append(rep.Notes, fmt.Sprintf("CPU backend: preset %s scaled down from H=%d, E=%d, I=%d, shared=%d to H=%d, E=%d, I=%d, shared=%d (top-%d) so that the run takes seconds; --full-size keeps the real shape. CPU times say nothing about a GPU.",
@@ -550,13 +528,13 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 		}
 		note, err := checkMemory(dev, cfg, dt, o.preset)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if note != "" {
 			rep.Notes = append(rep.Notes, note)
 		}
 		if w, err = moe.RandomWeights(cfg, o.seed); err != nil {
-			return fail("generating random weights", "", err)
+			return nil, fail("generating random weights", "", err)
 		}
 	}
 	rep.Shape = benchShape{Family: string(cfg.Family), Hidden: cfg.HiddenSize, Experts: cfg.NumExperts, TopK: cfg.TopK,
@@ -586,37 +564,33 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 	if cpu {
 		rep.CopyBytes, rep.GemmN, gemmPerRound = copyBytesCPU, gemmNCPU, 1
 	}
-	if rep.CopyBW, err = measureCopy(dev, rep.CopyBytes, max(rep.Iters, 5)); err != nil {
-		return err
+	if rep.CopyBW, err = benchkit.CopyBandwidth(dev, rep.CopyBytes, max(rep.Iters, 5)); err != nil {
+		return nil, benchErr(err)
 	}
 	step("copy ceiling")
-	if rep.GemmRate, err = measureGemm(dev, rep.GemmN, dt, gemmPerRound, min(max(rep.Iters, 3), 10)); err != nil {
-		return err
+	if rep.GemmRate, err = benchkit.GemmRate(dev, rep.GemmN, dt, gemmPerRound, min(max(rep.Iters, 3), 10)); err != nil {
+		return nil, benchErr(err)
 	}
 	step("GEMM ceiling")
 
 	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch, NoGraphs: o.noGraphs})
 	if err != nil {
-		return fail("building the MoE layer on the device", "try fewer experts (another preset) or --dtype bf16", err)
+		return nil, fail("building the MoE layer on the device", "try fewer experts (another preset) or --dtype bf16", err)
 	}
 	defer l.Close()
-	timer, err := newEventTimer(dev, l.MainStream())
+	timer, err := benchkit.NewTimer(dev, l.MainStream())
 	if err != nil {
-		return fail("creating timing events", "", err)
+		return nil, fail("creating timing events", "", err)
 	}
-	defer timer.close()
+	defer timer.Close()
 
 	for _, T := range tokens {
 		row, err := a.benchTokens(l, dev, timer, cfg, dt, modes, T, o.seed, rep.Iters, rep.Warmup, step)
 		if err != nil {
-			return err
+			return nil, err
 		}
-		row.BytesFloorUS = float64(row.WeightBytes) / rep.CopyBW * 1e6
-		row.ComputeFloorUS = row.FLOPs / rep.GemmRate * 1e6
-		row.FloorUS, row.Bound = row.BytesFloorUS, "bytes"
-		if row.ComputeFloorUS > row.BytesFloorUS {
-			row.FloorUS, row.Bound = row.ComputeFloorUS, "compute"
-		}
+		f := benchkit.NewFloor(row.WeightBytes, row.FLOPs, rep.CopyBW, rep.GemmRate)
+		row.BytesFloorUS, row.ComputeFloorUS, row.FloorUS, row.Bound = f.BytesUS, f.ComputeUS, f.US, f.Bound
 		row.PctOfFloor = 100 * row.FloorUS / row.MedianUS[row.Best]
 		rep.Rows = append(rep.Rows, row)
 	}
@@ -624,22 +598,7 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 		_ = bar.Finish()
 	}
 
-	md := rep.markdown()
-	if o.out != "" {
-		if err := safetensors.WriteFileAtomic(o.out, []byte(md)); err != nil {
-			return fail(fmt.Sprintf("writing --out %s", o.out), "check that the directory exists and is writable", err)
-		}
-	}
-	if o.plot != "" {
-		if err := rep.writePlot(o.plot); err != nil {
-			return fail(fmt.Sprintf("writing --plot %s", o.plot), "check that the directory exists and is writable", err)
-		}
-	}
-	if a.json {
-		return a.jsonOut(rep)
-	}
-	_, err = io.WriteString(a.out, md)
-	return err
+	return rep, nil
 }
 
 func boolInt(b bool) int {
@@ -650,12 +609,12 @@ func boolInt(b bool) int {
 }
 
 // benchTokens times every variant for T tokens on fresh random inputs.
-func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *eventTimer, cfg *moe.Config, dt gpuctx.DType,
+func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *benchkit.Timer, cfg *moe.Config, dt gpuctx.DType,
 	modes []moe.Mode, T int, seed uint64, iters, warmup int, step func(string)) (benchRow, error) {
 	H := cfg.HiddenSize
 	row := benchRow{Tokens: T, MedianUS: map[string]float64{}}
 	r := rand.New(rand.NewPCG(seed, uint64(T)+1000))
-	host := encode(randVec(r, T*H), dt)
+	host := benchkit.Encode(benchkit.RandVec(r, T*H), dt)
 	x, err := dev.Alloc(len(host))
 	if err != nil {
 		return row, fail(fmt.Sprintf("allocating the input for %d tokens", T), "use fewer --tokens", err)
@@ -670,7 +629,7 @@ func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *eventTimer, c
 	}
 	defer y.Free()
 	variant := func(name string, m moe.Mode, p moe.Part) (float64, error) {
-		sec, err := timer.median(warmup, iters, func() error { return l.ForwardDevice(x, y, T, m, p) })
+		sec, err := timer.Median(warmup, iters, func() error { return l.ForwardDevice(x, y, T, m, p) })
 		if err != nil {
 			return 0, fail(fmt.Sprintf("timing %s for %d tokens", name, T), "check 'gpuctx info'; try --backend cpu to compare", err)
 		}
@@ -751,12 +710,33 @@ func (r *moeBenchReport) markdown() string {
 	for _, n := range r.Notes {
 		fmt.Fprintf(&b, "- note: %s\n", n)
 	}
+	// On the CPU backend the "streams" of single and dual mode take turns on
+	// the same cores and the ceilings are the host's: overlap and % of floor
+	// come out as numbers that mean nothing (negative, or far above 100%).
+	cpu := r.Backend == "cpu"
+	if cpu {
+		b.WriteString("- note: CPU backend: the overlap and % of floor columns are left out: the side stream's work shares the same host cores and the ceilings are the host's, so they would be meaningless numbers (--json keeps them)\n")
+	}
+	if p := r.Peer; p != nil {
+		status := "ok"
+		if !p.OK {
+			status = "FAILED: " + p.Error
+		}
+		fmt.Fprintf(&b, "- peer: %s, run after gpuctx in the same invocation: `%s`; %s\n", p.Name, p.Command, status)
+	}
 	b.WriteString("\n")
 	head := []string{"tokens", "floor µs", "bound"}
 	for _, m := range r.Modes {
 		head = append(head, m+" µs")
 	}
-	head = append(head, "shared µs", "routed µs", "overlap", "% of floor", "weights MiB", "GFLOP")
+	head = append(head, "shared µs", "routed µs")
+	if !cpu {
+		head = append(head, "overlap", "% of floor")
+	}
+	head = append(head, "weights MiB", "GFLOP")
+	if r.Peer != nil {
+		head = append(head, "peer µs (best mode)", "vs peer")
+	}
 	rows := [][]string{head}
 	for _, row := range r.Rows {
 		line := []string{strconv.Itoa(row.Tokens), fmtUS(row.FloorUS), row.Bound}
@@ -774,13 +754,34 @@ func (r *moeBenchReport) markdown() string {
 		if row.Overlap != nil {
 			ov = fmt.Sprintf("%.2f", *row.Overlap)
 		}
-		line = append(line, sh, fmtUS(row.RoutedUS), ov, fmt.Sprintf("%.1f%%", row.PctOfFloor),
-			fmt.Sprintf("%.1f", float64(row.WeightBytes)/(1<<20)), fmt.Sprintf("%.3g", row.FLOPs/1e9))
+		line = append(line, sh, fmtUS(row.RoutedUS))
+		if !cpu {
+			line = append(line, ov, fmt.Sprintf("%.1f%%", row.PctOfFloor))
+		}
+		line = append(line, fmt.Sprintf("%.1f", float64(row.WeightBytes)/(1<<20)), fmt.Sprintf("%.3g", row.FLOPs/1e9))
+		if r.Peer != nil {
+			pu, sp := "-", "-"
+			if row.PeerBestUS != nil {
+				pu = fmtUS(*row.PeerBestUS) + " (" + row.PeerBestMode + ")"
+			}
+			if row.SpeedupVsPeer != nil {
+				sp = fmtSpeedup(*row.SpeedupVsPeer)
+			}
+			line = append(line, pu, sp)
+		}
 		rows = append(rows, line)
 	}
 	writeTable(&b, rows)
-	b.WriteString("\nfloor = max(weight bytes touched / copy bandwidth, FLOPs / GEMM rate); % of floor = floor / best mode (*); " +
-		"overlap = (single - dual) / min(shared, routed), 1 = the shared expert fully hidden.\n")
+	if cpu {
+		b.WriteString("\nfloor = max(weight bytes touched / copy bandwidth, FLOPs / GEMM rate); * = best mode.\n")
+	} else {
+		b.WriteString("\nfloor = max(weight bytes touched / copy bandwidth, FLOPs / GEMM rate); % of floor = floor / best mode (*); " +
+			"overlap = (single - dual) / min(shared, routed), 1 = the shared expert fully hidden.\n")
+	}
+	if r.Peer != nil {
+		b.WriteString("peer µs = the peer's fastest mode (median); vs peer = peer best / gpuctx best (*), >1 = gpuctx faster.\n")
+		b.WriteString(r.peerSummary() + "\n")
+	}
 	return b.String()
 }
 

@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/internal/benchkit"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
@@ -193,10 +194,15 @@ func TestMoeBenchCPU(t *testing.T) {
 		t.Fatalf("exit code %d, stderr %q", code, stderr)
 	}
 	for _, w := range []string{"scaled down", "backend cpu", "gpuctx moe bench --tokens 1,4 --iters 2 --warmup 0",
-		"| tokens |", "single µs", "dual µs", "shared µs", "routed µs", "% of floor", "\n| 1 ", "\n| 4 "} {
+		"| tokens |", "single µs", "dual µs", "shared µs", "routed µs", "\n| 1 ", "\n| 4 ",
+		"the overlap and % of floor columns are left out"} {
 		if !strings.Contains(stdout, w) {
 			t.Errorf("output lacks %q:\n%s", w, stdout)
 		}
+	}
+	// CPU times give meaningless overlap and % of floor: not in the table
+	if strings.Contains(stdout, "| overlap") || strings.Contains(stdout, "| % of floor") {
+		t.Errorf("the CPU table has the overlap or %% of floor column:\n%s", stdout)
 	}
 	if strings.Contains(stdout, "\n| 8 ") {
 		t.Errorf("output has a row for 8 tokens, which --tokens did not ask for:\n%s", stdout)
@@ -341,5 +347,93 @@ func TestMoeBenchModel(t *testing.T) {
 	if rep.Model != fixture || rep.Layer == nil || *rep.Layer != 1 || rep.ScaledDown || rep.Shape.Hidden != 64 ||
 		rep.DType != "f32" || len(rep.Rows) != 1 || rep.Rows[0].Tokens != 2 || rep.Rows[0].MedianUS["dual"] <= 0 {
 		t.Errorf("report does not describe the run: %+v", rep)
+	}
+}
+
+func TestMoeBenchCommandLine(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	code, stdout, stderr := execute(t, "moe", "bench", "--tokens", "1", "--iters", "1", "--warmup", "0", "--small-batch", "-1", "--no-graphs",
+		"--mode", "single", "--seed", "3", "--json")
+	if code != 0 {
+		t.Fatalf("exit code %d, stderr %q", code, stderr)
+	}
+	var rep moeBenchReport
+	if err := json.Unmarshal([]byte(stdout), &rep); err != nil {
+		t.Fatal(err)
+	}
+	want := "GPUCTX_BACKEND=cpu gpuctx moe bench --tokens 1 --iters 1 --warmup 0 --small-batch -1 --no-graphs --mode single --seed 3 --json"
+	if rep.Command != want {
+		t.Errorf("command\n %q, want\n %q", rep.Command, want)
+	}
+	if got := shellQuote("a b'c"); got != `'a b'\''c'` {
+		t.Errorf("shellQuote: %s", got)
+	}
+}
+
+func TestMoeBenchPlotOneToken(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	png := filepath.Join(t.TempDir(), "one.png")
+	// one token count: a single point per line on a log axis (panicked before)
+	code, _, stderr := execute(t, "moe", "bench", "--tokens", "1", "--iters", "1", "--warmup", "0", "--plot", png)
+	if code != 0 {
+		t.Fatalf("exit code %d, stderr %q", code, stderr)
+	}
+	if b, err := os.ReadFile(png); err != nil || !bytes.HasPrefix(b, []byte("\x89PNG\r\n\x1a\n")) {
+		t.Errorf("--plot did not write a PNG (err %v)", err)
+	}
+}
+
+func TestPlotRangesAndTicks(t *testing.T) {
+	lo, hi, ok := logRange([]float64{8, 0, 8, math.NaN()}, plotPadX)
+	if !ok || !(lo < 8 && hi > 8 && lo > 0) {
+		t.Errorf("one value: range [%v, %v] %v, want a padded positive range", lo, hi, ok)
+	}
+	if _, _, ok := logRange([]float64{0, -1}, 2); ok {
+		t.Error("no positive value gave a range")
+	}
+	lo, hi, _ = logRange([]float64{1, 64, 4096}, plotPadX)
+	var labels []string
+	for _, tk := range tokenTicks([]int{1, 64, 4096}).Ticks(lo, hi) {
+		labels = append(labels, tk.Label)
+	}
+	if strings.Join(labels, ",") != "1,64,4096" {
+		t.Errorf("token ticks %v, want the token counts run", labels)
+	}
+	for _, r := range [][2]float64{{30, 40}, {3, 50000}, {0.5, 2}} {
+		n := 0
+		for _, tk := range latencyTicks(r[0], r[1]) {
+			if tk.Label != "" {
+				n++
+			}
+			if tk.Value < r[0] || tk.Value > r[1] {
+				t.Errorf("range %v: tick %v outside", r, tk.Value)
+			}
+		}
+		if n < 2 {
+			t.Errorf("range %v: %d labelled ticks", r, n)
+		}
+	}
+	rep := &moeBenchReport{Backend: "cpu", Preset: "x"}
+	if !strings.Contains(rep.plotTitle(), "say nothing about a GPU") {
+		t.Errorf("CPU plot title %q", rep.plotTitle())
+	}
+	rep.Backend = "cuda"
+	if strings.Contains(rep.plotTitle(), "GPU") {
+		t.Errorf("CUDA plot title %q", rep.plotTitle())
+	}
+}
+
+func TestFloorModel(t *testing.T) {
+	// 1 MB at 1e12 B/s = 1 µs; 1e9 FLOP at 1e15 FLOP/s = 1 µs
+	f := benchkit.NewFloor(2e6, 1e9, 1e12, 1e15)
+	if f.BytesUS != 2 || f.ComputeUS != 1 || f.US != 2 || f.Bound != "bytes" {
+		t.Errorf("bytes-bound floor %+v", f)
+	}
+	f = benchkit.NewFloor(1e6, 3e9, 1e12, 1e15)
+	if f.US != 3 || f.Bound != "compute" {
+		t.Errorf("compute-bound floor %+v", f)
+	}
+	if m := benchkit.Median([]float64{3, 1, 2, 10}); m != 3 {
+		t.Errorf("median %v, want the upper median 3", m)
 	}
 }

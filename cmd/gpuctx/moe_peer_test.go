@@ -1,0 +1,214 @@
+package main
+
+import (
+	"encoding/json"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/gpuctx/gpuctx"
+)
+
+const fakePeer = "testdata/fake_peer.sh"
+
+func TestParsePeerLine(t *testing.T) {
+	r, err := parsePeerLine([]byte(`{"tokens": 8, "preset": "qwen1.5-moe", "floor_us": 10.0, "compute_floor_us": 0.2, "eager_us": 500.5,
+		"graph_us": 60.25, "graph_dual_us": null, "graph_tuned_us": 40.0, "ok_tuned": false, "graph_old_default_us": 55.0,
+		"rel_err": 0.001, "ok": true, "seconds": 3.1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]float64{"eager": 500.5, "graph single": 60.25, "graph old default": 55}
+	if r.Tokens != 8 || !r.OK || len(r.US) != len(want) {
+		t.Fatalf("parsed %+v, want tokens 8, ok, modes %v", r, want)
+	}
+	for k, v := range want {
+		if r.US[k] != v {
+			t.Errorf("%s: %v, want %v", k, r.US[k], v)
+		}
+	}
+	if mode, us, ok := r.best(); !ok || mode != "graph old default" || us != 55 {
+		t.Errorf("best: %s %v %v", mode, us, ok)
+	}
+	for _, bad := range []string{`{"preset": "x"}`, `{"tokens": 0}`, `{"tokens": 1,`} {
+		if _, err := parsePeerLine([]byte(bad)); err == nil {
+			t.Errorf("%s parsed", bad)
+		}
+	}
+	for f, want := range map[string]string{"graph_dual_us": "graph dual", "floor_us": "", "compute_floor_us": "", "rel_err": "", "eager_us": "eager"} {
+		if got := peerModeName(f); got != want {
+			t.Errorf("peerModeName(%s) = %q, want %q", f, got, want)
+		}
+	}
+}
+
+func TestApplyPeerRatio(t *testing.T) {
+	rep := &moeBenchReport{Peer: &peerReport{Name: peerName, Preset: "deepseek-v2-lite", OK: true}, Rows: []benchRow{
+		{Tokens: 1, MedianUS: map[string]float64{"single": 50, "dual": 40}, Best: "dual"},
+		{Tokens: 8, MedianUS: map[string]float64{"single": 100}, Best: "single"},
+		{Tokens: 64, MedianUS: map[string]float64{"single": 100}, Best: "single"},
+	}}
+	rep.applyPeer(map[int]peerRow{
+		1: {Tokens: 1, OK: true, US: map[string]float64{"graph single": 60, "graph dual": 49.2, "eager": 300}},
+		8: {Tokens: 8, OK: true, US: map[string]float64{"graph single": 81}},
+	})
+	r0, r1, r2 := rep.Rows[0], rep.Rows[1], rep.Rows[2]
+	if r0.PeerBestUS == nil || *r0.PeerBestUS != 49.2 || r0.PeerBestMode != "graph dual" || math.Abs(*r0.SpeedupVsPeer-1.23) > 1e-12 {
+		t.Errorf("row 1: %+v", r0)
+	}
+	if fmtSpeedup(*r0.SpeedupVsPeer) != "1.23x" || fmtSpeedup(*r1.SpeedupVsPeer) != "0.81x" {
+		t.Errorf("speedups %s %s", fmtSpeedup(*r0.SpeedupVsPeer), fmtSpeedup(*r1.SpeedupVsPeer))
+	}
+	if r2.PeerBestUS != nil || r2.SpeedupVsPeer != nil || r2.PeerUS != nil {
+		t.Errorf("row 64 has peer values without a peer row: %+v", r2)
+	}
+	if *rep.Peer.MinSpeedup != 0.81 || math.Abs(*rep.Peer.MaxSpeedup-1.23) > 1e-12 {
+		t.Errorf("range %v..%v", *rep.Peer.MinSpeedup, *rep.Peer.MaxSpeedup)
+	}
+	if s := rep.peerSummary(); !strings.Contains(s, "0.81x to 1.23x over 2 of 3 token counts") {
+		t.Errorf("summary %q", s)
+	}
+	md := rep.markdown()
+	for _, w := range []string{"peer µs (best mode)", "vs peer", "49.2 (graph dual)", "1.23x", "0.81x"} {
+		if !strings.Contains(md, w) {
+			t.Errorf("markdown lacks %q:\n%s", w, md)
+		}
+	}
+}
+
+func TestMoeBenchPeerFake(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	allowPeerOnCPU = true
+	defer func() { allowPeerOnCPU = false }()
+	dir := t.TempDir()
+	argsFile := filepath.Join(dir, "args")
+	t.Setenv("FAKE_PEER_ARGS", argsFile)
+	base := []string{"moe", "bench", "--tokens", "1,4", "--iters", "2", "--warmup", "0", "--peer", fakePeer, "--peer-python", fakePeer}
+
+	t.Run("ok", func(t *testing.T) {
+		t.Setenv("FAKE_PEER_MODE", "ok")
+		md, png := filepath.Join(dir, "moe.md"), filepath.Join(dir, "moe.png")
+		code, stdout, stderr := execute(t, append(base, "--out", md, "--plot", png)...)
+		if code != 0 {
+			t.Fatalf("exit %d, stderr %s", code, stderr)
+		}
+		if b, _ := os.ReadFile(argsFile); strings.TrimSpace(string(b)) != fakePeer+" --preset deepseek-v2-lite --tokens 1,4 --iters 2 --warmup 0" {
+			t.Errorf("peer args %q", b)
+		}
+		for _, w := range []string{"peer progress on stderr", "peer: env: ", "peer: PASS"} {
+			if !strings.Contains(stderr, w) {
+				t.Errorf("stderr lacks %q:\n%s", w, stderr)
+			}
+		}
+		lines := strings.Split(strings.TrimSpace(stdout), "\n")
+		for _, w := range []string{"peer µs (best mode)", "45.0 (graph tuned)", "80.0 (graph single)", "--peer " + fakePeer} {
+			if !strings.Contains(stdout, w) {
+				t.Errorf("stdout lacks %q:\n%s", w, stdout)
+			}
+		}
+		if last := lines[len(lines)-1]; !strings.HasPrefix(last, "speed vs peer (") || !strings.Contains(last, "over 2 of 2 token counts") {
+			t.Errorf("last line is not the summary: %q", last)
+		}
+		if b, err := os.ReadFile(png); err != nil || len(b) < 100 {
+			t.Errorf("no plot: %v", err)
+		}
+
+		code, stdout, stderr = execute(t, append(base, "--json")...)
+		if code != 0 {
+			t.Fatalf("--json: exit %d, stderr %s", code, stderr)
+		}
+		var rep moeBenchReport
+		dec := json.NewDecoder(strings.NewReader(stdout))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&rep); err != nil {
+			t.Fatal(err)
+		}
+		if rep.Peer == nil || !rep.Peer.OK || rep.Peer.Preset != "deepseek-v2-lite" || rep.Peer.MinSpeedup == nil {
+			t.Fatalf("peer report %+v", rep.Peer)
+		}
+		for i, want := range []struct {
+			best float64
+			mode string
+		}{{45, "graph tuned"}, {80, "graph single"}} {
+			r := rep.Rows[i]
+			if r.PeerBestUS == nil || *r.PeerBestUS != want.best || r.PeerBestMode != want.mode || r.SpeedupVsPeer == nil ||
+				math.Abs(*r.SpeedupVsPeer-want.best/r.MedianUS[r.Best]) > 1e-9 || len(r.PeerUS) < 3 {
+				t.Errorf("row %d: %+v", i, r)
+			}
+		}
+		if !strings.Contains(stderr, "speed vs peer") {
+			t.Errorf("--json: no summary on stderr:\n%s", stderr)
+		}
+	})
+
+	t.Run("check fails", func(t *testing.T) {
+		t.Setenv("FAKE_PEER_MODE", "check")
+		code, stdout, stderr := execute(t, base...)
+		if code != 1 {
+			t.Errorf("exit %d, want 1", code)
+		}
+		// gpuctx's table is printed; the row whose check failed has no peer value
+		for _, w := range []string{"| tokens ", "40.0", "FAILED"} {
+			if w == "40.0" {
+				if strings.Contains(stdout, "40.0 (graph tuned)") {
+					t.Errorf("a timing of a config that failed its check was used:\n%s", stdout)
+				}
+				continue
+			}
+			if !strings.Contains(stdout, w) {
+				t.Errorf("stdout lacks %q:\n%s", w, stdout)
+			}
+		}
+		if !strings.Contains(stdout, "50.0 (graph dual)") {
+			t.Errorf("the passing row lost its peer value:\n%s", stdout)
+		}
+		last := stderr[strings.LastIndex(strings.TrimSpace(stderr), "\n")+1:]
+		for _, w := range []string{"gpuctx: the peer", "exit status 1", "FAIL T=4"} {
+			if !strings.Contains(last, w) {
+				t.Errorf("last stderr line lacks %q: %q", w, last)
+			}
+		}
+	})
+
+	t.Run("exit", func(t *testing.T) {
+		t.Setenv("FAKE_PEER_MODE", "exit")
+		code, stdout, stderr := execute(t, base...)
+		if code != 1 || !strings.Contains(stdout, "| tokens ") || !strings.Contains(stderr, "triton does not import") {
+			t.Errorf("exit %d\nstdout %s\nstderr %s", code, stdout, stderr)
+		}
+	})
+
+	t.Run("python missing", func(t *testing.T) {
+		code, stdout, stderr := execute(t, append(base, "--peer-python", filepath.Join(dir, "no-python"))...)
+		if code != 1 || !strings.Contains(stdout, "| tokens ") || !strings.Contains(stderr, "--peer-python") {
+			t.Errorf("exit %d\nstdout %s\nstderr %s", code, stdout, stderr)
+		}
+	})
+}
+
+func TestMoeBenchPeerRefused(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	cases := []struct {
+		name string
+		args []string
+		want []string
+	}{
+		{"cpu backend", []string{"--peer", fakePeer}, []string{"--peer on the CPU backend", "needs CUDA"}},
+		{"model", []string{"--peer", fakePeer, "--model", fixture}, []string{"--peer with --model", "presets only"}},
+		{"no script", []string{"--peer", "testdata/none.py"}, []string{"--peer testdata/none.py: no such script"}},
+		{"python without peer", []string{"--peer-python", "python3.12"}, []string{"--peer-python without --peer"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			code, stdout, stderr := execute(t, append([]string{"moe", "bench", "--tokens", "1", "--iters", "1"}, c.args...)...)
+			wantOneLineFailure(t, code, stdout, stderr, c.want...)
+		})
+	}
+	saved := peerPresets["qwen3-30b-a3b"]
+	delete(peerPresets, "qwen3-30b-a3b")
+	defer func() { peerPresets["qwen3-30b-a3b"] = saved }()
+	code, stdout, stderr := execute(t, "moe", "bench", "--preset", "qwen3-30b-a3b", "--peer", fakePeer)
+	wantOneLineFailure(t, code, stdout, stderr, "the peer has no preset for qwen3-30b-a3b")
+}
