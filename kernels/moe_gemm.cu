@@ -16,14 +16,12 @@
 //   out[sorted[p], n] = bf16(acc) for real rows (out is [TK, N]).
 //
 // Every output element sums its K dimension in the same order whatever the tile
-// shape (64-wide stages in increasing k, each through the same mma sequence), so
+// shape (BK-wide stages in increasing k, each through the same mma sequence), so
 // results do not depend on the config. Kdim and N must be multiples of 8 and
 // the matrices 16-byte aligned; partial tiles are zero-filled.
 //
 // The extern "C" instances are generated from kernels.MoEGemms (moe_gemm.go)
 // and appended to this file when it is loaded.
-
-#define MG_BK 64
 
 static __device__ __forceinline__ unsigned mg_smem(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -65,14 +63,17 @@ static __device__ __forceinline__ unsigned short mg_f2bf(float f) {
 
 static __device__ __forceinline__ float mg_round(float v) { return mg_bf2f(mg_f2bf(v)); }
 
-// Element offset of 16-byte chunk ch of row r in a [rows][64] bf16 tile, with
-// the chunk index XOR-swizzled by the row so that ldmatrix's eight row
-// addresses fall in eight different bank groups.
-static __device__ __forceinline__ int mg_swz(int r, int ch) { return r * MG_BK + ((ch ^ (r & 7)) << 3); }
+// Element offset of 16-byte chunk ch of row r in a [rows][BK] bf16 tile, with
+// the low three bits of the chunk index XOR-swizzled by the row so that
+// ldmatrix's eight row addresses fall in eight different bank groups.
+template <int BK>
+static __device__ __forceinline__ int mg_swz(int r, int ch) {
+    return r * BK + ((ch ^ (r & 7)) << 3);
+}
 
 extern __shared__ __align__(128) unsigned char mg_dyn[];
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, bool UP>
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool UP>
 static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict__ A,
                                                 const unsigned short* __restrict__ B,
                                                 const int* __restrict__ sorted,
@@ -85,10 +86,12 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     constexpr int MT = WM / 16;
     constexpr int NT = WN / 8;
     constexpr int NB = UP ? 2 : 1;  // B tiles per stage: gate and up, or down
-    constexpr int A_EL = BM * MG_BK;
-    constexpr int B_EL = NB * BN * MG_BK;
+    constexpr int A_EL = BM * BK;
+    constexpr int B_EL = NB * BN * BK;
     constexpr int ST_EL = A_EL + B_EL;
+    constexpr int CH = BK / 8;  // 16-byte chunks per tile row
     static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be a multiple of 16x16");
+    static_assert(BK == 64 || BK == 128, "BK must be 64 or 128");
 
     __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
     __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
@@ -115,30 +118,30 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
 
     unsigned short* sm = (unsigned short*)mg_dyn;
     const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
-    const int KT = (Kdim + MG_BK - 1) / MG_BK;
+    const int KT = (Kdim + BK - 1) / BK;
 
     auto load = [&](int slot, int kt) {
         unsigned short* sa = sm + slot * ST_EL;
         unsigned short* sb = sa + A_EL;
-        const int k0 = kt * MG_BK;
+        const int k0 = kt * BK;
 #pragma unroll
-        for (int c = tid; c < BM * 8; c += THREADS) {
-            const int r = c >> 3, ch = c & 7;
+        for (int c = tid; c < BM * CH; c += THREADS) {
+            const int r = c / CH, ch = c % CH;
             const int k = k0 + ch * 8;
             const int src = row_src[r];
             const bool ok = src >= 0 && k < Kdim;
             const unsigned short* g = ok ? A + (long long)src * Kdim + k : A;
-            mg_cp16(mg_smem(sa + mg_swz(r, ch)), g, ok ? 16 : 0);
+            mg_cp16(mg_smem(sa + mg_swz<BK>(r, ch)), g, ok ? 16 : 0);
         }
 #pragma unroll
-        for (int c = tid; c < NB * BN * 8; c += THREADS) {
-            const int r = c >> 3, ch = c & 7;
+        for (int c = tid; c < NB * BN * CH; c += THREADS) {
+            const int r = c / CH, ch = c % CH;
             const int k = k0 + ch * 8;
             const int half = UP ? r / BN : 0;
             const int n = n0 + (UP ? r % BN : r);
             const bool ok = n < N && k < Kdim;
             const unsigned short* g = ok ? B + (b_base + (long long)half * N + n) * Kdim + k : B;
-            mg_cp16(mg_smem(sb + mg_swz(r, ch)), g, ok ? 16 : 0);
+            mg_cp16(mg_smem(sb + mg_swz<BK>(r, ch)), g, ok ? 16 : 0);
         }
     };
 
@@ -168,12 +171,12 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
         const unsigned short* sa = sm + (kt % STAGES) * ST_EL;
         const unsigned short* sb = sa + A_EL;
 #pragma unroll
-        for (int kk = 0; kk < MG_BK / 16; ++kk) {
+        for (int kk = 0; kk < BK / 16; ++kk) {
             unsigned af[MT][4];
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
                 const int r = wm * WM + i * 16 + (lane & 15);
-                mg_ldsm4(af[i], mg_smem(sa + mg_swz(r, kk * 2 + (lane >> 4))));
+                mg_ldsm4(af[i], mg_smem(sa + mg_swz<BK>(r, kk * 2 + (lane >> 4))));
             }
 #pragma unroll
             for (int q = 0; q < NB; ++q) {
@@ -181,7 +184,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
                 for (int j = 0; j < NT; j += 2) {
                     unsigned bf[4];
                     const int r = q * BN + wn * WN + j * 8 + (lane & 7) + ((lane >> 4) << 3);
-                    mg_ldsm4(bf, mg_smem(sb + mg_swz(r, kk * 2 + ((lane >> 3) & 1))));
+                    mg_ldsm4(bf, mg_smem(sb + mg_swz<BK>(r, kk * 2 + ((lane >> 3) & 1))));
 #pragma unroll
                     for (int i = 0; i < MT; ++i) {
                         mg_mma(acc[q][i][j], af[i], bf[0], bf[1]);

@@ -48,14 +48,14 @@ func tileBucket(T int) int {
 func ruleTile(T, K, E int) kernels.MoEGemm {
 	TK := T * K
 	m := (TK + min(E, TK) - 1) / min(E, TK)
-	want := kernels.MoEGemm{BM: 16, BN: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
+	want := kernels.MoEGemm{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
 	switch {
 	case m > 96:
-		want = kernels.MoEGemm{BM: 128, BN: 128, WarpsM: 2, WarpsN: 4, Stages: 3}
+		want = kernels.MoEGemm{BM: 128, BN: 128, BK: 64, WarpsM: 2, WarpsN: 4, Stages: 3}
 	case m > 32:
-		want = kernels.MoEGemm{BM: 64, BN: 64, WarpsM: 2, WarpsN: 2, Stages: 4}
+		want = kernels.MoEGemm{BM: 64, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4}
 	case m > 16:
-		want = kernels.MoEGemm{BM: 32, BN: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
+		want = kernels.MoEGemm{BM: 32, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
 	}
 	return want
 }
