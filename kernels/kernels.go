@@ -21,13 +21,15 @@
 // even. E <= 512 experts, K <= 16 per token.
 //
 //	gpuctx_moe_route    (logits, bias, topk_idx, topk_w hal.Ptr, T, E, K, scoring, method,
-//	                     groups, topk_groups, has_bias, norm int32, norm_eps, scale float32)
+//	                     groups, topk_groups, has_bias, norm int32, norm_eps, scale float32,
+//	                     ks, ns int32)
 //	    per token: scores = softmax (scoring 0) or sigmoid (1) of logits [T,E] f32;
 //	    choice = scores + bias[E] f32 if has_bias; method 1 (group_limited_greedy):
 //	    group score = max choice, method 2 (noaux_tc): sum of the top 2; keep
 //	    topk_groups groups, other choices = 0; top-K of choice (ties: lower index)
 //	    -> topk_idx [T,K] i32; weight = score (method 2) or choice, / (sum+norm_eps)
-//	    if norm, * scale -> topk_w [T,K] f32. Block (32,1,1), any grid.
+//	    if norm, * scale -> topk_w [T,K] f32. Rows have stride ks >= K+ns; slots
+//	    K..K+ns-1 get the shared experts E..E+ns-1 with weight 1. Block (32,1,1), any grid.
 //	gpuctx_moe_plan     (topk_idx, counts, offsets, pos hal.Ptr, TK, E int32)
 //	    stable counting sort of TK assignments by expert: counts [E], offsets
 //	    [E+1] (exclusive prefix), pos [TK] = row of assignment t*K+k (-1 if its

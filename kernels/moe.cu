@@ -94,12 +94,16 @@ static __device__ __forceinline__ void moe_warp_argmax(float& bv, int& bi) {
 //   top-K of choice, largest first, ties to the lower expert index;
 //   weight = scores[e] for method 2, else choice[e]; if norm, divide by
 //   (sum of the K weights + norm_eps); multiply by scale.
-// Outputs topk_idx [T,K] (int32) and topk_w [T,K] (f32).
-// Launch: block (32,1,1), any grid (blocks stride over tokens). E <= 512, K <= 16.
+// Outputs topk_idx [T,ks] (int32) and topk_w [T,ks] (f32): slots 0..K-1 of each
+// row hold the routed experts; slots K..K+ns-1 hold the shared experts E..E+ns-1
+// with weight 1 (ns = 0 without a fused shared expert; ks >= K + ns).
+// Launch: block (32,1,1), any grid (blocks stride over tokens). E <= 512, K <= 16,
+// ns <= 16.
 extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
                                             int* __restrict__ topk_idx, float* __restrict__ topk_w,
                                             int T, int E, int K, int scoring, int method, int groups,
-                                            int topk_groups, int has_bias, int norm, float norm_eps, float scale) {
+                                            int topk_groups, int has_bias, int norm, float norm_eps, float scale,
+                                            int ks, int ns) {
     __shared__ float sc[MOE_MAX_E];
     __shared__ float ch[MOE_MAX_E];
     __shared__ float gs[MOE_MAX_E];
@@ -108,6 +112,7 @@ extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, co
     __shared__ float wsel[MOE_MAX_K];
     if (threadIdx.x >= 32) return;  // one warp per block; extra threads idle
     if (E <= 0 || E > MOE_MAX_E || K <= 0 || K > MOE_MAX_K || K > E) return;
+    if (ns < 0 || ns > MOE_MAX_K || ks < K + ns) return;
     if (method != 0 && (groups <= 0 || groups > E || E % groups != 0 || topk_groups > groups)) return;
     const int lane = threadIdx.x;
     const float neg_inf = __uint_as_float(0xff800000u);
@@ -183,7 +188,7 @@ extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, co
             __syncwarp();
             if (lane == 0) {
                 taken[bi] = 1;
-                topk_idx[(long long)t * K + k] = bi;
+                topk_idx[(long long)t * ks + k] = bi;
                 wsel[k] = (method == 2) ? sc[bi] : ch[bi];
             }
             __syncwarp();
@@ -197,7 +202,11 @@ extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, co
             for (int k = 0; k < K; ++k) {
                 float v = wsel[k];
                 if (norm) v = v / s;
-                topk_w[(long long)t * K + k] = v * scale;
+                topk_w[(long long)t * ks + k] = v * scale;
+            }
+            for (int j = 0; j < ns; ++j) {
+                topk_idx[(long long)t * ks + K + j] = E + j;
+                topk_w[(long long)t * ks + K + j] = 1.0f;
             }
         }
         __syncwarp();  // the next token reuses the shared arrays

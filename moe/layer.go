@@ -27,6 +27,15 @@ const (
 	// where the side stream measurably pays off) and for batches of at least the
 	// layer's AutoThreshold tokens; Single otherwise.
 	Auto
+	// FusedShared computes the shared expert inside the fused routed kernels, as
+	// extra experts of weight 1 that every token is routed to (its width split
+	// into chunks of the routed experts' width): no shared-expert GEMMs, no side
+	// stream. It needs the fused routed path (bf16, a batch above
+	// SmallBatchTokens), a shared expert whose width is a multiple of the routed
+	// width, and no Qwen2-MoE shared-expert gate; elsewhere it runs as Dual. Its
+	// result equals Dual's to bf16 rounding (the shared expert's output is
+	// rounded per chunk), not bitwise.
+	FusedShared
 )
 
 // ParseMode parses "single", "dual" or "auto" (case-insensitive).
@@ -38,8 +47,10 @@ func ParseMode(s string) (Mode, error) {
 		return Dual, nil
 	case "auto":
 		return Auto, nil
+	case "fused":
+		return FusedShared, nil
 	}
-	return 0, fmt.Errorf("moe.ParseMode: unknown mode %q; want single, dual or auto", s)
+	return 0, fmt.Errorf("moe.ParseMode: unknown mode %q; want single, dual, auto or fused", s)
 }
 
 // String returns "single", "dual", "auto", or "Mode(n)" for an invalid value.
@@ -51,6 +62,8 @@ func (m Mode) String() string {
 		return "dual"
 	case Auto:
 		return "auto"
+	case FusedShared:
+		return "fused"
 	}
 	return fmt.Sprintf("Mode(%d)", int(m))
 }
@@ -184,25 +197,28 @@ type Layer struct {
 	kAlign      *gpuctx.Kernel
 	kCombRows   *gpuctx.Kernel
 
-	fusedOK    bool                               // bf16, H and I multiples of 8, not NoFused
-	kUp        map[kernels.MoEGemm]*gpuctx.Kernel // fused up kernels by tile
-	kDown      map[kernels.MoEGemm]*gpuctx.Kernel // fused down kernels by tile
-	forceTile  *kernels.MoEGemm                   // LayerOptions.Tile
-	autotune   bool                               // time the tiles per bucket
-	tiles      map[int]tilePair                   // chosen tiles by token bucket
-	tuneLog    []string                           // what tune chose (TileChoices)
-	evTune     [2]*gpuctx.Event                   // timing events of tune
-	capturing  bool                               // a graph capture is under way
-	countsHost *gpuctx.HostBuffer
-	weightBufs []*gpuctx.Buffer
-	router     *gpuctx.Buffer // [E,H] dt
-	bias       *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
-	gu, down   *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
-	sgu, sdown *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
-	sgate      *gpuctx.Buffer // [H] dt, or nil
-	scr        scratch
-	routedT    int  // tokens of the last forward that routed (0: none)
-	lastDual   bool // whether the last forward used the side stream (tests)
+	fusedOK     bool                               // bf16, H and I multiples of 8, not NoFused
+	ns          int                                // shared-expert chunks fused as experts E.. (0: none)
+	routedKS    int                                // topk row stride of the last routed forward
+	kUp         map[kernels.MoEGemm]*gpuctx.Kernel // fused up kernels by tile
+	kDown       map[kernels.MoEGemm]*gpuctx.Kernel // fused down kernels by tile
+	forceTile   *kernels.MoEGemm                   // LayerOptions.Tile
+	autotune    bool                               // time the tiles per bucket
+	tiles       map[tileKey]tilePair               // chosen tiles by token bucket and shared fusion
+	tuneLog     []string                           // what tune chose (TileChoices)
+	evTune      [2]*gpuctx.Event                   // timing events of tune
+	capturing   bool                               // a graph capture is under way
+	countsHost  *gpuctx.HostBuffer
+	weightBufs  []*gpuctx.Buffer
+	router      *gpuctx.Buffer // [E,H] dt
+	bias        *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
+	gu, down    *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
+	sgu, sdown  *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
+	sgate       *gpuctx.Buffer // [H] dt, or nil
+	scr         scratch
+	routedT     int  // tokens of the last forward that routed (0: none)
+	lastDual    bool // whether the last forward used the side stream (tests)
+	fusedShared bool // the current forward computes the shared expert in the fused kernels
 }
 
 // scratch holds the reusable device buffers of a forward.
@@ -240,8 +256,8 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 	if cfg.NumExperts > MaxExperts || cfg.TopK > MaxTopK {
 		return nil, fmt.Errorf("%w: %s: %d experts, top-%d: the MoE kernels support at most %d experts and top-%d", gpuctx.ErrInvalid, op, cfg.NumExperts, cfg.TopK, MaxExperts, MaxTopK)
 	}
-	if o.Mode < Single || o.Mode > Auto {
-		return nil, fmt.Errorf("%w: %s: unknown mode %v; use Single, Dual or Auto", gpuctx.ErrInvalid, op, o.Mode)
+	if o.Mode < Single || o.Mode > FusedShared {
+		return nil, fmt.Errorf("%w: %s: unknown mode %v; use Single, Dual, Auto or FusedShared", gpuctx.ErrInvalid, op, o.Mode)
 	}
 	if o.AutoThreshold < 0 {
 		return nil, fmt.Errorf("%w: %s: AutoThreshold = %d: must be >= 0 (0 means DefaultAutoThreshold)", gpuctx.ErrInvalid, op, o.AutoThreshold)
@@ -266,7 +282,7 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 		l.flav = gpuctx.TensorOp
 	}
 	l.fusedOK = l.dt == gpuctx.BF16 && !o.NoFused && cfg.HiddenSize%8 == 0 && cfg.Intermediate%8 == 0
-	l.kUp, l.kDown, l.tiles = map[kernels.MoEGemm]*gpuctx.Kernel{}, map[kernels.MoEGemm]*gpuctx.Kernel{}, map[int]tilePair{}
+	l.kUp, l.kDown, l.tiles = map[kernels.MoEGemm]*gpuctx.Kernel{}, map[kernels.MoEGemm]*gpuctx.Kernel{}, map[tileKey]tilePair{}
 	if o.Tile != "" {
 		t, err := parseTile(o.Tile)
 		if err != nil {
@@ -321,6 +337,9 @@ func (l *Layer) init(w *Weights) error {
 		}
 	}
 	E, H, I, Is := l.cfg.NumExperts, l.cfg.HiddenSize, l.cfg.Intermediate, l.cfg.SharedIntermediate
+	if l.fusedOK && w.Shared != nil && w.SharedGate == nil && Is > 0 && Is%I == 0 && Is/I <= MaxTopK {
+		l.ns = Is / I
+	}
 	if l.countsHost, err = l.dev.AllocHost(4 * E); err != nil {
 		return err
 	}
@@ -337,11 +356,26 @@ func (l *Layer) init(w *Weights) error {
 	if err := l.bias.CopyFromHost(f32Bytes(bias)); err != nil {
 		return err
 	}
-	if l.gu, err = l.alloc(E * 2 * I * H * l.es); err != nil {
+	// With a fused shared expert, gu and down hold l.ns more experts after the
+	// routed ones: chunk j of the shared expert's width as expert E+j.
+	if l.gu, err = l.alloc((E + l.ns) * 2 * I * H * l.es); err != nil {
 		return err
 	}
-	if l.down, err = l.alloc(E * H * I * l.es); err != nil {
+	if l.down, err = l.alloc((E + l.ns) * H * I * l.es); err != nil {
 		return err
+	}
+	for j := 0; j < l.ns; j++ {
+		sh := w.Shared
+		if err := l.copyInto(l.gu, (E+j)*2*I*H, sh.Gate[j*I*H:(j+1)*I*H], sh.Up[j*I*H:(j+1)*I*H]); err != nil {
+			return err
+		}
+		d := make([]float32, H*I) // columns j*I.. of the [H, Is] down projection
+		for h := 0; h < H; h++ {
+			copy(d[h*I:(h+1)*I], sh.Down[h*Is+j*I:h*Is+(j+1)*I])
+		}
+		if err := l.copyInto(l.down, (E+j)*H*I, d); err != nil {
+			return err
+		}
 	}
 	for e := range w.Experts {
 		ex := &w.Experts[e]

@@ -117,8 +117,8 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	if int64(T)*int64(K) > math.MaxInt32 || int64(T)*int64(max(H, 2*I, 2*Is, E)) > math.MaxInt32 {
 		return fmt.Errorf("%w: moe: %s: T = %d tokens is too many for 32-bit kernel arguments; split the batch", gpuctx.ErrInvalid, op, T)
 	}
-	if mode < Single || mode > Auto {
-		return fmt.Errorf("%w: moe: %s: unknown mode %v; use Single, Dual or Auto", gpuctx.ErrInvalid, op, mode)
+	if mode < Single || mode > FusedShared {
+		return fmt.Errorf("%w: moe: %s: unknown mode %v; use Single, Dual, Auto or FusedShared", gpuctx.ErrInvalid, op, mode)
 	}
 	if part < Whole || part > RoutedOnly {
 		return fmt.Errorf("%w: moe: %s: unknown part %v; use Whole, SharedOnly or RoutedOnly", gpuctx.ErrInvalid, op, part)
@@ -150,13 +150,18 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 			mode = Dual
 		}
 	}
+	fusedShared := mode == FusedShared && doRouted && doShared && l.ns > 0 && l.fused(T)
+	if mode == FusedShared && !fusedShared {
+		mode = Dual
+	}
 	dual := mode == Dual && doShared
 	l.lastDual = dual
+	l.fusedShared = fusedShared
 	if err := l.ensure(T, doRouted, doShared); err != nil {
 		return err
 	}
 	if l.useGraphs && (!doRouted || l.smallBatch(T) || l.fused(T)) {
-		return l.forwardGraph(x, y, n, T, dual, doRouted, doShared)
+		return l.forwardGraph(x, y, n, T, graphKey{T, dual, fusedShared, doRouted, doShared})
 	}
 	return l.eager(x, y, n, T, dual, doRouted, doShared)
 }
@@ -189,11 +194,13 @@ func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared b
 	}
 	if doRouted {
 		shared := sharedNone
-		if doShared {
+		switch {
+		case doShared && l.fusedShared:
+			shared = sharedFused
+		case doShared && dual:
+			shared = sharedSide
+		case doShared:
 			shared = sharedMain
-			if dual {
-				shared = sharedSide
-			}
 		}
 		if err := l.routed(xv, T, shared); err != nil {
 			return err
@@ -222,10 +229,13 @@ func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared b
 		}
 	}
 	if doRouted && l.fused(T) { // routed rows are in assignment order
-		n := T * H
+		n, ks, sep := T*H, K, doShared
+		if l.fusedShared { // the shared expert's chunks are rows K.. of each token
+			ks, sep = K+l.ns, false
+		}
 		return l.main.Launch(l.kCombRows, gpuctx.Dim3{X: max(1, min((n+255)/256, 4096)), Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
-			out, w, sout, sg, yv, int32(T), int32(K), int32(H),
-			flag(doRouted), flag(doShared), flag(doShared && l.sgate != nil), flag(l.dt == gpuctx.BF16))
+			out, w, sout, sg, yv, int32(T), int32(ks), int32(H),
+			flag(doRouted), flag(sep), flag(sep && l.sgate != nil), flag(l.dt == gpuctx.BF16))
 	}
 	return l.main.Launch(l.kCombine, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
 		out, pos, w, sout, sg, yv, int32(T), int32(K), int32(H),
@@ -234,9 +244,10 @@ func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared b
 
 // Where routed queues the shared expert.
 const (
-	sharedNone = iota
-	sharedMain // on the main stream, after the counts copy: it runs while the host waits
-	sharedSide // on the side stream, forked at the counts copy, joined by evJoin
+	sharedNone  = iota
+	sharedMain  // on the main stream, after the counts copy: it runs while the host waits
+	sharedSide  // on the side stream, forked at the counts copy, joined by evJoin
+	sharedFused // inside the fused routed kernels, as experts E.. (FusedShared)
 )
 
 // routed queues the router, routing and permutation, waits for the per-expert
@@ -278,9 +289,11 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 	one := gpuctx.Dim3{X: 1, Y: 1, Z: 1}
 	if err := l.main.Launch(l.kRoute, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0,
 		s.logits, l.bias, s.idx, s.w, int32(T), int32(E), int32(K), scoring, method,
-		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale); err != nil {
+		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,
+		int32(l.slots(shared)), int32(l.slots(shared)-K)); err != nil {
 		return err
 	}
+	l.routedKS = l.slots(shared)
 	if l.fused(T) {
 		return l.routedFused(x, T, shared)
 	}
@@ -407,7 +420,8 @@ func (l *Layer) ensure(T int, routed, shared bool) error {
 	}
 	var needs []need
 	if routed {
-		needs = append(needs, need{&s.logits, 4 * T * E}, need{&s.idx, 4 * TK}, need{&s.w, 4 * TK})
+		TKS := T * (K + l.ns) // room for the fused shared expert's slots
+		needs = append(needs, need{&s.logits, 4 * T * E}, need{&s.idx, 4 * TKS}, need{&s.w, 4 * TKS})
 		if !l.fused(T) { // the fused path sizes its own (ensureFused)
 			needs = append(needs, need{&s.counts, 4 * E}, need{&s.offsets, 4 * (E + 1)}, need{&s.pos, 4 * TK},
 				need{&s.xp, TK * H * es}, need{&s.h, TK * 2 * I * es}, need{&s.act, TK * I * es}, need{&s.out, TK * H * es})
@@ -472,20 +486,27 @@ func (l *Layer) LastRouting() (idx []int32, w []float32, err error) {
 	if err := l.main.Synchronize(); err != nil {
 		return nil, nil, err
 	}
-	TK := l.routedT * l.cfg.TopK
-	idx = make([]int32, TK)
-	w = make([]float32, TK)
+	K, KS := l.cfg.TopK, l.routedKS
+	n := l.routedT * KS // rows hold KS slots: K routed, then any fused shared ones
+	allIdx := make([]int32, n)
+	allW := make([]float32, n)
 	for _, v := range []struct {
 		b   *gpuctx.Buffer
 		dst unsafe.Pointer
-	}{{l.scr.idx, unsafe.Pointer(unsafe.SliceData(idx))}, {l.scr.w, unsafe.Pointer(unsafe.SliceData(w))}} {
-		view, err := v.b.Slice(0, 4*TK)
+	}{{l.scr.idx, unsafe.Pointer(unsafe.SliceData(allIdx))}, {l.scr.w, unsafe.Pointer(unsafe.SliceData(allW))}} {
+		view, err := v.b.Slice(0, 4*n)
 		if err != nil {
 			return nil, nil, err
 		}
-		if err := view.CopyToHost(unsafe.Slice((*byte)(v.dst), 4*TK)); err != nil {
+		if err := view.CopyToHost(unsafe.Slice((*byte)(v.dst), 4*n)); err != nil {
 			return nil, nil, err
 		}
+	}
+	idx = make([]int32, 0, l.routedT*K)
+	w = make([]float32, 0, l.routedT*K)
+	for t := 0; t < l.routedT; t++ {
+		idx = append(idx, allIdx[t*KS:t*KS+K]...)
+		w = append(w, allW[t*KS:t*KS+K]...)
 	}
 	return idx, w, nil
 }
@@ -544,8 +565,8 @@ const expertWarps = 8
 
 // graphKey identifies a captured forward: its shape and what it computes.
 type graphKey struct {
-	T                    int
-	dual, routed, shared bool
+	T                                 int
+	dual, fusedShared, routed, shared bool
 }
 
 // forwardGraph runs a forward that needs no host wait (the small-batch path, or
@@ -555,8 +576,8 @@ type graphKey struct {
 // handles, workspaces and heuristics are set up outside any capture; the second
 // captures the graph; later ones only launch it. Graphs are dropped when scratch
 // buffers grow (their pointers are baked in).
-func (l *Layer) forwardGraph(x, y *gpuctx.Buffer, n, T int, dual, doRouted, doShared bool) error {
-	key := graphKey{T, dual, doRouted, doShared}
+func (l *Layer) forwardGraph(x, y *gpuctx.Buffer, n, T int, key graphKey) error {
+	dual, doRouted, doShared := key.dual, key.routed, key.shared
 	if l.seen[key] == 0 {
 		l.seen[key]++
 		return l.eager(x, y, n, T, dual, doRouted, doShared)

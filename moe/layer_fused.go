@@ -94,8 +94,8 @@ func (l *Layer) fusedKernels(c kernels.MoEGemm) (up, down *gpuctx.Kernel, err er
 // ensureFused grows the fused path's scratch for T tokens and tile rows bm.
 func (l *Layer) ensureFused(T, bm int) error {
 	c := &l.cfg
-	TK := T * c.TopK
-	cp := alignCap(TK, c.NumExperts, bm)
+	TK := T * l.routedKS
+	cp := alignCap(TK, l.experts(), bm)
 	s := &l.scr
 	synced := false
 	for _, nd := range []struct {
@@ -111,17 +111,17 @@ func (l *Layer) ensureFused(T, bm int) error {
 
 // launchAlign queues gpuctx_moe_align for T tokens with tile rows bm.
 func (l *Layer) launchAlign(T, bm int) error {
-	c, s := &l.cfg, &l.scr
-	TK := T * c.TopK
+	s := &l.scr
+	TK, E := T*l.routedKS, l.experts()
 	return l.main.Launch(l.kAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
-		s.idx, s.sorted, s.bexp, s.npost, int32(TK), int32(c.NumExperts), int32(bm), int32(alignCap(TK, c.NumExperts, bm)))
+		s.idx, s.sorted, s.bexp, s.npost, int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)))
 }
 
 // launchExperts queues the up and down kernels of tiles tp on the main stream
 // (gpuctx_moe_align with tp's BM must have run).
 func (l *Layer) launchExperts(x *gpuctx.Buffer, T int, tp tilePair) error {
 	c, s := &l.cfg, &l.scr
-	H, I, K, E := c.HiddenSize, c.Intermediate, c.TopK, c.NumExperts
+	H, I, K, E := c.HiddenSize, c.Intermediate, l.routedKS, l.experts()
 	TK := T * K
 	cp := alignCap(TK, E, tp.up.BM)
 	kUp, _, err := l.fusedKernels(tp.up)
@@ -150,12 +150,11 @@ func (l *Layer) tilesFor(x *gpuctx.Buffer, T int) (tilePair, error) {
 	if l.forceTile != nil {
 		return tilePair{*l.forceTile, *l.forceTile}, nil
 	}
-	b := tileBucket(T)
+	b := tileKey{tileBucket(T), l.fusedShared}
 	if tp, ok := l.tiles[b]; ok {
 		return tp, nil
 	}
-	c := &l.cfg
-	tp := tilePair{ruleTile(T, c.TopK, c.NumExperts), ruleTile(T, c.TopK, c.NumExperts)}
+	tp := tilePair{ruleTile(T, l.routedKS, l.experts()), ruleTile(T, l.routedKS, l.experts())}
 	if l.autotune && !l.capturing {
 		var err error
 		if tp, err = l.tune(x, T); err != nil {
@@ -171,7 +170,7 @@ func (l *Layer) tilesFor(x *gpuctx.Buffer, T int) (tilePair, error) {
 // fastest down of the fastest BM. It runs on the main stream and waits for it.
 func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 	c := &l.cfg
-	H, I, K, E := c.HiddenSize, c.Intermediate, c.TopK, c.NumExperts
+	H, I, K, E := c.HiddenSize, c.Intermediate, l.routedKS, l.experts()
 	TK := T * K
 	start, stop := l.evTune[0], l.evTune[1]
 	timeIt := func(launch func() error) (time.Duration, error) {
@@ -261,8 +260,8 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 			bestPair = tilePair{up.c, down.c}
 		}
 	}
-	l.tuneLog = append(l.tuneLog, fmt.Sprintf("T=%d (bucket %d): up %s, down %s, %.1f us (up+down us: %s)",
-		T, tileBucket(T), bestPair.up.Tag(), bestPair.down.Tag(), us(bestSum), strings.Join(timed, ", ")))
+	l.tuneLog = append(l.tuneLog, fmt.Sprintf("T=%d (bucket %d, fused shared %v): up %s, down %s, %.1f us (up+down us: %s)",
+		T, tileBucket(T), l.fusedShared, bestPair.up.Tag(), bestPair.down.Tag(), us(bestSum), strings.Join(timed, ", ")))
 	return bestPair, nil
 }
 
@@ -274,6 +273,31 @@ func (l *Layer) TileChoices() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return slices.Clone(l.tuneLog)
+}
+
+// slots returns the topk row stride of a routed forward: K, plus the fused
+// shared expert's chunks in FusedShared mode.
+func (l *Layer) slots(shared int) int {
+	if shared == sharedFused {
+		return l.cfg.TopK + l.ns
+	}
+	return l.cfg.TopK
+}
+
+// experts returns the experts the fused kernels see: the routed ones, plus
+// the fused shared expert's chunks in FusedShared mode.
+func (l *Layer) experts() int {
+	if l.fusedShared {
+		return l.cfg.NumExperts + l.ns
+	}
+	return l.cfg.NumExperts
+}
+
+// tileKey is what a tile choice depends on: the token bucket and whether the
+// shared expert rides along.
+type tileKey struct {
+	bucket      int
+	fusedShared bool
 }
 
 // routedFused queues the fused routed path on the main stream after the router

@@ -7,6 +7,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -775,6 +776,77 @@ func TestLayerFusedTiles(t *testing.T) {
 					checkClose(t, fmt.Sprintf("T=%d tile %s vs reference", T, tile.Tag()), l.decode(deviceRun(t, l, x, T, Dual, Whole)), refY, nil, 2e-2)
 				}
 			})
+		}
+	}
+}
+
+// TestLayerFusedShared checks FusedShared mode: where the shared expert can be
+// fused (bf16, its width a multiple of the routed width, no shared gate) the
+// forward matches the reference and Dual to bf16 rounding, keeps the routing,
+// replays bitwise, and really skips the side stream; elsewhere (f32, a shared
+// gate, the small-batch path) it is Dual, bit for bit.
+func TestLayerFusedShared(t *testing.T) {
+	presets := scaledPresets()
+	for _, b := range layerBackends(t) {
+		for _, name := range []string{"deepseek-v2-lite", "deepseek-v3", "qwen1.5-moe"} {
+			cfg := presets[name]
+			w, err := RandomWeights(cfg, 17)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, dt := range layerDTypes {
+				t.Run(b.name+"/"+name+"/"+dt.String(), func(t *testing.T) {
+					l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, SmallBatchTokens: 2})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer l.Close()
+					fusable := dt == gpuctx.BF16 && w.SharedGate == nil
+					if got := l.ns > 0; got != fusable {
+						t.Fatalf("shared expert fused = %v, want %v", got, fusable)
+					}
+					for _, T := range []int{1, 3, 40, 300} {
+						x := randomX(T, cfg.HiddenSize, uint64(T)+50)
+						dual := deviceRun(t, l, x, T, Dual, Whole)
+						dualIdx, _, err := l.LastRouting()
+						if err != nil {
+							t.Fatal(err)
+						}
+						fused := deviceRun(t, l, x, T, FusedShared, Whole)
+						if l.fusedShared != (fusable && T > 2) || l.lastDual == l.fusedShared {
+							t.Fatalf("T=%d: fused shared %v, side stream %v", T, l.fusedShared, l.lastDual)
+						}
+						idx, _, err := l.LastRouting()
+						if err != nil {
+							t.Fatal(err)
+						}
+						if !slices.Equal(idx, dualIdx) {
+							t.Errorf("T=%d: FusedShared routed differently from Dual", T)
+						}
+						for run := 0; run < 2; run++ { // graph capture, then replay
+							if again := deviceRun(t, l, x, T, FusedShared, Whole); !bytes.Equal(again, fused) {
+								t.Fatalf("T=%d run %d: FusedShared is not reproducible", T, run)
+							}
+						}
+						if !l.fusedShared {
+							if !bytes.Equal(fused, dual) {
+								t.Errorf("T=%d: FusedShared fell back but differs from Dual", T)
+							}
+							continue
+						}
+						checkClose(t, fmt.Sprintf("T=%d FusedShared vs Dual", T), l.decode(fused), l.decode(dual), nil, 2e-2)
+						ref, err := Reference(cfg, roundWeights(w), roundAll(x), T)
+						if err != nil {
+							t.Fatal(err)
+						}
+						checkClose(t, fmt.Sprintf("T=%d FusedShared vs reference", T), l.decode(fused), ref, nil, 2e-2)
+						routed := l.decode(deviceRun(t, l, x, T, FusedShared, RoutedOnly))
+						if rel := relErr(routed, l.decode(fused)); !(rel > 1e-2) {
+							t.Errorf("T=%d: routed alone equals FusedShared whole (%.3g): the shared expert is missing", T, rel)
+						}
+					}
+				})
+			}
 		}
 	}
 }

@@ -15,8 +15,9 @@ import (
 
 // Limits shared with kernels/moe.cu.
 const (
-	moeMaxE = 512
-	moeMaxK = 16
+	moeMaxE      = 512
+	moeMaxK      = 16
+	moeMaxShared = 16 // shared-expert slots gpuctx_moe_route may append
 )
 
 // moeBetter reports whether (v, i) beats (bv, bi): a larger value, or an equal
@@ -66,9 +67,10 @@ func actView(d *device, what string, p hal.Ptr, n int64, bf16 int32) (actSlice, 
 func init() {
 	// gpuctx_moe_route(const float* logits, const float* bias, int* topk_idx,
 	// float* topk_w, int T, int E, int K, int scoring, int method, int groups,
-	// int topk_groups, int has_bias, int norm, float norm_eps, float scale).
+	// int topk_groups, int has_bias, int norm, float norm_eps, float scale,
+	// int ks, int ns).
 	registerKernel("gpuctx_moe_route", []argKind{argPtr, argPtr, argPtr, argPtr,
-		argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argF32, argF32}, moeRoute)
+		argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argF32, argF32, argI32, argI32}, moeRoute)
 
 	// gpuctx_moe_plan(const int* topk_idx, int* counts, int* offsets, int* pos, int TK, int E).
 	registerKernel("gpuctx_moe_plan", []argKind{argPtr, argPtr, argPtr, argPtr, argI32, argI32}, moePlan)
@@ -91,8 +93,12 @@ func moeRoute(d *device, a []any) error {
 	scoring, method, groups, topkGroups := a[7].(int32), a[8].(int32), int(a[9].(int32)), int(a[10].(int32))
 	hasBias, norm := a[11].(int32) != 0, a[12].(int32) != 0
 	normEps, scale := a[13].(float32), a[14].(float32)
+	ks, ns := int(a[15].(int32)), int(a[16].(int32))
 	if T < 0 || E <= 0 || E > moeMaxE || K <= 0 || K > moeMaxK || K > E {
 		return fmt.Errorf("route: T=%d E=%d K=%d: want T >= 0, 0 < E <= %d, 0 < K <= min(E, %d)", T, E, K, moeMaxE, moeMaxK)
+	}
+	if ns < 0 || ns > moeMaxShared || ks < K+ns {
+		return fmt.Errorf("route: ks=%d ns=%d: want 0 <= ns <= %d and ks >= K+ns = %d", ks, ns, moeMaxShared, K+ns)
 	}
 	if method < 0 || method > 2 || scoring < 0 || scoring > 1 {
 		return fmt.Errorf("scoring %d (want 0 softmax, 1 sigmoid), method %d (want 0 greedy, 1 group max, 2 group top-2 sum)", scoring, method)
@@ -110,11 +116,11 @@ func moeRoute(d *device, a []any) error {
 			return err
 		}
 	}
-	idx, err := deviceSlice[int32](d, "topk_idx", a[2].(hal.Ptr), int64(T)*int64(K))
+	idx, err := deviceSlice[int32](d, "topk_idx", a[2].(hal.Ptr), int64(T)*int64(ks))
 	if err != nil {
 		return err
 	}
-	wt, err := deviceSlice[float32](d, "topk_w", a[3].(hal.Ptr), int64(T)*int64(K))
+	wt, err := deviceSlice[float32](d, "topk_w", a[3].(hal.Ptr), int64(T)*int64(ks))
 	if err != nil {
 		return err
 	}
@@ -200,7 +206,7 @@ func moeRoute(d *device, a []any) error {
 				bi = 0
 			}
 			taken[bi] = true
-			idx[t*K+k] = int32(bi)
+			idx[t*ks+k] = int32(bi)
 			if method == 2 {
 				wsel[k] = sc[bi]
 			} else {
@@ -218,7 +224,10 @@ func moeRoute(d *device, a []any) error {
 			if norm {
 				v /= s
 			}
-			wt[t*K+k] = v * scale
+			wt[t*ks+k] = v * scale
+		}
+		for j := 0; j < ns; j++ { // shared experts: ids E.., weight 1
+			idx[t*ks+K+j], wt[t*ks+K+j] = int32(E+j), 1
 		}
 	}
 	return nil

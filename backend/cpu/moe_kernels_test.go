@@ -106,7 +106,7 @@ func TestMoERoute(t *testing.T) {
 			ip, wp := alloc(t, d, 4*2*K), alloc(t, d, 4*2*K)
 			a := tc.a
 			if err := launchSync(t, d, "gpuctx_moe_route", lp, bp, ip, wp, int32(2), int32(E), int32(K),
-				a.scoring, a.method, a.groups, a.topkGroups, a.hasBias, a.norm, tc.eps, tc.scale); err != nil {
+				a.scoring, a.method, a.groups, a.topkGroups, a.hasBias, a.norm, tc.eps, tc.scale, int32(K), int32(0)); err != nil {
 				t.Fatal(err)
 			}
 			idx := fromBytes[int32](download(t, d, ip, 4*2*K))
@@ -265,11 +265,13 @@ func TestMoEKernelErrors(t *testing.T) {
 		want         string
 	}{
 		{"too many experts", "gpuctx_moe_route", []any{buf, buf, buf, buf, int32(1), int32(600), int32(2), int32(0), int32(0),
-			int32(1), int32(1), int32(0), int32(0), float32(0), float32(1)}, "E=600"},
+			int32(1), int32(1), int32(0), int32(0), float32(0), float32(1), int32(2), int32(0)}, "E=600"},
 		{"groups do not divide", "gpuctx_moe_route", []any{buf, buf, buf, buf, int32(1), int32(8), int32(2), int32(0), int32(1),
-			int32(3), int32(1), int32(0), int32(0), float32(0), float32(1)}, "groups=3"},
+			int32(3), int32(1), int32(0), int32(0), float32(0), float32(1), int32(2), int32(0)}, "groups=3"},
 		{"logits outside the buffer", "gpuctx_moe_route", []any{buf, buf, buf, buf, int32(100), int32(64), int32(2), int32(0), int32(0),
-			int32(1), int32(1), int32(0), int32(0), float32(0), float32(1)}, "logits"},
+			int32(1), int32(1), int32(0), int32(0), float32(0), float32(1), int32(2), int32(0)}, "logits"},
+		{"shared slots do not fit", "gpuctx_moe_route", []any{buf, buf, buf, buf, int32(1), int32(8), int32(2), int32(0), int32(0),
+			int32(1), int32(1), int32(0), int32(0), float32(0), float32(1), int32(3), int32(2)}, "ks=3"},
 		{"plan without experts", "gpuctx_moe_plan", []any{buf, buf, buf, buf, int32(4), int32(0)}, "E=0"},
 		{"gather bad element size", "gpuctx_moe_gather", []any{buf, buf, buf, int32(1), int32(1), int32(1), int32(3)}, "elem_bytes=3"},
 	}
