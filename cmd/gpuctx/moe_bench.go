@@ -60,6 +60,8 @@ type moeBenchOpts struct {
 	fullSize      bool
 	smallBatch    int
 	noGraphs      bool
+	noFused       bool
+	tile          string
 	peer, python  string // --peer script, --peer-python
 }
 
@@ -170,7 +172,7 @@ it and the exit status is 1.`,
 	f.StringVar(&o.model, "model", "", "checkpoint directory (config.json, model.safetensors) instead of a preset")
 	f.IntVar(&o.layer, "layer", -1, "with --model: the decoder layer (default: the first MoE layer)")
 	f.StringVar(&o.tokens, "tokens", benchTokens, "comma-separated token counts (CPU backend default: "+cpuBenchTokens+")")
-	f.StringVar(&o.modes, "mode", "single,dual", "comma-separated stream modes to time: single, dual, auto")
+	f.StringVar(&o.modes, "mode", "single,dual", "comma-separated modes to time: single, dual, auto, fused (the shared expert inside the fused kernels)")
 	f.StringVar(&o.dtype, "dtype", "bf16", "layer compute type: bf16 or f32")
 	f.IntVar(&o.iters, "iters", benchIters, fmt.Sprintf("timed forwards per measurement; the median is reported (CPU backend default: %d)", cpuBenchIters))
 	f.IntVar(&o.warmup, "warmup", benchWarmup, fmt.Sprintf("untimed forwards first (CPU backend default: %d)", cpuBenchWarmup))
@@ -178,6 +180,8 @@ it and the exit status is 1.`,
 	f.StringVar(&o.plot, "plot", "", "write a log-log PNG of latency vs tokens to this file")
 	f.StringVar(&o.out, "out", "", "write the markdown header and table to this file (for bench/RESULTS.md)")
 	f.BoolVar(&o.fullSize, "full-size", false, "on the CPU backend, keep the preset's real shape (slow)")
+	f.BoolVar(&o.noFused, "no-fused", false, "bf16: run the routed experts as grouped GEMMs with host-side sizes instead of the fused kernels")
+	f.StringVar(&o.tile, "tile", "", "force one tile of the fused expert GEMMs (e.g. m16n64k64w1x4s6) instead of tuning per token bucket")
 	f.BoolVar(&o.noGraphs, "no-graphs", false, "run every forward eagerly (by default small batches replay a captured graph)")
 	f.StringVar(&o.peer, "peer", "", "after gpuctx's runs, time this peer script with the same preset and tokens (e.g. "+peerDefaultScript+"; CUDA only)")
 	f.StringVar(&o.python, "peer-python", "python3", "the Python interpreter that runs --peer")
@@ -573,7 +577,7 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 	}
 	step("GEMM ceiling")
 
-	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch, NoGraphs: o.noGraphs})
+	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch, NoGraphs: o.noGraphs, NoFused: o.noFused, Tile: o.tile})
 	if err != nil {
 		return nil, fail("building the MoE layer on the device", "try fewer experts (another preset) or --dtype bf16", err)
 	}
@@ -597,7 +601,9 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 	if bar != nil {
 		_ = bar.Finish()
 	}
-
+	for _, line := range l.TileChoices() {
+		rep.Notes = append(rep.Notes, "fused tiles: "+line)
+	}
 	return rep, nil
 }
 
