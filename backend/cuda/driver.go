@@ -213,8 +213,7 @@ const (
 	attrL2CacheSize       = 38  // CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE
 	attrComputeCapability = 75  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR (minor is 76)
 
-	funcAttrMaxDynamicShared = 8        // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-	defaultDynamicShared     = 48 << 10 // dynamic shared memory a launch gets without opting in
+	funcAttrMaxDynamicShared = 8 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 )
 
 // driverSpec says where libcuda comes from. The driver is installed with the

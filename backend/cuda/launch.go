@@ -140,7 +140,10 @@ func (s *stream) launch(k *kernel, grid, block hal.Dim3, sharedMem int, args []a
 		params = unsafe.Pointer(&pb.ptrs[0])
 	}
 	err = s.do("Launch", func() error {
-		if sharedMem > defaultDynamicShared && int32(sharedMem) > k.dynShared.Load() {
+		// Opt in before the first launch that asks for dynamic shared memory:
+		// static plus dynamic beyond 48 KiB needs it, and the static part is
+		// not known here.
+		if sharedMem > 0 && int32(sharedMem) > k.dynShared.Load() {
 			if err := k.raiseDynShared(int32(sharedMem)); err != nil {
 				return err
 			}
@@ -155,8 +158,8 @@ func (s *stream) launch(k *kernel, grid, block hal.Dim3, sharedMem int, args []a
 	return nil
 }
 
-// raiseDynShared opts k in to n bytes of dynamic shared memory (more than the
-// default 48 KiB needs it). Call inside Do.
+// raiseDynShared opts k in to n bytes of dynamic shared memory (a block whose
+// static and dynamic shared memory exceed 48 KiB needs it). Call inside Do.
 func (k *kernel) raiseDynShared(n int32) error {
 	k.dynSharedMu.Lock()
 	defer k.dynSharedMu.Unlock()
