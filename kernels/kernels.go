@@ -63,7 +63,8 @@
 //	    of each row, TK for padding and for every row from npost to cap;
 //	    block_expert [cap/BM] = expert of each block, -1 from npost/BM on;
 //	    npost [1] = padded row count. E <= 512, cap a multiple of BM and at
-//	    least npost; size it roundup(TK + min(E,TK)*(BM-1), BM).
+//	    least npost; size it roundup(TK + min(E,TK)*(BM-1), BM). Grid (1,1,1),
+//	    block (512,1,1).
 //	gpuctx_moe_combine_rows (out, w, shared, gate, y hal.Ptr, T, K, H, has_routed,
 //	                     has_shared, has_gate, bf16 int32)
 //	    gpuctx_moe_combine with pos[t,k] = t*K+k: y[t,:] = sum_k w[t,k]*out[t*K+k,:]

@@ -535,39 +535,49 @@ extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, 
 // TK. block_expert [cap/BM]: e for the blocks of e's segment, -1 past npost.
 // npost [1]: the padded total. The caller sizes cap = roundup(TK + min(E, TK)
 // * (BM - 1), BM); a cap too small leaves npost = -1 and writes nothing else.
-// Launch: grid (1,1,1), block (256,1,1). E <= 512.
-extern "C" __global__ void gpuctx_moe_align(const int* __restrict__ topk_idx, int* __restrict__ sorted,
-                                            int* __restrict__ block_expert, int* __restrict__ npost, int TK, int E,
-                                            int BM, int cap) {
-    __shared__ int cnt[MOE_PLAN_WARPS][MOE_MAX_E];
+// Launch: grid (1,1,1), block (512,1,1). E <= 512.
+#define MOE_ALIGN_WARPS 16
+#define MOE_ALIGN_UNROLL 8  // assignments per lane loaded before they are counted
+
+extern "C" __global__ void __launch_bounds__(32 * MOE_ALIGN_WARPS)
+    gpuctx_moe_align(const int* __restrict__ topk_idx, int* __restrict__ sorted, int* __restrict__ block_expert,
+                     int* __restrict__ npost, int TK, int E, int BM, int cap) {
+    __shared__ int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
     __shared__ int seg[MOE_MAX_E + 1];
-    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_PLAN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 ||
+    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 ||
         cap % BM != 0) {
         return;
     }
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    for (int i = tid; i < MOE_PLAN_WARPS * MOE_MAX_E; i += blockDim.x) cnt[i / MOE_MAX_E][i % MOE_MAX_E] = 0;
+    for (int i = tid; i < MOE_ALIGN_WARPS * MOE_MAX_E; i += blockDim.x) cnt[i / MOE_MAX_E][i % MOE_MAX_E] = 0;
     __syncthreads();
-    const int per = (TK + MOE_PLAN_WARPS - 1) / MOE_PLAN_WARPS;
+    // Each warp owns one contiguous segment of the assignments and walks it in
+    // chunks of 32 * MOE_ALIGN_UNROLL: all loads of a chunk are in flight at
+    // once, then each group of 32 is counted with __match_any_sync.
+    const int per = (TK + MOE_ALIGN_WARPS - 1) / MOE_ALIGN_WARPS;
     const int s0 = warp * per;
     const int s1 = moe_imin(TK, s0 + per);
-    for (int base = s0; base < s1; base += 32) {
-        const int a = base + lane;
-        int e = -1;
-        if (a < s1) {
-            e = topk_idx[a];
-            if (e < 0 || e >= E) e = -1;
+    for (int base = s0; base < s1; base += 32 * MOE_ALIGN_UNROLL) {
+        int ev[MOE_ALIGN_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MOE_ALIGN_UNROLL; ++u) {
+            const int a = base + u * 32 + lane;
+            ev[u] = a < s1 ? topk_idx[a] : -1;
         }
-        const unsigned m = __match_any_sync(MOE_FULL, e);
-        if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
-        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < MOE_ALIGN_UNROLL; ++u) {
+            const int e = (ev[u] >= 0 && ev[u] < E) ? ev[u] : -1;
+            const unsigned m = __match_any_sync(MOE_FULL, e);
+            if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
+            __syncwarp();
+        }
     }
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
         int run = 0;
-        for (int w = 0; w < MOE_PLAN_WARPS; ++w) {
+        for (int w = 0; w < MOE_ALIGN_WARPS; ++w) {
             const int c = cnt[w][e];
             cnt[w][e] = run;
             run += c;
@@ -603,7 +613,7 @@ extern "C" __global__ void gpuctx_moe_align(const int* __restrict__ topk_idx, in
     for (int p = tid; p < cap; p += blockDim.x) sorted[p] = TK;
     for (int b = tid; b < cap / BM; b += blockDim.x) block_expert[b] = -1;
     for (int e = tid; e < E; e += blockDim.x) {
-        for (int w = 0; w < MOE_PLAN_WARPS; ++w) cnt[w][e] += seg[e];
+        for (int w = 0; w < MOE_ALIGN_WARPS; ++w) cnt[w][e] += seg[e];
     }
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
@@ -611,18 +621,23 @@ extern "C" __global__ void gpuctx_moe_align(const int* __restrict__ topk_idx, in
     }
     if (tid == 0) npost[0] = total;
     const unsigned lower = (1u << lane) - 1u;
-    for (int base = s0; base < s1; base += 32) {
-        const int a = base + lane;
-        int e = -1;
-        if (a < s1) {
-            e = topk_idx[a];
-            if (e < 0 || e >= E) e = -1;
+    for (int base = s0; base < s1; base += 32 * MOE_ALIGN_UNROLL) {
+        int ev[MOE_ALIGN_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MOE_ALIGN_UNROLL; ++u) {
+            const int a = base + u * 32 + lane;
+            ev[u] = a < s1 ? topk_idx[a] : -1;
         }
-        const unsigned m = __match_any_sync(MOE_FULL, e);
-        if (e >= 0) sorted[cnt[warp][e] + __popc(m & lower)] = a;
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
-        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < MOE_ALIGN_UNROLL; ++u) {
+            const int a = base + u * 32 + lane;
+            const int e = (ev[u] >= 0 && ev[u] < E) ? ev[u] : -1;
+            const unsigned m = __match_any_sync(MOE_FULL, e);
+            if (e >= 0) sorted[cnt[warp][e] + __popc(m & lower)] = a;
+            __syncwarp();
+            if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
+            __syncwarp();
+        }
     }
 }
 

@@ -120,28 +120,50 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
     const int KT = (Kdim + BK - 1) / BK;
 
-    auto load = [&](int slot, int kt) {
-        unsigned short* sa = sm + slot * ST_EL;
-        unsigned short* sb = sa + A_EL;
-        const int k0 = kt * BK;
+    // Each thread copies the same chunk column (kch) of fixed tile rows at every
+    // stage: their source pointers and shared-memory offsets are computed once,
+    // so a stage costs one predicate and one cp.async per chunk.
+    constexpr int A_PER = BM * CH / THREADS;
+    constexpr int B_PER = NB * BN * CH / THREADS;
+    static_assert(A_PER >= 1 && (BM * CH) % THREADS == 0, "A tile chunks must split evenly over the threads");
+    static_assert(B_PER >= 1 && (NB * BN * CH) % THREADS == 0, "B tile chunks must split evenly over the threads");
+    const int kch = (tid % CH) * 8;
+    // Element offsets (32-bit: the layer keeps T*H and one expert's weights
+    // under 2^31 elements) from A and from this expert's B; -1: a zero row.
+    int ga[A_PER];
+    unsigned oa[A_PER];
 #pragma unroll
-        for (int c = tid; c < BM * CH; c += THREADS) {
-            const int r = c / CH, ch = c % CH;
-            const int k = k0 + ch * 8;
-            const int src = row_src[r];
-            const bool ok = src >= 0 && k < Kdim;
-            const unsigned short* g = ok ? A + (long long)src * Kdim + k : A;
-            mg_cp16(mg_smem(sa + mg_swz<BK>(r, ch)), g, ok ? 16 : 0);
+    for (int i = 0; i < A_PER; ++i) {
+        const int c = tid + i * THREADS, r = c / CH;
+        const int src = row_src[r];
+        ga[i] = src >= 0 ? src * Kdim + kch : -1;
+        oa[i] = 2u * (unsigned)mg_swz<BK>(r, c % CH);
+    }
+    const unsigned short* Be = B + b_base * Kdim;
+    int gb[B_PER];
+    unsigned ob[B_PER];
+#pragma unroll
+    for (int i = 0; i < B_PER; ++i) {
+        const int c = tid + i * THREADS, r = c / CH;
+        const int half = UP ? r / BN : 0;
+        const int n = n0 + (UP ? r % BN : r);
+        gb[i] = n < N ? (half * N + n) * Kdim + kch : -1;
+        ob[i] = 2u * (unsigned)(A_EL + mg_swz<BK>(r, c % CH));
+    }
+    const unsigned sbase = mg_smem(sm);
+    auto load = [&](int slot, int kt) {
+        const unsigned st = sbase + 2u * (unsigned)(slot * ST_EL);
+        const int k0 = kt * BK;
+        const bool kok = k0 + kch < Kdim;
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i) {
+            const bool ok = kok && ga[i] >= 0;
+            mg_cp16(st + oa[i], A + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
         }
 #pragma unroll
-        for (int c = tid; c < NB * BN * CH; c += THREADS) {
-            const int r = c / CH, ch = c % CH;
-            const int k = k0 + ch * 8;
-            const int half = UP ? r / BN : 0;
-            const int n = n0 + (UP ? r % BN : r);
-            const bool ok = n < N && k < Kdim;
-            const unsigned short* g = ok ? B + (b_base + (long long)half * N + n) * Kdim + k : B;
-            mg_cp16(mg_smem(sb + mg_swz<BK>(r, ch)), g, ok ? 16 : 0);
+        for (int i = 0; i < B_PER; ++i) {
+            const bool ok = kok && gb[i] >= 0;
+            mg_cp16(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
         }
     };
 

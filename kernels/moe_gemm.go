@@ -59,10 +59,12 @@ func (c MoEGemm) SmemBytes(up bool) int {
 // Package moe picks one per batch size; the CPU backend registers the same
 // names with one Go body (the tile shape changes no result).
 var MoEGemms = []MoEGemm{
+	{BM: 16, BN: 32, BK: 64, WarpsM: 1, WarpsN: 2, Stages: 8},
 	{BM: 16, BN: 32, BK: 128, WarpsM: 1, WarpsN: 2, Stages: 4},
 	{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},
 	{BM: 16, BN: 64, BK: 128, WarpsM: 1, WarpsN: 4, Stages: 4},
 	{BM: 16, BN: 128, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 4},
+	{BM: 16, BN: 128, BK: 64, WarpsM: 1, WarpsN: 8, Stages: 4},
 	{BM: 32, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},
 	{BM: 64, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4},
 	{BM: 64, BN: 128, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4},

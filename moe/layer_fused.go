@@ -109,11 +109,14 @@ func (l *Layer) ensureFused(T, bm int) error {
 	return nil
 }
 
+// alignThreads is the block size gpuctx_moe_align needs (MOE_ALIGN_WARPS).
+const alignThreads = 512
+
 // launchAlign queues gpuctx_moe_align for T tokens with tile rows bm.
 func (l *Layer) launchAlign(T, bm int) error {
 	s := &l.scr
 	TK, E := T*l.routedKS, l.experts()
-	return l.main.Launch(l.kAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
+	return l.main.Launch(l.kAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
 		s.idx, s.sorted, s.bexp, s.npost, int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)))
 }
 
