@@ -539,9 +539,9 @@ extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, 
 #define MOE_ALIGN_WARPS 16
 #define MOE_ALIGN_UNROLL 8  // assignments per lane loaded before they are counted
 
-extern "C" __global__ void __launch_bounds__(32 * MOE_ALIGN_WARPS)
-    gpuctx_moe_align(const int* __restrict__ topk_idx, int* __restrict__ sorted, int* __restrict__ block_expert,
-                     int* __restrict__ npost, int TK, int E, int BM, int cap) {
+extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_align(
+    const int* __restrict__ topk_idx, int* __restrict__ sorted, int* __restrict__ block_expert, int* __restrict__ npost,
+    int TK, int E, int BM, int cap) {
     __shared__ int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
     __shared__ int seg[MOE_MAX_E + 1];
     if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 ||
