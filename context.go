@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -326,13 +327,13 @@ func (w *workspace) free(d *Device) error {
 
 // blasState is a device's BLAS pools and per-stream workspaces.
 type blasState struct {
-	dev      *Device
-	mu       sync.Mutex
-	cond     *sync.Cond
-	pools    [numFlavours + 1]atomic.Pointer[[]*slot] // index numFlavours: cuBLASLt; copy-on-write
-	creating [numFlavours + 1]atomic.Int32            // handles being created (changed under mu)
+	dev *Device
+	mu  sync.Mutex // guards the workspace maps and closed
+	// pools[u][f]: handles of flavour f (numFlavours: cuBLASLt); u == 1 holds the
+	// UnsafeSharedWorkspace handles, which never serve a safe Context.
+	pools    [2][numFlavours + 1]pool
 	maxSlots atomic.Int32
-	waiters  atomic.Int64 // goroutines waiting in cond
+	done     chan struct{} // closed at device Close: wakes every waiter
 	wsSize   int
 	ws       map[*Stream]*workspace // one workspace per stream: never shared by two streams
 	ltWS     map[*Stream]*workspace // grow-only cuBLASLt workspace per stream
@@ -342,10 +343,15 @@ type blasState struct {
 
 func (bs *blasState) init(d *Device) {
 	bs.dev = d
-	bs.cond = sync.NewCond(&bs.mu)
+	bs.done = make(chan struct{})
 	bs.ws = map[*Stream]*workspace{}
 	bs.ltWS = map[*Stream]*workspace{}
 	bs.maxSlots.Store(int32(envInt(MaxHandlesEnv, DefaultMaxHandles)))
+	for u := range bs.pools {
+		for f := range bs.pools[u] {
+			bs.pools[u][f].avail.Store(int64(bs.maxSlots.Load()))
+		}
+	}
 	bs.wsSize = WorkspaceDefault
 	if d.info.ComputeMajor >= 9 {
 		bs.wsSize = WorkspaceHopper
@@ -367,12 +373,12 @@ func (d *Device) SetBlasHandleLimit(n int) error {
 	if n < 1 {
 		return fmt.Errorf("%w: gpuctx: Device.SetBlasHandleLimit(%d): the limit must be >= 1", ErrInvalid, n)
 	}
-	d.blas.mu.Lock()
-	d.blas.maxSlots.Store(int32(min(n, 1<<20)))
-	d.blas.cond.Broadcast()
-	d.blas.mu.Unlock()
+	d.blas.setLimit(min(n, maxHandlesLimit))
 	return nil
 }
+
+// maxHandlesLimit is the largest accepted per-flavour pool limit.
+const maxHandlesLimit = 1 << 20
 
 // WorkspaceBytes is the size of each stream's BLAS workspace on d.
 func (d *Device) WorkspaceBytes() int { return d.blas.wsSize }
@@ -440,11 +446,21 @@ func (bs *blasState) streamClosed(s *Stream) error {
 
 func (bs *blasState) close() error {
 	bs.mu.Lock()
+	if bs.closed {
+		bs.mu.Unlock()
+		return nil
+	}
 	bs.closed = true
+	close(bs.done) // first: no slot is added to a pool after this (see acquire)
 	var slots []*slot
-	for f := range bs.pools {
-		slots = append(slots, bs.slots(Flavour(f))...)
-		bs.pools[f].Store(nil)
+	for u := range bs.pools {
+		for f := range bs.pools[u] {
+			p := &bs.pools[u][f]
+			p.mu.Lock()
+			slots = append(slots, p.all()...)
+			p.slots.Store(nil)
+			p.mu.Unlock()
+		}
 	}
 	ws := append([]*workspace{}, bs.retired...)
 	for _, w := range bs.ws {
@@ -454,7 +470,6 @@ func (bs *blasState) close() error {
 		ws = append(ws, w)
 	}
 	bs.ws, bs.ltWS, bs.retired = map[*Stream]*workspace{}, map[*Stream]*workspace{}, nil
-	bs.cond.Broadcast()
 	bs.mu.Unlock()
 	var errs []error
 	for _, sl := range slots {
@@ -510,56 +525,210 @@ func (c *Context) newSlot(f Flavour) (*slot, error) {
 	return sl, nil
 }
 
+// pool is the handles of one flavour on one device. A token semaphore bounds
+// the number of handles held at once by the pool's limit; holding a token
+// guarantees that a free handle exists or may be created. Waiting is on a
+// per-waiter channel that is closed to hand it a token, so a wakeup cannot be
+// lost: a releaser adds its token and then looks for waiters; a waiter
+// registers and then looks for tokens; with sequentially consistent atomics at
+// least one of the two sees the other. The fast path is one CAS for the token,
+// a TryLock scan of the copy-on-write slot slice and one atomic add to release.
+type pool struct {
+	slots atomic.Pointer[[]*slot] // copy-on-write; appended under mu
+	avail atomic.Int64            // free tokens (negative after the limit was lowered)
+	nwait atomic.Int64            // len(waiters), readable without mu
+
+	mu       sync.Mutex
+	waiters  []chan struct{} // FIFO; closed to hand the waiter a token
+	creating int             // handles being created
+}
+
+// all returns the pool's slots (never modified in place).
+func (p *pool) all() []*slot {
+	if s := p.slots.Load(); s != nil {
+		return *s
+	}
+	return nil
+}
+
+// tryTake takes a token if one is free.
+func (p *pool) tryTake() bool {
+	for {
+		n := p.avail.Load()
+		if n <= 0 {
+			return false
+		}
+		if p.avail.CompareAndSwap(n, n-1) {
+			return true
+		}
+	}
+}
+
+// testHookBeforeWait, set by tests only, runs when a caller has found no free
+// handle and is about to wait for one: the window of a lost wakeup.
+var testHookBeforeWait func()
+
+// take takes a token, waiting for one; it fails once done is closed.
+func (p *pool) take(done <-chan struct{}) (waited bool, err error) {
+	if p.tryTake() {
+		return false, nil
+	}
+	if testHookBeforeWait != nil {
+		testHookBeforeWait()
+	}
+	p.mu.Lock()
+	ch := make(chan struct{})
+	p.waiters = append(p.waiters, ch)
+	p.nwait.Add(1)
+	// Registered: a release from now on sees nwait > 0 and hands out tokens
+	// under mu. Look again for a token released before we registered.
+	if p.tryTake() {
+		p.unwait(ch)
+		p.mu.Unlock()
+		return false, nil
+	}
+	p.mu.Unlock()
+	select {
+	case <-ch:
+		return true, nil
+	case <-done:
+		p.mu.Lock()
+		if p.unwait(ch) {
+			p.mu.Unlock()
+		} else { // handed a token as done closed: give it back
+			p.mu.Unlock()
+			p.give()
+		}
+		return true, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
+	}
+}
+
+// unwait removes ch from the waiters (p.mu held) and reports whether it was
+// there (false: a token was handed to it).
+func (p *pool) unwait(ch chan struct{}) bool {
+	for i, w := range p.waiters {
+		if w == ch {
+			p.waiters = append(p.waiters[:i], p.waiters[i+1:]...)
+			p.nwait.Add(-1)
+			return true
+		}
+	}
+	return false
+}
+
+// give returns a token and hands free tokens to waiters, oldest first.
+func (p *pool) give() {
+	p.avail.Add(1)
+	if p.nwait.Load() > 0 {
+		p.handOff()
+	}
+}
+
+func (p *pool) handOff() {
+	p.mu.Lock()
+	for len(p.waiters) > 0 && p.tryTake() {
+		close(p.waiters[0])
+		p.waiters = p.waiters[1:]
+		p.nwait.Add(-1)
+	}
+	p.mu.Unlock()
+}
+
+// setLimit changes the per-flavour limit of every pool, adjusting free tokens
+// by the difference.
+func (bs *blasState) setLimit(n int) {
+	old := bs.maxSlots.Swap(int32(n))
+	for u := range bs.pools {
+		for f := range bs.pools[u] {
+			p := &bs.pools[u][f]
+			p.avail.Add(int64(n) - int64(old))
+			p.handOff()
+		}
+	}
+}
+
 // acquire returns a slot of flavour f locked for the caller, preferring one bound
-// to s. The caller must call c.release(sl). The pooled fast path takes no pool
-// lock: it scans a copy-on-write slice of slots and TryLocks them.
+// to s. The caller must call c.release(sl). The pooled fast path takes no lock:
+// a token CAS, then a TryLock scan of a copy-on-write slice of slots.
 func (c *Context) acquire(f Flavour, s *Stream) (*slot, error) {
 	if c.opts.Policy == SharedHandle {
 		return c.acquireShared(f)
 	}
 	bs := &c.dev.blas
-	if sl := bs.tryPick(f, s, c.opts.UnsafeSharedWorkspace); sl != nil {
-		return sl, nil
-	}
+	p := bs.pool(f, c.opts.UnsafeSharedWorkspace)
 	var waitStart time.Time
-	bs.mu.Lock()
-	for {
-		if bs.closed {
-			bs.mu.Unlock()
-			return nil, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
+	if !p.tryTake() {
+		waitStart = time.Now()
+		waited, err := p.take(bs.done)
+		if err != nil {
+			return nil, err
 		}
-		if sl := bs.tryPick(f, s, c.opts.UnsafeSharedWorkspace); sl != nil {
-			bs.mu.Unlock()
+		if waited {
+			c.waits.Add(1)
+		} else {
+			waitStart = time.Time{}
+		}
+	}
+	// We hold a token: at most limit-1 other callers hold a slot, so a free
+	// slot exists or the pool may grow.
+	for {
+		if sl := p.pickBound(s); sl != nil {
 			c.noteWait(waitStart)
 			return sl, nil
 		}
-		if n := len(bs.slots(f)) + int(bs.creating[f].Load()); n < int(bs.maxSlots.Load()) {
-			bs.creating[f].Add(1)
-			bs.mu.Unlock()
+		p.mu.Lock()
+		if bs.isClosed() {
+			p.mu.Unlock()
+			p.give()
+			return nil, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
+		}
+		if len(p.all())+p.creating < int(bs.maxSlots.Load()) {
+			// A new handle is better than a rebind while under the limit.
+			p.creating++
+			p.mu.Unlock()
 			sl, err := c.newSlot(f)
-			bs.mu.Lock()
-			bs.creating[f].Add(-1)
+			p.mu.Lock()
+			p.creating--
+			if err == nil && bs.isClosed() {
+				err = errors.Join(fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed), sl.destroy(c.dev))
+			}
 			if err != nil {
-				bs.cond.Broadcast()
-				bs.mu.Unlock()
+				p.mu.Unlock()
+				p.give()
 				return nil, err
 			}
 			sl.mu.Lock() // new and unpublished: uncontended
-			old := bs.slots(f)
+			old := p.all()
 			grown := append(old[:len(old):len(old)], sl)
-			bs.pools[f].Store(&grown)
-			bs.mu.Unlock()
+			p.slots.Store(&grown)
+			p.mu.Unlock()
 			c.noteWait(waitStart)
 			return sl, nil
 		}
-		if waitStart.IsZero() {
-			waitStart = time.Now()
-			c.waits.Add(1)
+		p.mu.Unlock()
+		if sl := p.pickAny(); sl != nil {
+			c.noteWait(waitStart)
+			return sl, nil
 		}
-		bs.waiters.Add(1)
-		bs.cond.Wait()
-		bs.waiters.Add(-1)
+		// Another token holder's scan has the free slot locked for a moment.
+		runtime.Gosched()
 	}
+}
+
+func (bs *blasState) isClosed() bool {
+	select {
+	case <-bs.done:
+		return true
+	default:
+		return false
+	}
+}
+
+func (bs *blasState) pool(f Flavour, unsafeWS bool) *pool {
+	if unsafeWS {
+		return &bs.pools[1][f]
+	}
+	return &bs.pools[0][f]
 }
 
 func (c *Context) noteWait(start time.Time) {
@@ -568,33 +737,24 @@ func (c *Context) noteWait(start time.Time) {
 	}
 }
 
-// slots returns the current pool of flavour f (never modified in place).
-func (bs *blasState) slots(f Flavour) []*slot {
-	if p := bs.pools[f].Load(); p != nil {
-		return *p
-	}
-	return nil
-}
-
-// tryPick locks and returns a free slot, one bound to s if there is one.
-func (bs *blasState) tryPick(f Flavour, s *Stream, unsafeWS bool) *slot {
-	pool := bs.slots(f)
+// pickBound locks and returns a free slot bound to s, or nil.
+func (p *pool) pickBound(s *Stream) *slot {
 	id := s.ID()
-	for _, sl := range pool {
-		if sl.boundID.Load() == id && sl.sharedWS == unsafeWS && sl.mu.TryLock() {
+	for _, sl := range p.all() {
+		if sl.boundID.Load() == id && sl.mu.TryLock() {
 			if sl.boundID.Load() == id {
 				return sl
 			}
 			sl.mu.Unlock()
 		}
 	}
-	// No free slot bound to s: a new one is better than a rebind while the pool
-	// is under its limit; the caller creates it. Rebind only at the limit.
-	if len(pool)+int(bs.creating[f].Load()) < int(bs.maxSlots.Load()) {
-		return nil
-	}
-	for _, sl := range pool {
-		if sl.sharedWS == unsafeWS && sl.mu.TryLock() {
+	return nil
+}
+
+// pickAny locks and returns any free slot, or nil.
+func (p *pool) pickAny() *slot {
+	for _, sl := range p.all() {
+		if sl.mu.TryLock() {
 			return sl
 		}
 	}
@@ -632,16 +792,13 @@ func (c *Context) acquireShared(f Flavour) (*slot, error) {
 	return sl, nil
 }
 
+// release unlocks sl and returns the caller's token to its pool.
 func (c *Context) release(sl *slot) {
 	sl.mu.Unlock()
 	if c.opts.Policy == SharedHandle {
 		return
 	}
-	if bs := &c.dev.blas; bs.waiters.Load() > 0 {
-		bs.mu.Lock()
-		bs.cond.Broadcast()
-		bs.mu.Unlock()
-	}
+	c.dev.blas.pool(sl.flavour, sl.sharedWS).give()
 }
 
 // bind makes sl's handle run on s with s's workspace: cublasSetStream only when
