@@ -6,6 +6,7 @@ import (
 	"os"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -129,10 +130,17 @@ type ctxCore struct {
 	waitNanos                               atomic.Int64
 }
 
-// NewContext makes a Context on d.
+// NewContext makes a Context on d. It fails, with an error wrapping ErrInvalid
+// that names the variable and its accepted range, when $GPUCTX_MAX_BLAS_HANDLES
+// or $GPUCTX_BLAS_WORKSPACE (read when the device was opened) is set to
+// anything but an integer in that range. It queues nothing and waits for
+// nothing (a stream it makes itself is new and empty).
 func (d *Device) NewContext(o ContextOptions) (*Context, error) {
 	if err := d.check("Device.NewContext"); err != nil {
 		return nil, err
+	}
+	if err := d.blas.envErr; err != nil {
+		return nil, fmt.Errorf("gpuctx: Device.NewContext: %w", err)
 	}
 	c := &Context{ctxCore: &ctxCore{dev: d, opts: o}}
 	s := o.Stream
@@ -339,6 +347,7 @@ type blasState struct {
 	ltWS     map[*Stream]*workspace // grow-only cuBLASLt workspace per stream
 	retired  []*workspace           // grown-out Lt workspaces, freed at device Close
 	closed   bool
+	envErr   error // an invalid $GPUCTX_MAX_BLAS_HANDLES or $GPUCTX_BLAS_WORKSPACE
 }
 
 func (bs *blasState) init(d *Device) {
@@ -346,24 +355,38 @@ func (bs *blasState) init(d *Device) {
 	bs.done = make(chan struct{})
 	bs.ws = map[*Stream]*workspace{}
 	bs.ltWS = map[*Stream]*workspace{}
-	bs.maxSlots.Store(int32(envInt(MaxHandlesEnv, DefaultMaxHandles)))
+	limit, err1 := envInt(MaxHandlesEnv, DefaultMaxHandles, 1, maxHandlesLimit)
+	bs.maxSlots.Store(int32(limit))
 	for u := range bs.pools {
 		for f := range bs.pools[u] {
-			bs.pools[u][f].avail.Store(int64(bs.maxSlots.Load()))
+			bs.pools[u][f].avail.Store(int64(limit))
 		}
 	}
 	bs.wsSize = WorkspaceDefault
 	if d.info.ComputeMajor >= 9 {
 		bs.wsSize = WorkspaceHopper
 	}
-	bs.wsSize = envInt(WorkspaceEnv, bs.wsSize)
+	var err2 error
+	bs.wsSize, err2 = envInt(WorkspaceEnv, bs.wsSize, 1, maxWorkspaceBytes)
+	bs.envErr = errors.Join(err1, err2)
 }
 
-func envInt(name string, def int) int {
-	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v > 0 {
-		return v
+// maxWorkspaceBytes is the largest accepted $GPUCTX_BLAS_WORKSPACE (4 GiB).
+const maxWorkspaceBytes = 1 << 32
+
+// envInt reads the integer environment variable name: def when it is unset or
+// empty, an error naming the variable and the accepted range [lo, hi] when it
+// is not an integer in that range (the default is used meanwhile).
+func envInt(name string, def, lo, hi int) (int, error) {
+	v, ok := os.LookupEnv(name)
+	if !ok || strings.TrimSpace(v) == "" {
+		return def, nil
 	}
-	return def
+	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+	if err != nil || n < int64(lo) || n > int64(hi) {
+		return def, fmt.Errorf("%w: gpuctx: $%s=%q: want an integer in [%d, %d]", ErrInvalid, name, v, lo, hi)
+	}
+	return int(n), nil
 }
 
 // SetBlasHandleLimit sets the per-flavour pool limit of pooled BLAS handles
@@ -398,7 +421,7 @@ func (bs *blasState) workspaceFor(s *Stream) (*workspace, error) {
 	n := alignUp(bs.wsSize)
 	p, err := bs.dev.hd.Alloc(n)
 	if err != nil {
-		return nil, fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace for stream %d: %w", n, s.ID(), err)
+		return nil, fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace for stream %d (size from $%s or the device default): %w", n, s.ID(), WorkspaceEnv, err)
 	}
 	w := &workspace{ptr: p, size: n}
 	bs.ws[s] = w
@@ -416,7 +439,7 @@ func (bs *blasState) ltWorkspace(s *Stream, n int) (*workspace, error) {
 	n = alignUp(max(n, bs.wsSize))
 	p, err := bs.dev.hd.Alloc(n)
 	if err != nil {
-		return nil, fmt.Errorf("gpuctx: allocating a %d-byte cuBLASLt workspace for stream %d: %w", n, s.ID(), err)
+		return nil, fmt.Errorf("gpuctx: allocating a %d-byte cuBLASLt workspace for stream %d (at least $%s or the device default): %w", n, s.ID(), WorkspaceEnv, err)
 	}
 	if w != nil {
 		// Work already queued on s may still use the old one: keep it until Close.
@@ -516,7 +539,7 @@ func (c *Context) newSlot(f Flavour) (*slot, error) {
 		p, err := d.hd.Alloc(n)
 		if err != nil {
 			_ = sl.destroy(d)
-			return nil, err
+			return nil, fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace (size from $%s or the device default): %w", n, WorkspaceEnv, err)
 		}
 		sl.ownWS = &workspace{ptr: p, size: n}
 		sl.sharedWS = true

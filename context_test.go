@@ -652,3 +652,44 @@ func TestHandleSharedByGoroutinesInsideCallback(t *testing.T) {
 		}
 	})
 }
+
+// An out-of-range or malformed $GPUCTX_MAX_BLAS_HANDLES or $GPUCTX_BLAS_WORKSPACE
+// is an error that names the variable and the accepted range, not a silent
+// default (2^31 used to truncate to a negative limit: every callback waited).
+func TestEnvLimitsAreChecked(t *testing.T) {
+	for _, tc := range []struct{ name, value, rng string }{
+		{gpuctx.MaxHandlesEnv, "2147483648", "[1, 1048576]"},
+		{gpuctx.MaxHandlesEnv, "4294967296", "[1, 1048576]"},
+		{gpuctx.MaxHandlesEnv, "0", "[1, 1048576]"},
+		{gpuctx.MaxHandlesEnv, "-3", "[1, 1048576]"},
+		{gpuctx.MaxHandlesEnv, "sixteen", "[1, 1048576]"},
+		{gpuctx.WorkspaceEnv, "0", "[1, 4294967296]"},
+		{gpuctx.WorkspaceEnv, "8589934592", "[1, 4294967296]"},
+		{gpuctx.WorkspaceEnv, "32MiB", "[1, 4294967296]"},
+	} {
+		t.Run(tc.name+"="+tc.value, func(t *testing.T) {
+			t.Setenv(tc.name, tc.value)
+			d := openDevice(t, "cpu")
+			c, err := d.NewContext(gpuctx.ContextOptions{})
+			if err == nil {
+				_ = c.Close()
+				t.Fatalf("NewContext succeeded with %s=%s", tc.name, tc.value)
+			}
+			if !errors.Is(err, gpuctx.ErrInvalid) || !contains(err.Error(), tc.name) || !contains(err.Error(), tc.rng) {
+				t.Errorf("error %q: want ErrInvalid naming %s and the range %s", err, tc.name, tc.rng)
+			}
+		})
+	}
+	t.Run("valid", func(t *testing.T) {
+		t.Setenv(gpuctx.MaxHandlesEnv, "3")
+		t.Setenv(gpuctx.WorkspaceEnv, "65536")
+		d := openDevice(t, "cpu")
+		c := newContext(t, d, gpuctx.ContextOptions{})
+		if err := c.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+			t.Fatal(err)
+		}
+		if got := d.WorkspaceBytes(); got != 65536 {
+			t.Errorf("WorkspaceBytes = %d, want 65536", got)
+		}
+	})
+}
