@@ -281,6 +281,7 @@ type slot struct {
 
 	bound   *Stream    // stream the handle is bound to (nil: none yet)
 	applied *workspace // workspace applied since the last bind
+	epoch   uint64     // blasState.epoch when applied was checked
 	ownWS   *workspace // UnsafeSharedWorkspace only
 
 	lease lease // what the slot lends to the callback holding mu
@@ -347,7 +348,10 @@ type blasState struct {
 	ltWS     map[*Stream]*workspace // grow-only cuBLASLt workspace per stream
 	retired  []*workspace           // grown-out Lt workspaces, freed at device Close
 	closed   bool
-	envErr   error // an invalid $GPUCTX_MAX_BLAS_HANDLES or $GPUCTX_BLAS_WORKSPACE
+	// epoch changes when a stream closes or a capture begins or ends: a slot
+	// whose epoch differs re-checks its stream and workspace before use.
+	epoch  atomic.Uint64
+	envErr error // an invalid $GPUCTX_MAX_BLAS_HANDLES or $GPUCTX_BLAS_WORKSPACE
 }
 
 func (bs *blasState) init(d *Device) {
@@ -456,6 +460,7 @@ func (bs *blasState) streamClosed(s *Stream) error {
 	w, lw := bs.ws[s], bs.ltWS[s]
 	delete(bs.ws, s)
 	delete(bs.ltWS, s)
+	bs.epoch.Add(1)
 	bs.mu.Unlock()
 	var errs []error
 	if w != nil {
@@ -738,6 +743,13 @@ func (c *Context) acquire(f Flavour, s *Stream) (*slot, error) {
 	}
 }
 
+// isClosed reports whether s has been closed.
+func (s *Stream) isClosed() bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.closed
+}
+
 func (bs *blasState) isClosed() bool {
 	select {
 	case <-bs.done:
@@ -774,9 +786,20 @@ func (p *pool) pickBound(s *Stream) *slot {
 	return nil
 }
 
-// pickAny locks and returns any free slot, or nil.
+// pickAny locks and returns a free slot to rebind, or nil: first one bound to no
+// stream or to a closed one (rebinding it takes no live stream's handle), then
+// any.
 func (p *pool) pickAny() *slot {
-	for _, sl := range p.all() {
+	all := p.all()
+	for _, sl := range all {
+		if sl.mu.TryLock() {
+			if sl.bound == nil || sl.bound.isClosed() {
+				return sl
+			}
+			sl.mu.Unlock()
+		}
+	}
+	for _, sl := range all {
 		if sl.mu.TryLock() {
 			return sl
 		}
@@ -827,17 +850,33 @@ func (c *Context) release(sl *slot) {
 // bind makes sl's handle run on s with s's workspace: cublasSetStream only when
 // the bound stream differs (lazy), then the workspace again after every bind
 // because cublasSetStream resets it. s is passed in, read once by the caller.
+// The fast path (bound to s, s's workspace applied, and no stream closed or
+// capture begun or ended since) reads one atomic; otherwise bind read-locks s
+// for the bind, so that s cannot close meanwhile, and fails with ErrClosed if it
+// is closed: a closed stream never gets a handle or a fresh workspace.
 func (c *Context) bind(sl *slot, s *Stream) error {
-	if sl.blas == nil {
-		return nil // cuBLASLt takes the stream per call
-	}
-	if sl.bound == s && sl.applied != nil && sl.ownWS == nil {
+	bs := &c.dev.blas
+	epoch := bs.epoch.Load()
+	if sl.blas != nil && sl.bound == s && sl.applied != nil && sl.ownWS == nil && sl.epoch == epoch {
 		return nil // fast path: bound to s with s's workspace applied
+	}
+	unlock, err := s.use("Context BLAS callback")
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if sl.blas == nil {
+		// cuBLASLt takes the stream with each call; record it so that the pool
+		// hands this slot to s again rather than making another.
+		if sl.bound != s {
+			sl.bound = s
+			sl.boundID.Store(s.ID())
+		}
+		return nil
 	}
 	ws := sl.ownWS
 	if ws == nil {
-		var err error
-		if ws, err = c.dev.blas.workspaceFor(s); err != nil {
+		if ws, err = bs.workspaceFor(s); err != nil {
 			return err
 		}
 	}
@@ -856,11 +895,13 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 	}
 	if sl.applied != ws {
 		if err := sl.blas.SetWorkspace(ws.ptr, ws.size); err != nil {
+			sl.applied = nil
 			return fmt.Errorf("gpuctx: applying the %d-byte workspace of stream %d: %w", ws.size, s.ID(), err)
 		}
 		c.applies.Add(1)
 		sl.applied = ws
 	}
+	sl.epoch = epoch
 	return nil
 }
 
@@ -910,6 +951,9 @@ func (c *Context) BlasLt(fn func(lt BlasLt) error) error {
 		return err
 	}
 	defer c.release(sl)
+	if err := c.bind(sl, s); err != nil {
+		return err
+	}
 	gen := sl.lend(c, s)
 	defer sl.expire()
 	return fn(BlasLt{sl: sl, gen: gen})

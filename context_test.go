@@ -693,3 +693,95 @@ func TestEnvLimitsAreChecked(t *testing.T) {
 		}
 	})
 }
+
+// A callback on a closed stream is an ErrClosed error: it neither rebinds a
+// handle to the stream nor allocates it a fresh workspace (which used to live
+// until the device closed).
+func TestCallbackOnClosedStream(t *testing.T) {
+	d := openDevice(t, "cpu")
+	s := newStream(t, d)
+	ctx := newContext(t, d, gpuctx.ContextOptions{Stream: s})
+	if err := ctx.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if n, _, _ := gpuctx.WorkspaceCounts(d); n != 1 {
+		t.Fatalf("%d workspaces after one callback, want 1", n)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n, _, _ := gpuctx.WorkspaceCounts(d); n != 0 {
+		t.Fatalf("%d workspaces after closing the stream, want 0", n)
+	}
+	ran := false
+	err := ctx.Blas(func(gpuctx.Blas) error { ran = true; return nil })
+	if !errors.Is(err, gpuctx.ErrClosed) || ran {
+		t.Errorf("Blas on a closed stream: err %v, callback ran %v; want ErrClosed and not run", err, ran)
+	}
+	err = ctx.BlasLt(func(gpuctx.BlasLt) error { ran = true; return nil })
+	if !errors.Is(err, gpuctx.ErrClosed) || ran {
+		t.Errorf("BlasLt on a closed stream: err %v, callback ran %v; want ErrClosed and not run", err, ran)
+	}
+	if n, lt, _ := gpuctx.WorkspaceCounts(d); n != 0 || lt != 0 {
+		t.Errorf("%d workspaces, %d Lt workspaces after callbacks on a closed stream, want 0", n, lt)
+	}
+}
+
+// Sequential BlasLt callbacks on one stream reuse one cuBLASLt handle (its slot
+// records the stream): they used to make a new handle each time up to the limit.
+func TestBlasLtReusesHandleOnOneStream(t *testing.T) {
+	d := openDevice(t, "cpu")
+	ctx := newContext(t, d, gpuctx.ContextOptions{})
+	for range 20 {
+		if err := ctx.BlasLt(func(gpuctx.BlasLt) error { return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := ctx.Stats().HandlesCreated; n != 1 {
+		t.Errorf("20 sequential BlasLt callbacks on one stream made %d handles, want 1", n)
+	}
+}
+
+// With the pool full of handles bound to closed streams, live streams take
+// those first: each live stream binds once and keeps its handle, instead of
+// taking one another's handles round after round.
+func TestPoolPrefersHandlesOfClosedStreams(t *testing.T) {
+	d := openDevice(t, "cpu")
+	ctx := newContext(t, d, gpuctx.ContextOptions{})
+	for range gpuctx.DefaultMaxHandles {
+		s := newStream(t, d)
+		v, err := ctx.WithStream(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := v.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := ctx.Stats().HandlesCreated; n != gpuctx.DefaultMaxHandles {
+		t.Fatalf("made %d handles, want the pool full (%d)", n, gpuctx.DefaultMaxHandles)
+	}
+	before := ctx.Stats().Rebinds
+	const live = 9
+	views := make([]*gpuctx.Context, live)
+	for i := range views {
+		v, err := ctx.WithStream(newStream(t, d))
+		if err != nil {
+			t.Fatal(err)
+		}
+		views[i] = v
+	}
+	for range 20 {
+		for _, v := range views {
+			if err := v.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if got := ctx.Stats().Rebinds - before; got != live {
+		t.Errorf("%d live streams x 20 rounds made %d rebinds, want %d (one per stream)", live, got, live)
+	}
+}
