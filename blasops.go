@@ -328,7 +328,7 @@ func (lt BlasLt) Matmul(g Gemm) error {
 }
 
 // Reserve grows the stream's cuBLASLt workspace to at least n bytes. The old
-// workspace is kept until the device closes, because queued work may use it.
+// workspace is freed once the stream has passed the work that may use it.
 func (lt BlasLt) Reserve(n int) error {
 	l, unlock, err := enter(lt.sl, lt.gen, "BlasLt.Reserve")
 	if err != nil {

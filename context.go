@@ -345,9 +345,15 @@ type blasState struct {
 	done     chan struct{} // closed at device Close: wakes every waiter
 	wsSize   int
 	ws       map[*Stream]*workspace // one workspace per stream: never shared by two streams
-	ltWS     map[*Stream]*workspace // grow-only cuBLASLt workspace per stream
-	retired  []*workspace           // grown-out Lt workspaces, freed at device Close
+	lt       map[*Stream]*ltState   // grow-only cuBLASLt workspace per stream
+	retired  []retiredWS            // grown-out Lt workspaces, freed once their stream passes ev
 	closed   bool
+	// capt maps each stream in a capture begun through Stream.BeginCapture to
+	// it; evCapt each event recorded in a capture. ncapt counts captures in
+	// progress so that Record and Wait skip the bookkeeping when there is none.
+	capt   map[*Stream]*capture
+	evCapt map[*Event]*capture
+	ncapt  atomic.Int32
 	// epoch changes when a stream closes or a capture begins or ends: a slot
 	// whose epoch differs re-checks its stream and workspace before use.
 	epoch  atomic.Uint64
@@ -358,7 +364,9 @@ func (bs *blasState) init(d *Device) {
 	bs.dev = d
 	bs.done = make(chan struct{})
 	bs.ws = map[*Stream]*workspace{}
-	bs.ltWS = map[*Stream]*workspace{}
+	bs.lt = map[*Stream]*ltState{}
+	bs.capt = map[*Stream]*capture{}
+	bs.evCapt = map[*Event]*capture{}
 	limit, err1 := envInt(MaxHandlesEnv, DefaultMaxHandles, 1, maxHandlesLimit)
 	bs.maxSlots.Store(int32(limit))
 	for u := range bs.pools {
@@ -415,61 +423,227 @@ func alignUp(n int) int { return (n + 255) &^ 255 }
 
 // workspaceFor returns the workspace s uses (created on first use). Keyed by
 // stream: handles bound to the same stream share it safely because the stream
-// orders their kernels; two streams never share one.
+// orders their kernels; two streams never share one. While s is in a capture
+// begun through gpuctx, it is the capture's own workspace for s, which the
+// Graph owns: replaying the graph never touches a stream's eager workspace.
 func (bs *blasState) workspaceFor(s *Stream) (*workspace, error) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
+	if c := bs.capt[s]; c != nil {
+		return c.workspace(bs, s)
+	}
 	if w := bs.ws[s]; w != nil {
 		return w, nil
 	}
-	n := alignUp(bs.wsSize)
-	p, err := bs.dev.hd.Alloc(n)
+	w, err := bs.alloc(bs.wsSize, "BLAS", s)
 	if err != nil {
-		return nil, fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace for stream %d (size from $%s or the device default): %w", n, s.ID(), WorkspaceEnv, err)
+		return nil, err
 	}
-	w := &workspace{ptr: p, size: n}
 	bs.ws[s] = w
 	return w, nil
 }
 
-// ltWorkspace returns s's cuBLASLt workspace, grown to at least n bytes.
+// alloc allocates an n-byte workspace (rounded up to 256 bytes) for s.
+func (bs *blasState) alloc(n int, what string, s *Stream) (*workspace, error) {
+	n = alignUp(n)
+	p, err := bs.dev.hd.Alloc(n)
+	if err != nil {
+		return nil, fmt.Errorf("gpuctx: allocating a %d-byte %s workspace for stream %d (size from $%s or the device default): %w", n, what, s.ID(), WorkspaceEnv, err)
+	}
+	return &workspace{ptr: p, size: n}, nil
+}
+
+// ltState is one stream's cuBLASLt workspace.
+type ltState struct {
+	cur    *workspace
+	active int // BlasLt callbacks on the stream in progress
+	// pending: grown out while callbacks were active; one of them may still
+	// queue work with it. Retired (with an event) when the last one returns.
+	pending []*workspace
+}
+
+// retiredWS is a grown-out cuBLASLt workspace: free once ev has completed.
+type retiredWS struct {
+	w  *workspace
+	s  *Stream
+	ev hal.Event
+}
+
+// ltWorkspace returns s's cuBLASLt workspace, grown to at least n bytes. It is
+// called only inside a BlasLt callback on s (between ltEnter and ltExit), with
+// s read-locked.
 func (bs *blasState) ltWorkspace(s *Stream, n int) (*workspace, error) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	w := bs.ltWS[s]
-	if w != nil && w.size >= n {
-		return w, nil
+	if c := bs.capt[s]; c != nil {
+		return c.ltWorkspace(bs, s, n)
 	}
-	n = alignUp(max(n, bs.wsSize))
-	p, err := bs.dev.hd.Alloc(n)
+	st := bs.lt[s]
+	if st == nil {
+		st = &ltState{}
+		bs.lt[s] = st
+	}
+	if st.cur != nil && st.cur.size >= n {
+		return st.cur, nil
+	}
+	w, err := bs.alloc(max(n, bs.wsSize), "cuBLASLt", s)
 	if err != nil {
-		return nil, fmt.Errorf("gpuctx: allocating a %d-byte cuBLASLt workspace for stream %d (at least $%s or the device default): %w", n, s.ID(), WorkspaceEnv, err)
+		return nil, err
 	}
-	if w != nil {
-		// Work already queued on s may still use the old one: keep it until Close.
-		bs.retired = append(bs.retired, w)
+	if st.cur != nil {
+		// Work queued on s, or about to be queued by a callback in progress,
+		// may still use the old one: retire it when the callbacks are done.
+		st.pending = append(st.pending, st.cur)
 	}
-	w = &workspace{ptr: p, size: n}
-	bs.ltWS[s] = w
+	st.cur = w
 	return w, nil
+}
+
+// ltEnter notes a BlasLt callback on s starting.
+func (bs *blasState) ltEnter(s *Stream) {
+	bs.mu.Lock()
+	st := bs.lt[s]
+	if st == nil && s.isClosed() { // streamClosed may have run: keep no entry for s
+		bs.mu.Unlock()
+		return
+	}
+	if st == nil {
+		st = &ltState{}
+		bs.lt[s] = st
+	}
+	st.active++
+	bs.mu.Unlock()
+}
+
+// ltExit notes a BlasLt callback on s returning. When it was the last one, the
+// workspaces grown out meanwhile can be used by nothing queued after now: an
+// event recorded on s marks when they are free. It also frees retired
+// workspaces whose event has completed.
+func (bs *blasState) ltExit(s *Stream) error {
+	bs.mu.Lock()
+	st := bs.lt[s]
+	var pending []*workspace
+	if st != nil {
+		st.active--
+		if st.active == 0 && bs.capt[s] == nil { // an event recorded in a capture would not mark s's eager work
+			pending, st.pending = st.pending, nil
+		}
+	}
+	bs.mu.Unlock()
+	var errs []error
+	if len(pending) > 0 {
+		if err := bs.retire(s, pending); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(append(errs, bs.sweep(false))...)
+}
+
+// retire records an event on s after which ws are unused and queues them to be
+// freed when it completes.
+func (bs *blasState) retire(s *Stream, ws []*workspace) error {
+	ev, err := bs.dev.hd.NewEvent(false)
+	if err == nil {
+		var unlock func()
+		if unlock, err = s.use("BlasLt"); err == nil {
+			err = ev.Record(s.hs)
+			unlock()
+		}
+		if err != nil {
+			_ = ev.Destroy()
+		}
+	}
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	if err != nil {
+		if st := bs.lt[s]; st != nil {
+			// s is closing (or the event failed): streamClosed frees them after
+			// synchronising s, or a later callback retires them again.
+			st.pending = append(st.pending, ws...)
+			return nil
+		}
+		// streamClosed already ran: s has no work left.
+		var errs []error
+		for _, w := range ws {
+			errs = append(errs, w.free(bs.dev))
+		}
+		return errors.Join(errs...)
+	}
+	for _, w := range ws {
+		bs.retired = append(bs.retired, retiredWS{w: w, s: s, ev: ev})
+	}
+	return nil
+}
+
+// sweep frees retired workspaces whose event has completed (all of them when
+// all is set: the device is idle).
+func (bs *blasState) sweep(all bool) error {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	if len(bs.retired) == 0 {
+		return nil
+	}
+	var errs []error
+	keep := bs.retired[:0]
+	done := map[hal.Event]bool{}
+	for _, r := range bs.retired {
+		ok, seen := done[r.ev]
+		if !seen {
+			ok = all
+			if !ok {
+				q, err := r.ev.Query()
+				ok = err == nil && q
+			}
+			done[r.ev] = ok
+		}
+		if ok {
+			errs = append(errs, r.w.free(bs.dev))
+		} else {
+			keep = append(keep, r)
+		}
+	}
+	for ev, ok := range done {
+		if ok {
+			errs = append(errs, ev.Destroy())
+		}
+	}
+	clear(bs.retired[len(keep):])
+	bs.retired = keep
+	return errors.Join(errs...)
 }
 
 // streamClosed frees s's workspaces; s's work has completed.
 func (bs *blasState) streamClosed(s *Stream) error {
 	bs.mu.Lock()
-	w, lw := bs.ws[s], bs.ltWS[s]
+	w, lt := bs.ws[s], bs.lt[s]
 	delete(bs.ws, s)
-	delete(bs.ltWS, s)
+	delete(bs.lt, s)
+	var capWS []*workspace
+	if c := bs.capt[s]; c != nil {
+		delete(bs.capt, s)
+		if c.origin == s { // the capture can never end: nothing will own its workspaces
+			capWS = c.takeAll(bs)
+		}
+	}
 	bs.epoch.Add(1)
 	bs.mu.Unlock()
 	var errs []error
 	if w != nil {
 		errs = append(errs, w.free(bs.dev))
 	}
-	if lw != nil {
-		errs = append(errs, lw.free(bs.dev))
+	if lt != nil {
+		if lt.cur != nil {
+			errs = append(errs, lt.cur.free(bs.dev))
+		}
+		for _, w := range lt.pending {
+			errs = append(errs, w.free(bs.dev))
+		}
 	}
-	return errors.Join(errs...)
+	for _, w := range capWS {
+		errs = append(errs, w.free(bs.dev))
+	}
+	// s has no work left: its retired workspaces' events have completed.
+	return errors.Join(append(errs, bs.sweep(false))...)
 }
 
 func (bs *blasState) close() error {
@@ -490,16 +664,22 @@ func (bs *blasState) close() error {
 			p.mu.Unlock()
 		}
 	}
-	ws := append([]*workspace{}, bs.retired...)
+	var ws []*workspace
 	for _, w := range bs.ws {
 		ws = append(ws, w)
 	}
-	for _, w := range bs.ltWS {
-		ws = append(ws, w)
+	for _, st := range bs.lt {
+		if st.cur != nil {
+			ws = append(ws, st.cur)
+		}
+		ws = append(ws, st.pending...)
 	}
-	bs.ws, bs.ltWS, bs.retired = map[*Stream]*workspace{}, map[*Stream]*workspace{}, nil
+	for _, c := range bs.capt {
+		ws = append(ws, c.takeAll(bs)...)
+	}
+	bs.ws, bs.lt, bs.capt, bs.evCapt = map[*Stream]*workspace{}, map[*Stream]*ltState{}, map[*Stream]*capture{}, map[*Event]*capture{}
 	bs.mu.Unlock()
-	var errs []error
+	errs := []error{bs.sweep(true)} // the device is idle (Device.Close synchronised it)
 	for _, sl := range slots {
 		sl.mu.Lock()
 		errs = append(errs, sl.destroy(bs.dev))
@@ -941,7 +1121,7 @@ func (c *Context) BlasFlavour(f Flavour, fn func(h Blas) error) (err error) {
 // once). Matmuls made through lt are queued on that stream with its persistent,
 // grow-only workspace (freed when the stream or device closes). Lock and
 // lifetime rules are those of Blas.
-func (c *Context) BlasLt(fn func(lt BlasLt) error) error {
+func (c *Context) BlasLt(fn func(lt BlasLt) error) (err error) {
 	if err := c.check("Context.BlasLt"); err != nil {
 		return err
 	}
@@ -954,6 +1134,13 @@ func (c *Context) BlasLt(fn func(lt BlasLt) error) error {
 	if err := c.bind(sl, s); err != nil {
 		return err
 	}
+	bs := &c.dev.blas
+	bs.ltEnter(s)
+	defer func() {
+		if e := bs.ltExit(s); err == nil && e != nil {
+			err = e
+		}
+	}()
 	gen := sl.lend(c, s)
 	defer sl.expire()
 	return fn(BlasLt{sl: sl, gen: gen})

@@ -785,3 +785,47 @@ func TestPoolPrefersHandlesOfClosedStreams(t *testing.T) {
 		t.Errorf("%d live streams x 20 rounds made %d rebinds, want %d (one per stream)", live, got, live)
 	}
 }
+
+// cuBLASLt workspaces grown out by Reserve are freed once the stream has passed
+// the work that may use them (they used to be kept until the device closed),
+// and the work queued with them still computes the right result.
+func TestLtRetiredWorkspacesAreFreed(t *testing.T) {
+	d := openDevice(t, "cpu")
+	r := rand.New(rand.NewPCG(31, 32))
+	const m, n, k = 32, 32, 2048 // split-K on the CPU backend: the workspace is read
+	av, bv := randF32(r, m*k), randF32(r, k*n)
+	a, b := upload(t, d, av), upload(t, d, bv)
+	cs := []*gpuctx.Buffer{poison(t, d, m*n), poison(t, d, m*n), poison(t, d, m*n)}
+	s := newStream(t, d)
+	ctx := newContext(t, d, gpuctx.ContextOptions{Stream: s})
+	ws := d.WorkspaceBytes()
+	err := ctx.BlasLt(func(lt gpuctx.BlasLt) error {
+		for i, c := range cs {
+			if i > 0 {
+				if err := lt.Reserve(ws << i); err != nil {
+					return err
+				}
+			}
+			if err := lt.Matmul(gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: a, B: b, C: c, AB: gpuctx.F32, CType: gpuctx.F32}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	want := refGemm(gpuctx.RowMajor, false, false, m, n, k, av, bv)
+	for i, c := range cs {
+		checkClose(t, fmt.Sprintf("matmul %d", i), download(t, c), want, 1e-4)
+	}
+	if err := ctx.BlasLt(func(gpuctx.BlasLt) error { return nil }); err != nil { // frees what has completed
+		t.Fatal(err)
+	}
+	if _, lt, retired := gpuctx.WorkspaceCounts(d); lt != 1 || retired != 0 {
+		t.Errorf("%d Lt workspaces and %d retired ones after the stream passed its work, want 1 and 0", lt, retired)
+	}
+}

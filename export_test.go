@@ -8,7 +8,7 @@ func WorkspaceCounts(d *Device) (perStream, lt, retired int) {
 	bs := &d.blas
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	return len(bs.ws), len(bs.ltWS), len(bs.retired)
+	return len(bs.ws), len(bs.lt), len(bs.retired)
 }
 
 // StreamWorkspace returns the address and size of s's eager BLAS workspace
