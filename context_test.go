@@ -829,3 +829,26 @@ func TestLtRetiredWorkspacesAreFreed(t *testing.T) {
 		t.Errorf("%d Lt workspaces and %d retired ones after the stream passed its work, want 1 and 0", lt, retired)
 	}
 }
+
+// Native on a handle kept past its callback checks the lease like every other
+// method: it used to read the slot while Context.Close destroyed it (a data
+// race under -race).
+func TestNativeChecksLease(t *testing.T) {
+	d := openDevice(t, "cpu")
+	for range 50 {
+		ctx, err := d.NewContext(gpuctx.ContextOptions{Policy: gpuctx.SharedHandle})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var kept gpuctx.Blas
+		if err := ctx.Blas(func(h gpuctx.Blas) error { kept = h; _ = h.Native(); return nil }); err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		wg.Go(func() { _ = ctx.Close() })
+		if kept.Native() {
+			t.Error("an expired handle reports a native grouped GEMM")
+		}
+		wg.Wait()
+	}
+}
