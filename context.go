@@ -1089,7 +1089,10 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 // stream (read once, when Blas starts). Every call made through h inside fn is
 // queued on that stream; Blas does not wait for the work to finish. The handle's
 // lock is held until fn returns (or panics), so no other goroutine can rebind it
-// in between; h is unusable after fn returns. Blas returns fn's error.
+// in between; h is unusable after fn returns. Blas waits for no device work; it
+// may wait on the host for a free pooled handle (bounded by the pool limit). On a
+// closed stream it returns an error wrapping ErrClosed without running fn.
+// Blas returns fn's error.
 func (c *Context) Blas(fn func(h Blas) error) error { return c.BlasFlavour(Default, fn) }
 
 // BlasFlavour is Blas with a chosen math flavour (Default, TensorOp, TF32).
@@ -1118,9 +1121,13 @@ func (c *Context) BlasFlavour(f Flavour, fn func(h Blas) error) (err error) {
 }
 
 // BlasLt runs fn with a cuBLASLt handle for the Context's current stream (read
-// once). Matmuls made through lt are queued on that stream with its persistent,
-// grow-only workspace (freed when the stream or device closes). Lock and
-// lifetime rules are those of Blas.
+// once, when BlasLt starts). Matmuls made through lt are queued on that stream
+// with its persistent, grow-only workspace (a workspace grown out by Reserve is
+// freed once the stream has passed the work queued with it; the current one
+// when the stream or device closes; during a capture, the graph's own). BlasLt
+// waits for no device work; it may wait on the host for a free handle. Lock and
+// lifetime rules are those of Blas; on a closed stream it returns ErrClosed
+// without running fn.
 func (c *Context) BlasLt(fn func(lt BlasLt) error) (err error) {
 	if err := c.check("Context.BlasLt"); err != nil {
 		return err
