@@ -114,10 +114,11 @@ func (h Blas) Stream() *Stream {
 // Native reports whether GemmGrouped uses the library's grouped GEMM (cuBLAS
 // cublasGemmGroupedBatchedEx) rather than a loop of GEMMs.
 func (h Blas) Native() bool {
-	if h.sl == nil || h.sl.blas == nil {
+	if h.sl == nil || !h.sl.lease.lock(h.gen) { // expired: the slot may be closing
 		return false
 	}
-	return h.sl.blas.GroupedNative()
+	defer h.sl.lease.unlock()
+	return h.sl.blas != nil && h.sl.blas.GroupedNative()
 }
 
 // enter locks the lease and checks h is current; the returned func unlocks.
@@ -328,7 +329,7 @@ func (lt BlasLt) Matmul(g Gemm) error {
 }
 
 // Reserve grows the stream's cuBLASLt workspace to at least n bytes. The old
-// workspace is kept until the device closes, because queued work may use it.
+// workspace is freed once the stream has passed the work that may use it.
 func (lt BlasLt) Reserve(n int) error {
 	l, unlock, err := enter(lt.sl, lt.gen, "BlasLt.Reserve")
 	if err != nil {

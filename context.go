@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -128,10 +130,17 @@ type ctxCore struct {
 	waitNanos                               atomic.Int64
 }
 
-// NewContext makes a Context on d.
+// NewContext makes a Context on d. It fails, with an error wrapping ErrInvalid
+// that names the variable and its accepted range, when $GPUCTX_MAX_BLAS_HANDLES
+// or $GPUCTX_BLAS_WORKSPACE (read when the device was opened) is set to
+// anything but an integer in that range. It queues nothing and waits for
+// nothing (a stream it makes itself is new and empty).
 func (d *Device) NewContext(o ContextOptions) (*Context, error) {
 	if err := d.check("Device.NewContext"); err != nil {
 		return nil, err
+	}
+	if err := d.blas.envErr; err != nil {
+		return nil, fmt.Errorf("gpuctx: Device.NewContext: %w", err)
 	}
 	c := &Context{ctxCore: &ctxCore{dev: d, opts: o}}
 	s := o.Stream
@@ -272,6 +281,7 @@ type slot struct {
 
 	bound   *Stream    // stream the handle is bound to (nil: none yet)
 	applied *workspace // workspace applied since the last bind
+	epoch   uint64     // blasState.epoch when applied was checked
 	ownWS   *workspace // UnsafeSharedWorkspace only
 
 	lease lease // what the slot lends to the callback holding mu
@@ -326,38 +336,69 @@ func (w *workspace) free(d *Device) error {
 
 // blasState is a device's BLAS pools and per-stream workspaces.
 type blasState struct {
-	dev      *Device
-	mu       sync.Mutex
-	cond     *sync.Cond
-	pools    [numFlavours + 1]atomic.Pointer[[]*slot] // index numFlavours: cuBLASLt; copy-on-write
-	creating [numFlavours + 1]atomic.Int32            // handles being created (changed under mu)
+	dev *Device
+	mu  sync.Mutex // guards the workspace maps and closed
+	// pools[u][f]: handles of flavour f (numFlavours: cuBLASLt); u == 1 holds the
+	// UnsafeSharedWorkspace handles, which never serve a safe Context.
+	pools    [2][numFlavours + 1]pool
 	maxSlots atomic.Int32
-	waiters  atomic.Int64 // goroutines waiting in cond
+	done     chan struct{} // closed at device Close: wakes every waiter
 	wsSize   int
 	ws       map[*Stream]*workspace // one workspace per stream: never shared by two streams
-	ltWS     map[*Stream]*workspace // grow-only cuBLASLt workspace per stream
-	retired  []*workspace           // grown-out Lt workspaces, freed at device Close
+	lt       map[*Stream]*ltState   // grow-only cuBLASLt workspace per stream
+	retired  []retiredWS            // grown-out Lt workspaces, freed once their stream passes ev
 	closed   bool
+	// capt maps each stream in a capture begun through Stream.BeginCapture to
+	// it; evCapt each event recorded in a capture. ncapt counts captures in
+	// progress so that Record and Wait skip the bookkeeping when there is none.
+	capt   map[*Stream]*capture
+	evCapt map[*Event]*capture
+	ncapt  atomic.Int32
+	// epoch changes when a stream closes or a capture begins or ends: a slot
+	// whose epoch differs re-checks its stream and workspace before use.
+	epoch  atomic.Uint64
+	envErr error // an invalid $GPUCTX_MAX_BLAS_HANDLES or $GPUCTX_BLAS_WORKSPACE
 }
 
 func (bs *blasState) init(d *Device) {
 	bs.dev = d
-	bs.cond = sync.NewCond(&bs.mu)
+	bs.done = make(chan struct{})
 	bs.ws = map[*Stream]*workspace{}
-	bs.ltWS = map[*Stream]*workspace{}
-	bs.maxSlots.Store(int32(envInt(MaxHandlesEnv, DefaultMaxHandles)))
+	bs.lt = map[*Stream]*ltState{}
+	bs.capt = map[*Stream]*capture{}
+	bs.evCapt = map[*Event]*capture{}
+	limit, err1 := envInt(MaxHandlesEnv, DefaultMaxHandles, 1, maxHandlesLimit)
+	bs.maxSlots.Store(int32(limit))
+	for u := range bs.pools {
+		for f := range bs.pools[u] {
+			bs.pools[u][f].avail.Store(int64(limit))
+		}
+	}
 	bs.wsSize = WorkspaceDefault
 	if d.info.ComputeMajor >= 9 {
 		bs.wsSize = WorkspaceHopper
 	}
-	bs.wsSize = envInt(WorkspaceEnv, bs.wsSize)
+	var err2 error
+	bs.wsSize, err2 = envInt(WorkspaceEnv, bs.wsSize, 1, maxWorkspaceBytes)
+	bs.envErr = errors.Join(err1, err2)
 }
 
-func envInt(name string, def int) int {
-	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v > 0 {
-		return v
+// maxWorkspaceBytes is the largest accepted $GPUCTX_BLAS_WORKSPACE (4 GiB).
+const maxWorkspaceBytes = 1 << 32
+
+// envInt reads the integer environment variable name: def when it is unset or
+// empty, an error naming the variable and the accepted range [lo, hi] when it
+// is not an integer in that range (the default is used meanwhile).
+func envInt(name string, def, lo, hi int) (int, error) {
+	v, ok := os.LookupEnv(name)
+	if !ok || strings.TrimSpace(v) == "" {
+		return def, nil
 	}
-	return def
+	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+	if err != nil || n < int64(lo) || n > int64(hi) {
+		return def, fmt.Errorf("%w: gpuctx: $%s=%q: want an integer in [%d, %d]", ErrInvalid, name, v, lo, hi)
+	}
+	return int(n), nil
 }
 
 // SetBlasHandleLimit sets the per-flavour pool limit of pooled BLAS handles
@@ -367,12 +408,12 @@ func (d *Device) SetBlasHandleLimit(n int) error {
 	if n < 1 {
 		return fmt.Errorf("%w: gpuctx: Device.SetBlasHandleLimit(%d): the limit must be >= 1", ErrInvalid, n)
 	}
-	d.blas.mu.Lock()
-	d.blas.maxSlots.Store(int32(min(n, 1<<20)))
-	d.blas.cond.Broadcast()
-	d.blas.mu.Unlock()
+	d.blas.setLimit(min(n, maxHandlesLimit))
 	return nil
 }
+
+// maxHandlesLimit is the largest accepted per-flavour pool limit.
+const maxHandlesLimit = 1 << 20
 
 // WorkspaceBytes is the size of each stream's BLAS workspace on d.
 func (d *Device) WorkspaceBytes() int { return d.blas.wsSize }
@@ -382,81 +423,263 @@ func alignUp(n int) int { return (n + 255) &^ 255 }
 
 // workspaceFor returns the workspace s uses (created on first use). Keyed by
 // stream: handles bound to the same stream share it safely because the stream
-// orders their kernels; two streams never share one.
+// orders their kernels; two streams never share one. While s is in a capture
+// begun through gpuctx, it is the capture's own workspace for s, which the
+// Graph owns: replaying the graph never touches a stream's eager workspace.
 func (bs *blasState) workspaceFor(s *Stream) (*workspace, error) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
+	if c := bs.capt[s]; c != nil {
+		return c.workspace(bs, s)
+	}
 	if w := bs.ws[s]; w != nil {
 		return w, nil
 	}
-	n := alignUp(bs.wsSize)
-	p, err := bs.dev.hd.Alloc(n)
+	w, err := bs.alloc(bs.wsSize, "BLAS", s)
 	if err != nil {
-		return nil, fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace for stream %d: %w", n, s.ID(), err)
+		return nil, err
 	}
-	w := &workspace{ptr: p, size: n}
 	bs.ws[s] = w
 	return w, nil
 }
 
-// ltWorkspace returns s's cuBLASLt workspace, grown to at least n bytes.
+// alloc allocates an n-byte workspace (rounded up to 256 bytes) for s.
+func (bs *blasState) alloc(n int, what string, s *Stream) (*workspace, error) {
+	n = alignUp(n)
+	p, err := bs.dev.hd.Alloc(n)
+	if err != nil {
+		return nil, fmt.Errorf("gpuctx: allocating a %d-byte %s workspace for stream %d (size from $%s or the device default): %w", n, what, s.ID(), WorkspaceEnv, err)
+	}
+	return &workspace{ptr: p, size: n}, nil
+}
+
+// ltState is one stream's cuBLASLt workspace.
+type ltState struct {
+	cur    *workspace
+	active int // BlasLt callbacks on the stream in progress
+	// pending: grown out while callbacks were active; one of them may still
+	// queue work with it. Retired (with an event) when the last one returns.
+	pending []*workspace
+}
+
+// retiredWS is a grown-out cuBLASLt workspace: free once ev has completed.
+type retiredWS struct {
+	w  *workspace
+	s  *Stream
+	ev hal.Event
+}
+
+// ltWorkspace returns s's cuBLASLt workspace, grown to at least n bytes. It is
+// called only inside a BlasLt callback on s (between ltEnter and ltExit), with
+// s read-locked.
 func (bs *blasState) ltWorkspace(s *Stream, n int) (*workspace, error) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	w := bs.ltWS[s]
-	if w != nil && w.size >= n {
-		return w, nil
+	if c := bs.capt[s]; c != nil {
+		return c.ltWorkspace(bs, s, n)
 	}
-	n = alignUp(max(n, bs.wsSize))
-	p, err := bs.dev.hd.Alloc(n)
+	st := bs.lt[s]
+	if st == nil {
+		st = &ltState{}
+		bs.lt[s] = st
+	}
+	if st.cur != nil && st.cur.size >= n {
+		return st.cur, nil
+	}
+	w, err := bs.alloc(max(n, bs.wsSize), "cuBLASLt", s)
 	if err != nil {
-		return nil, fmt.Errorf("gpuctx: allocating a %d-byte cuBLASLt workspace for stream %d: %w", n, s.ID(), err)
+		return nil, err
 	}
-	if w != nil {
-		// Work already queued on s may still use the old one: keep it until Close.
-		bs.retired = append(bs.retired, w)
+	if st.cur != nil {
+		// Work queued on s, or about to be queued by a callback in progress,
+		// may still use the old one: retire it when the callbacks are done.
+		st.pending = append(st.pending, st.cur)
 	}
-	w = &workspace{ptr: p, size: n}
-	bs.ltWS[s] = w
+	st.cur = w
 	return w, nil
+}
+
+// ltEnter notes a BlasLt callback on s starting.
+func (bs *blasState) ltEnter(s *Stream) {
+	bs.mu.Lock()
+	st := bs.lt[s]
+	if st == nil && s.isClosed() { // streamClosed may have run: keep no entry for s
+		bs.mu.Unlock()
+		return
+	}
+	if st == nil {
+		st = &ltState{}
+		bs.lt[s] = st
+	}
+	st.active++
+	bs.mu.Unlock()
+}
+
+// ltExit notes a BlasLt callback on s returning. When it was the last one, the
+// workspaces grown out meanwhile can be used by nothing queued after now: an
+// event recorded on s marks when they are free. It also frees retired
+// workspaces whose event has completed.
+func (bs *blasState) ltExit(s *Stream) error {
+	bs.mu.Lock()
+	st := bs.lt[s]
+	var pending []*workspace
+	if st != nil {
+		st.active--
+		if st.active == 0 && bs.capt[s] == nil { // an event recorded in a capture would not mark s's eager work
+			pending, st.pending = st.pending, nil
+		}
+	}
+	bs.mu.Unlock()
+	var errs []error
+	if len(pending) > 0 {
+		if err := bs.retire(s, pending); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(append(errs, bs.sweep(false))...)
+}
+
+// retire records an event on s after which ws are unused and queues them to be
+// freed when it completes.
+func (bs *blasState) retire(s *Stream, ws []*workspace) error {
+	ev, err := bs.dev.hd.NewEvent(false)
+	if err == nil {
+		var unlock func()
+		if unlock, err = s.use("BlasLt"); err == nil {
+			err = ev.Record(s.hs)
+			unlock()
+		}
+		if err != nil {
+			_ = ev.Destroy()
+		}
+	}
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	if err != nil {
+		if st := bs.lt[s]; st != nil {
+			// s is closing (or the event failed): streamClosed frees them after
+			// synchronising s, or a later callback retires them again.
+			st.pending = append(st.pending, ws...)
+			return nil
+		}
+		// streamClosed already ran: s has no work left.
+		var errs []error
+		for _, w := range ws {
+			errs = append(errs, w.free(bs.dev))
+		}
+		return errors.Join(errs...)
+	}
+	for _, w := range ws {
+		bs.retired = append(bs.retired, retiredWS{w: w, s: s, ev: ev})
+	}
+	return nil
+}
+
+// sweep frees retired workspaces whose event has completed (all of them when
+// all is set: the device is idle).
+func (bs *blasState) sweep(all bool) error {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	if len(bs.retired) == 0 {
+		return nil
+	}
+	var errs []error
+	keep := bs.retired[:0]
+	done := map[hal.Event]bool{}
+	for _, r := range bs.retired {
+		ok, seen := done[r.ev]
+		if !seen {
+			ok = all
+			if !ok {
+				q, err := r.ev.Query()
+				ok = err == nil && q
+			}
+			done[r.ev] = ok
+		}
+		if ok {
+			errs = append(errs, r.w.free(bs.dev))
+		} else {
+			keep = append(keep, r)
+		}
+	}
+	for ev, ok := range done {
+		if ok {
+			errs = append(errs, ev.Destroy())
+		}
+	}
+	clear(bs.retired[len(keep):])
+	bs.retired = keep
+	return errors.Join(errs...)
 }
 
 // streamClosed frees s's workspaces; s's work has completed.
 func (bs *blasState) streamClosed(s *Stream) error {
 	bs.mu.Lock()
-	w, lw := bs.ws[s], bs.ltWS[s]
+	w, lt := bs.ws[s], bs.lt[s]
 	delete(bs.ws, s)
-	delete(bs.ltWS, s)
+	delete(bs.lt, s)
+	var capWS []*workspace
+	if c := bs.capt[s]; c != nil {
+		delete(bs.capt, s)
+		if c.origin == s { // the capture can never end: nothing will own its workspaces
+			capWS = c.takeAll(bs)
+		}
+	}
+	bs.epoch.Add(1)
 	bs.mu.Unlock()
 	var errs []error
 	if w != nil {
 		errs = append(errs, w.free(bs.dev))
 	}
-	if lw != nil {
-		errs = append(errs, lw.free(bs.dev))
+	if lt != nil {
+		if lt.cur != nil {
+			errs = append(errs, lt.cur.free(bs.dev))
+		}
+		for _, w := range lt.pending {
+			errs = append(errs, w.free(bs.dev))
+		}
 	}
-	return errors.Join(errs...)
+	for _, w := range capWS {
+		errs = append(errs, w.free(bs.dev))
+	}
+	// s has no work left: its retired workspaces' events have completed.
+	return errors.Join(append(errs, bs.sweep(false))...)
 }
 
 func (bs *blasState) close() error {
 	bs.mu.Lock()
-	bs.closed = true
-	var slots []*slot
-	for f := range bs.pools {
-		slots = append(slots, bs.slots(Flavour(f))...)
-		bs.pools[f].Store(nil)
+	if bs.closed {
+		bs.mu.Unlock()
+		return nil
 	}
-	ws := append([]*workspace{}, bs.retired...)
+	bs.closed = true
+	close(bs.done) // first: no slot is added to a pool after this (see acquire)
+	var slots []*slot
+	for u := range bs.pools {
+		for f := range bs.pools[u] {
+			p := &bs.pools[u][f]
+			p.mu.Lock()
+			slots = append(slots, p.all()...)
+			p.slots.Store(nil)
+			p.mu.Unlock()
+		}
+	}
+	var ws []*workspace
 	for _, w := range bs.ws {
 		ws = append(ws, w)
 	}
-	for _, w := range bs.ltWS {
-		ws = append(ws, w)
+	for _, st := range bs.lt {
+		if st.cur != nil {
+			ws = append(ws, st.cur)
+		}
+		ws = append(ws, st.pending...)
 	}
-	bs.ws, bs.ltWS, bs.retired = map[*Stream]*workspace{}, map[*Stream]*workspace{}, nil
-	bs.cond.Broadcast()
+	for _, c := range bs.capt {
+		ws = append(ws, c.takeAll(bs)...)
+	}
+	bs.ws, bs.lt, bs.capt, bs.evCapt = map[*Stream]*workspace{}, map[*Stream]*ltState{}, map[*Stream]*capture{}, map[*Event]*capture{}
 	bs.mu.Unlock()
-	var errs []error
+	errs := []error{bs.sweep(true)} // the device is idle (Device.Close synchronised it)
 	for _, sl := range slots {
 		sl.mu.Lock()
 		errs = append(errs, sl.destroy(bs.dev))
@@ -501,7 +724,7 @@ func (c *Context) newSlot(f Flavour) (*slot, error) {
 		p, err := d.hd.Alloc(n)
 		if err != nil {
 			_ = sl.destroy(d)
-			return nil, err
+			return nil, fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace (size from $%s or the device default): %w", n, WorkspaceEnv, err)
 		}
 		sl.ownWS = &workspace{ptr: p, size: n}
 		sl.sharedWS = true
@@ -510,56 +733,217 @@ func (c *Context) newSlot(f Flavour) (*slot, error) {
 	return sl, nil
 }
 
+// pool is the handles of one flavour on one device. A token semaphore bounds
+// the number of handles held at once by the pool's limit; holding a token
+// guarantees that a free handle exists or may be created. Waiting is on a
+// per-waiter channel that is closed to hand it a token, so a wakeup cannot be
+// lost: a releaser adds its token and then looks for waiters; a waiter
+// registers and then looks for tokens; with sequentially consistent atomics at
+// least one of the two sees the other. The fast path is one CAS for the token,
+// a TryLock scan of the copy-on-write slot slice and one atomic add to release.
+type pool struct {
+	slots atomic.Pointer[[]*slot] // copy-on-write; appended under mu
+	avail atomic.Int64            // free tokens (negative after the limit was lowered)
+	nwait atomic.Int64            // len(waiters), readable without mu
+
+	mu       sync.Mutex
+	waiters  []chan struct{} // FIFO; closed to hand the waiter a token
+	creating int             // handles being created
+}
+
+// all returns the pool's slots (never modified in place).
+func (p *pool) all() []*slot {
+	if s := p.slots.Load(); s != nil {
+		return *s
+	}
+	return nil
+}
+
+// tryTake takes a token if one is free.
+func (p *pool) tryTake() bool {
+	for {
+		n := p.avail.Load()
+		if n <= 0 {
+			return false
+		}
+		if p.avail.CompareAndSwap(n, n-1) {
+			return true
+		}
+	}
+}
+
+// testHookBeforeWait, set by tests only, runs when a caller has found no free
+// handle and is about to wait for one: the window of a lost wakeup.
+var testHookBeforeWait func()
+
+// take takes a token, waiting for one; it fails once done is closed.
+func (p *pool) take(done <-chan struct{}) (waited bool, err error) {
+	if p.tryTake() {
+		return false, nil
+	}
+	if testHookBeforeWait != nil {
+		testHookBeforeWait()
+	}
+	p.mu.Lock()
+	ch := make(chan struct{})
+	p.waiters = append(p.waiters, ch)
+	p.nwait.Add(1)
+	// Registered: a release from now on sees nwait > 0 and hands out tokens
+	// under mu. Look again for a token released before we registered.
+	if p.tryTake() {
+		p.unwait(ch)
+		p.mu.Unlock()
+		return false, nil
+	}
+	p.mu.Unlock()
+	select {
+	case <-ch:
+		return true, nil
+	case <-done:
+		p.mu.Lock()
+		if p.unwait(ch) {
+			p.mu.Unlock()
+		} else { // handed a token as done closed: give it back
+			p.mu.Unlock()
+			p.give()
+		}
+		return true, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
+	}
+}
+
+// unwait removes ch from the waiters (p.mu held) and reports whether it was
+// there (false: a token was handed to it).
+func (p *pool) unwait(ch chan struct{}) bool {
+	for i, w := range p.waiters {
+		if w == ch {
+			p.waiters = append(p.waiters[:i], p.waiters[i+1:]...)
+			p.nwait.Add(-1)
+			return true
+		}
+	}
+	return false
+}
+
+// give returns a token and hands free tokens to waiters, oldest first.
+func (p *pool) give() {
+	p.avail.Add(1)
+	if p.nwait.Load() > 0 {
+		p.handOff()
+	}
+}
+
+func (p *pool) handOff() {
+	p.mu.Lock()
+	for len(p.waiters) > 0 && p.tryTake() {
+		close(p.waiters[0])
+		p.waiters = p.waiters[1:]
+		p.nwait.Add(-1)
+	}
+	p.mu.Unlock()
+}
+
+// setLimit changes the per-flavour limit of every pool, adjusting free tokens
+// by the difference.
+func (bs *blasState) setLimit(n int) {
+	old := bs.maxSlots.Swap(int32(n))
+	for u := range bs.pools {
+		for f := range bs.pools[u] {
+			p := &bs.pools[u][f]
+			p.avail.Add(int64(n) - int64(old))
+			p.handOff()
+		}
+	}
+}
+
 // acquire returns a slot of flavour f locked for the caller, preferring one bound
-// to s. The caller must call c.release(sl). The pooled fast path takes no pool
-// lock: it scans a copy-on-write slice of slots and TryLocks them.
+// to s. The caller must call c.release(sl). The pooled fast path takes no lock:
+// a token CAS, then a TryLock scan of a copy-on-write slice of slots.
 func (c *Context) acquire(f Flavour, s *Stream) (*slot, error) {
 	if c.opts.Policy == SharedHandle {
 		return c.acquireShared(f)
 	}
 	bs := &c.dev.blas
-	if sl := bs.tryPick(f, s, c.opts.UnsafeSharedWorkspace); sl != nil {
-		return sl, nil
-	}
+	p := bs.pool(f, c.opts.UnsafeSharedWorkspace)
 	var waitStart time.Time
-	bs.mu.Lock()
-	for {
-		if bs.closed {
-			bs.mu.Unlock()
-			return nil, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
+	if !p.tryTake() {
+		waitStart = time.Now()
+		waited, err := p.take(bs.done)
+		if err != nil {
+			return nil, err
 		}
-		if sl := bs.tryPick(f, s, c.opts.UnsafeSharedWorkspace); sl != nil {
-			bs.mu.Unlock()
+		if waited {
+			c.waits.Add(1)
+		} else {
+			waitStart = time.Time{}
+		}
+	}
+	// We hold a token: at most limit-1 other callers hold a slot, so a free
+	// slot exists or the pool may grow.
+	for {
+		if sl := p.pickBound(s); sl != nil {
 			c.noteWait(waitStart)
 			return sl, nil
 		}
-		if n := len(bs.slots(f)) + int(bs.creating[f].Load()); n < int(bs.maxSlots.Load()) {
-			bs.creating[f].Add(1)
-			bs.mu.Unlock()
+		p.mu.Lock()
+		if bs.isClosed() {
+			p.mu.Unlock()
+			p.give()
+			return nil, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
+		}
+		if len(p.all())+p.creating < int(bs.maxSlots.Load()) {
+			// A new handle is better than a rebind while under the limit.
+			p.creating++
+			p.mu.Unlock()
 			sl, err := c.newSlot(f)
-			bs.mu.Lock()
-			bs.creating[f].Add(-1)
+			p.mu.Lock()
+			p.creating--
+			if err == nil && bs.isClosed() {
+				err = errors.Join(fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed), sl.destroy(c.dev))
+			}
 			if err != nil {
-				bs.cond.Broadcast()
-				bs.mu.Unlock()
+				p.mu.Unlock()
+				p.give()
 				return nil, err
 			}
 			sl.mu.Lock() // new and unpublished: uncontended
-			old := bs.slots(f)
+			old := p.all()
 			grown := append(old[:len(old):len(old)], sl)
-			bs.pools[f].Store(&grown)
-			bs.mu.Unlock()
+			p.slots.Store(&grown)
+			p.mu.Unlock()
 			c.noteWait(waitStart)
 			return sl, nil
 		}
-		if waitStart.IsZero() {
-			waitStart = time.Now()
-			c.waits.Add(1)
+		p.mu.Unlock()
+		if sl := p.pickAny(); sl != nil {
+			c.noteWait(waitStart)
+			return sl, nil
 		}
-		bs.waiters.Add(1)
-		bs.cond.Wait()
-		bs.waiters.Add(-1)
+		// Another token holder's scan has the free slot locked for a moment.
+		runtime.Gosched()
 	}
+}
+
+// isClosed reports whether s has been closed.
+func (s *Stream) isClosed() bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.closed
+}
+
+func (bs *blasState) isClosed() bool {
+	select {
+	case <-bs.done:
+		return true
+	default:
+		return false
+	}
+}
+
+func (bs *blasState) pool(f Flavour, unsafeWS bool) *pool {
+	if unsafeWS {
+		return &bs.pools[1][f]
+	}
+	return &bs.pools[0][f]
 }
 
 func (c *Context) noteWait(start time.Time) {
@@ -568,33 +952,35 @@ func (c *Context) noteWait(start time.Time) {
 	}
 }
 
-// slots returns the current pool of flavour f (never modified in place).
-func (bs *blasState) slots(f Flavour) []*slot {
-	if p := bs.pools[f].Load(); p != nil {
-		return *p
-	}
-	return nil
-}
-
-// tryPick locks and returns a free slot, one bound to s if there is one.
-func (bs *blasState) tryPick(f Flavour, s *Stream, unsafeWS bool) *slot {
-	pool := bs.slots(f)
+// pickBound locks and returns a free slot bound to s, or nil.
+func (p *pool) pickBound(s *Stream) *slot {
 	id := s.ID()
-	for _, sl := range pool {
-		if sl.boundID.Load() == id && sl.sharedWS == unsafeWS && sl.mu.TryLock() {
+	for _, sl := range p.all() {
+		if sl.boundID.Load() == id && sl.mu.TryLock() {
 			if sl.boundID.Load() == id {
 				return sl
 			}
 			sl.mu.Unlock()
 		}
 	}
-	// No free slot bound to s: a new one is better than a rebind while the pool
-	// is under its limit; the caller creates it. Rebind only at the limit.
-	if len(pool)+int(bs.creating[f].Load()) < int(bs.maxSlots.Load()) {
-		return nil
+	return nil
+}
+
+// pickAny locks and returns a free slot to rebind, or nil: first one bound to no
+// stream or to a closed one (rebinding it takes no live stream's handle), then
+// any.
+func (p *pool) pickAny() *slot {
+	all := p.all()
+	for _, sl := range all {
+		if sl.mu.TryLock() {
+			if sl.bound == nil || sl.bound.isClosed() {
+				return sl
+			}
+			sl.mu.Unlock()
+		}
 	}
-	for _, sl := range pool {
-		if sl.sharedWS == unsafeWS && sl.mu.TryLock() {
+	for _, sl := range all {
+		if sl.mu.TryLock() {
 			return sl
 		}
 	}
@@ -632,32 +1018,45 @@ func (c *Context) acquireShared(f Flavour) (*slot, error) {
 	return sl, nil
 }
 
+// release unlocks sl and returns the caller's token to its pool.
 func (c *Context) release(sl *slot) {
 	sl.mu.Unlock()
 	if c.opts.Policy == SharedHandle {
 		return
 	}
-	if bs := &c.dev.blas; bs.waiters.Load() > 0 {
-		bs.mu.Lock()
-		bs.cond.Broadcast()
-		bs.mu.Unlock()
-	}
+	c.dev.blas.pool(sl.flavour, sl.sharedWS).give()
 }
 
 // bind makes sl's handle run on s with s's workspace: cublasSetStream only when
 // the bound stream differs (lazy), then the workspace again after every bind
 // because cublasSetStream resets it. s is passed in, read once by the caller.
+// The fast path (bound to s, s's workspace applied, and no stream closed or
+// capture begun or ended since) reads one atomic; otherwise bind read-locks s
+// for the bind, so that s cannot close meanwhile, and fails with ErrClosed if it
+// is closed: a closed stream never gets a handle or a fresh workspace.
 func (c *Context) bind(sl *slot, s *Stream) error {
-	if sl.blas == nil {
-		return nil // cuBLASLt takes the stream per call
-	}
-	if sl.bound == s && sl.applied != nil && sl.ownWS == nil {
+	bs := &c.dev.blas
+	epoch := bs.epoch.Load()
+	if sl.blas != nil && sl.bound == s && sl.applied != nil && sl.ownWS == nil && sl.epoch == epoch {
 		return nil // fast path: bound to s with s's workspace applied
+	}
+	unlock, err := s.use("Context BLAS callback")
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if sl.blas == nil {
+		// cuBLASLt takes the stream with each call; record it so that the pool
+		// hands this slot to s again rather than making another.
+		if sl.bound != s {
+			sl.bound = s
+			sl.boundID.Store(s.ID())
+		}
+		return nil
 	}
 	ws := sl.ownWS
 	if ws == nil {
-		var err error
-		if ws, err = c.dev.blas.workspaceFor(s); err != nil {
+		if ws, err = bs.workspaceFor(s); err != nil {
 			return err
 		}
 	}
@@ -676,11 +1075,13 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 	}
 	if sl.applied != ws {
 		if err := sl.blas.SetWorkspace(ws.ptr, ws.size); err != nil {
+			sl.applied = nil
 			return fmt.Errorf("gpuctx: applying the %d-byte workspace of stream %d: %w", ws.size, s.ID(), err)
 		}
 		c.applies.Add(1)
 		sl.applied = ws
 	}
+	sl.epoch = epoch
 	return nil
 }
 
@@ -688,7 +1089,10 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 // stream (read once, when Blas starts). Every call made through h inside fn is
 // queued on that stream; Blas does not wait for the work to finish. The handle's
 // lock is held until fn returns (or panics), so no other goroutine can rebind it
-// in between; h is unusable after fn returns. Blas returns fn's error.
+// in between; h is unusable after fn returns. Blas waits for no device work; it
+// may wait on the host for a free pooled handle (bounded by the pool limit). On a
+// closed stream it returns an error wrapping ErrClosed without running fn.
+// Blas returns fn's error.
 func (c *Context) Blas(fn func(h Blas) error) error { return c.BlasFlavour(Default, fn) }
 
 // BlasFlavour is Blas with a chosen math flavour (Default, TensorOp, TF32).
@@ -717,10 +1121,14 @@ func (c *Context) BlasFlavour(f Flavour, fn func(h Blas) error) (err error) {
 }
 
 // BlasLt runs fn with a cuBLASLt handle for the Context's current stream (read
-// once). Matmuls made through lt are queued on that stream with its persistent,
-// grow-only workspace (freed when the stream or device closes). Lock and
-// lifetime rules are those of Blas.
-func (c *Context) BlasLt(fn func(lt BlasLt) error) error {
+// once, when BlasLt starts). Matmuls made through lt are queued on that stream
+// with its persistent, grow-only workspace (a workspace grown out by Reserve is
+// freed once the stream has passed the work queued with it; the current one
+// when the stream or device closes; during a capture, the graph's own). BlasLt
+// waits for no device work; it may wait on the host for a free handle. Lock and
+// lifetime rules are those of Blas; on a closed stream it returns ErrClosed
+// without running fn.
+func (c *Context) BlasLt(fn func(lt BlasLt) error) (err error) {
 	if err := c.check("Context.BlasLt"); err != nil {
 		return err
 	}
@@ -730,6 +1138,16 @@ func (c *Context) BlasLt(fn func(lt BlasLt) error) error {
 		return err
 	}
 	defer c.release(sl)
+	if err := c.bind(sl, s); err != nil {
+		return err
+	}
+	bs := &c.dev.blas
+	bs.ltEnter(s)
+	defer func() {
+		if e := bs.ltExit(s); err == nil && e != nil {
+			err = e
+		}
+	}()
 	gen := sl.lend(c, s)
 	defer sl.expire()
 	return fn(BlasLt{sl: sl, gen: gen})

@@ -5,12 +5,15 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"runtime"
 	"sync"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/blas"
+	"github.com/gpuctx/gpuctx/half"
 )
 
 // blasDevices returns the CPU device and, where one works, the first CUDA
@@ -225,8 +228,8 @@ func TestContextSwitchesStreams(t *testing.T) {
 					a, b := randF32(r, m*k), randF32(r, k*n)
 					aDev, bDev, cDev := upload(t, d, a), upload(t, d, b), poison(t, d, m*n)
 					err := ctx.Blas(func(h gpuctx.Blas) error {
-						if h.Stream() != cur {
-							return fmt.Errorf("iteration %d: handle bound to stream %d, want %d", i, h.Stream().ID(), cur.ID())
+						if err := checkBinding(h, cur); err != nil {
+							return fmt.Errorf("iteration %d: %w", i, err)
 						}
 						return h.Gemm(gpuctx.Gemm{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k, Alpha: 1,
 							A: aDev, B: bDev, C: cDev, AB: gpuctx.F32, CType: gpuctx.F32})
@@ -651,4 +654,427 @@ func TestHandleSharedByGoroutinesInsideCallback(t *testing.T) {
 			t.Fatalf("an expired handle wrote C: %v", v[0])
 		}
 	})
+}
+
+// An out-of-range or malformed $GPUCTX_MAX_BLAS_HANDLES or $GPUCTX_BLAS_WORKSPACE
+// is an error that names the variable and the accepted range, not a silent
+// default (2^31 used to truncate to a negative limit: every callback waited).
+func TestEnvLimitsAreChecked(t *testing.T) {
+	for _, tc := range []struct{ name, value, rng string }{
+		{gpuctx.MaxHandlesEnv, "2147483648", "[1, 1048576]"},
+		{gpuctx.MaxHandlesEnv, "4294967296", "[1, 1048576]"},
+		{gpuctx.MaxHandlesEnv, "0", "[1, 1048576]"},
+		{gpuctx.MaxHandlesEnv, "-3", "[1, 1048576]"},
+		{gpuctx.MaxHandlesEnv, "sixteen", "[1, 1048576]"},
+		{gpuctx.WorkspaceEnv, "0", "[1, 4294967296]"},
+		{gpuctx.WorkspaceEnv, "8589934592", "[1, 4294967296]"},
+		{gpuctx.WorkspaceEnv, "32MiB", "[1, 4294967296]"},
+	} {
+		t.Run(tc.name+"="+tc.value, func(t *testing.T) {
+			t.Setenv(tc.name, tc.value)
+			d := openDevice(t, "cpu")
+			c, err := d.NewContext(gpuctx.ContextOptions{})
+			if err == nil {
+				_ = c.Close()
+				t.Fatalf("NewContext succeeded with %s=%s", tc.name, tc.value)
+			}
+			if !errors.Is(err, gpuctx.ErrInvalid) || !contains(err.Error(), tc.name) || !contains(err.Error(), tc.rng) {
+				t.Errorf("error %q: want ErrInvalid naming %s and the range %s", err, tc.name, tc.rng)
+			}
+		})
+	}
+	t.Run("valid", func(t *testing.T) {
+		t.Setenv(gpuctx.MaxHandlesEnv, "3")
+		t.Setenv(gpuctx.WorkspaceEnv, "65536")
+		d := openDevice(t, "cpu")
+		c := newContext(t, d, gpuctx.ContextOptions{})
+		if err := c.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+			t.Fatal(err)
+		}
+		if got := d.WorkspaceBytes(); got != 65536 {
+			t.Errorf("WorkspaceBytes = %d, want 65536", got)
+		}
+	})
+}
+
+// A callback on a closed stream is an ErrClosed error: it neither rebinds a
+// handle to the stream nor allocates it a fresh workspace (which used to live
+// until the device closed).
+func TestCallbackOnClosedStream(t *testing.T) {
+	d := openDevice(t, "cpu")
+	s := newStream(t, d)
+	ctx := newContext(t, d, gpuctx.ContextOptions{Stream: s})
+	if err := ctx.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if n, _, _ := gpuctx.WorkspaceCounts(d); n != 1 {
+		t.Fatalf("%d workspaces after one callback, want 1", n)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n, _, _ := gpuctx.WorkspaceCounts(d); n != 0 {
+		t.Fatalf("%d workspaces after closing the stream, want 0", n)
+	}
+	ran := false
+	err := ctx.Blas(func(gpuctx.Blas) error { ran = true; return nil })
+	if !errors.Is(err, gpuctx.ErrClosed) || ran {
+		t.Errorf("Blas on a closed stream: err %v, callback ran %v; want ErrClosed and not run", err, ran)
+	}
+	err = ctx.BlasLt(func(gpuctx.BlasLt) error { ran = true; return nil })
+	if !errors.Is(err, gpuctx.ErrClosed) || ran {
+		t.Errorf("BlasLt on a closed stream: err %v, callback ran %v; want ErrClosed and not run", err, ran)
+	}
+	if n, lt, _ := gpuctx.WorkspaceCounts(d); n != 0 || lt != 0 {
+		t.Errorf("%d workspaces, %d Lt workspaces after callbacks on a closed stream, want 0", n, lt)
+	}
+}
+
+// Sequential BlasLt callbacks on one stream reuse one cuBLASLt handle (its slot
+// records the stream): they used to make a new handle each time up to the limit.
+func TestBlasLtReusesHandleOnOneStream(t *testing.T) {
+	d := openDevice(t, "cpu")
+	ctx := newContext(t, d, gpuctx.ContextOptions{})
+	for range 20 {
+		if err := ctx.BlasLt(func(gpuctx.BlasLt) error { return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := ctx.Stats().HandlesCreated; n != 1 {
+		t.Errorf("20 sequential BlasLt callbacks on one stream made %d handles, want 1", n)
+	}
+}
+
+// With the pool full of handles bound to closed streams, live streams take
+// those first: each live stream binds once and keeps its handle, instead of
+// taking one another's handles round after round.
+func TestPoolPrefersHandlesOfClosedStreams(t *testing.T) {
+	d := openDevice(t, "cpu")
+	ctx := newContext(t, d, gpuctx.ContextOptions{})
+	for range gpuctx.DefaultMaxHandles {
+		s := newStream(t, d)
+		v, err := ctx.WithStream(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := v.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := ctx.Stats().HandlesCreated; n != gpuctx.DefaultMaxHandles {
+		t.Fatalf("made %d handles, want the pool full (%d)", n, gpuctx.DefaultMaxHandles)
+	}
+	before := ctx.Stats().Rebinds
+	const live = 9
+	views := make([]*gpuctx.Context, live)
+	for i := range views {
+		v, err := ctx.WithStream(newStream(t, d))
+		if err != nil {
+			t.Fatal(err)
+		}
+		views[i] = v
+	}
+	for range 20 {
+		for _, v := range views {
+			if err := v.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if got := ctx.Stats().Rebinds - before; got != live {
+		t.Errorf("%d live streams x 20 rounds made %d rebinds, want %d (one per stream)", live, got, live)
+	}
+}
+
+// cuBLASLt workspaces grown out by Reserve are freed once the stream has passed
+// the work that may use them (they used to be kept until the device closed),
+// and the work queued with them still computes the right result.
+func TestLtRetiredWorkspacesAreFreed(t *testing.T) {
+	d := openDevice(t, "cpu")
+	r := rand.New(rand.NewPCG(31, 32))
+	const m, n, k = 32, 32, 2048 // split-K on the CPU backend: the workspace is read
+	av, bv := randF32(r, m*k), randF32(r, k*n)
+	a, b := upload(t, d, av), upload(t, d, bv)
+	cs := []*gpuctx.Buffer{poison(t, d, m*n), poison(t, d, m*n), poison(t, d, m*n)}
+	s := newStream(t, d)
+	ctx := newContext(t, d, gpuctx.ContextOptions{Stream: s})
+	ws := d.WorkspaceBytes()
+	err := ctx.BlasLt(func(lt gpuctx.BlasLt) error {
+		for i, c := range cs {
+			if i > 0 {
+				if err := lt.Reserve(ws << i); err != nil {
+					return err
+				}
+			}
+			if err := lt.Matmul(gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: a, B: b, C: c, AB: gpuctx.F32, CType: gpuctx.F32}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	want := refGemm(gpuctx.RowMajor, false, false, m, n, k, av, bv)
+	for i, c := range cs {
+		checkClose(t, fmt.Sprintf("matmul %d", i), download(t, c), want, 1e-4)
+	}
+	if err := ctx.BlasLt(func(gpuctx.BlasLt) error { return nil }); err != nil { // frees what has completed
+		t.Fatal(err)
+	}
+	if _, lt, retired := gpuctx.WorkspaceCounts(d); lt != 1 || retired != 0 {
+		t.Errorf("%d Lt workspaces and %d retired ones after the stream passed its work, want 1 and 0", lt, retired)
+	}
+}
+
+// Native on a handle kept past its callback checks the lease like every other
+// method: it used to read the slot while Context.Close destroyed it (a data
+// race under -race).
+func TestNativeChecksLease(t *testing.T) {
+	d := openDevice(t, "cpu")
+	for range 50 {
+		ctx, err := d.NewContext(gpuctx.ContextOptions{Policy: gpuctx.SharedHandle})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var kept gpuctx.Blas
+		if err := ctx.Blas(func(h gpuctx.Blas) error { kept = h; _ = h.Native(); return nil }); err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		wg.Go(func() { _ = ctx.Close() })
+		if kept.Native() {
+			t.Error("an expired handle reports a native grouped GEMM")
+		}
+		wg.Wait()
+	}
+}
+
+// checkBinding checks, inside a callback, what the library handle itself holds
+// (CPU backend; nothing to check on CUDA): bound to want, with want's own
+// workspace applied (cuBLAS's set-stream resets the workspace, and the CPU
+// handle models that, so a skipped re-apply shows here). h.Stream() is only the
+// Context's record and must agree.
+func checkBinding(h gpuctx.Blas, want *gpuctx.Stream) error {
+	if h.Stream() != want {
+		return fmt.Errorf("handle lent for stream %v, want %d", h.Stream(), want.ID())
+	}
+	id, ws, n, ok := gpuctx.HandleBinding(h)
+	if !ok {
+		return nil
+	}
+	if id != want.ID() {
+		return fmt.Errorf("library handle bound to stream %d, want %d", id, want.ID())
+	}
+	wp, wn := gpuctx.StreamWorkspace(want)
+	if ws != wp || n != wn || ws == 0 {
+		return fmt.Errorf("library handle holds workspace [%#x, +%d), want stream %d's [%#x, +%d)", ws, n, want.ID(), wp, wn)
+	}
+	return nil
+}
+
+// SetStream racing callbacks: every callback's handle is bound (as the library
+// holds it) to the stream its h.Stream() reports, with that stream's workspace.
+// A Context that read its current stream twice (once to bind, once to lend)
+// would be caught here.
+func TestSetStreamRacesCallbacks(t *testing.T) {
+	for _, pol := range []gpuctx.HandlePolicy{gpuctx.SharedHandle, gpuctx.PooledHandles} {
+		t.Run(pol.String(), func(t *testing.T) {
+			d := openDevice(t, "cpu")
+			ss := []*gpuctx.Stream{newStream(t, d), newStream(t, d), newStream(t, d)}
+			ctx := newContext(t, d, gpuctx.ContextOptions{Stream: ss[0], Policy: pol})
+			stop := make(chan struct{})
+			within(t, 60*time.Second, "SetStream against callbacks", func() {
+				var flips sync.WaitGroup
+				flips.Go(func() {
+					for i := 0; ; i++ {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						if _, err := ctx.SetStream(ss[i%len(ss)]); err != nil {
+							t.Error(err)
+							return
+						}
+					}
+				})
+				var wg sync.WaitGroup
+				for range 4 {
+					wg.Go(func() {
+						for range 500 {
+							err := ctx.Blas(func(h gpuctx.Blas) error {
+								s := h.Stream()
+								if s == nil {
+									return errors.New("nil stream inside the callback")
+								}
+								runtime.Gosched()
+								return checkBinding(h, s)
+							})
+							if err != nil {
+								t.Error(err)
+								return
+							}
+						}
+					})
+				}
+				wg.Wait()
+				close(stop)
+				flips.Wait()
+			})
+		})
+	}
+}
+
+// Every rebind re-applies the stream's workspace: one handle (shared policy, or
+// a pool of one) moved among three streams always holds the current stream's
+// workspace, never the library default that set-stream leaves.
+func TestWorkspaceReappliedAfterEveryRebind(t *testing.T) {
+	d := openDevice(t, "cpu")
+	if err := d.SetBlasHandleLimit(1); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.SetBlasHandleLimit(gpuctx.DefaultMaxHandles) })
+	ss := []*gpuctx.Stream{newStream(t, d), newStream(t, d), newStream(t, d)}
+	for _, pol := range []gpuctx.HandlePolicy{gpuctx.SharedHandle, gpuctx.PooledHandles} {
+		ctx := newContext(t, d, gpuctx.ContextOptions{Stream: ss[0], Policy: pol})
+		for i := range 30 {
+			s := ss[(i*7/3)%len(ss)]
+			if _, err := ctx.SetStream(s); err != nil {
+				t.Fatal(err)
+			}
+			if err := ctx.Blas(func(h gpuctx.Blas) error { return checkBinding(h, s) }); err != nil {
+				t.Fatalf("%v, call %d: %v", pol, i, err)
+			}
+		}
+		if st := ctx.Stats(); st.Rebinds == 0 || st.WorkspaceApplies != st.Binds {
+			t.Errorf("%v: want rebinds, each followed by a workspace application; got %+v", pol, st)
+		}
+	}
+}
+
+// roundTF32 rounds to TF32 (10 mantissa bits), ties to even, as tensor cores do.
+func roundTF32(f float32) float32 {
+	b := math.Float32bits(f)
+	b += 0xfff + (b>>13)&1
+	return math.Float32frombits(b &^ 0x1fff)
+}
+
+// The TF32 flavour computes with TF32-rounded inputs only when the Context
+// allows it; otherwise it is full f32. Checked against references on CPU.
+func TestTF32FlavourResults(t *testing.T) {
+	d := openDevice(t, "cpu")
+	r := rand.New(rand.NewPCG(41, 42))
+	const m, n, k = 16, 24, 64
+	av, bv := randF32(r, m*k), randF32(r, k*n)
+	a, b := upload(t, d, av), upload(t, d, bv)
+	at, bt := make([]float32, len(av)), make([]float32, len(bv))
+	for i, v := range av {
+		at[i] = roundTF32(v)
+	}
+	for i, v := range bv {
+		bt[i] = roundTF32(v)
+	}
+	full := refGemm(gpuctx.RowMajor, false, false, m, n, k, av, bv)
+	tf32 := refGemm(gpuctx.RowMajor, false, false, m, n, k, at, bt)
+	for _, allow := range []bool{false, true} {
+		ctx := newContext(t, d, gpuctx.ContextOptions{AllowTF32: allow})
+		c := poison(t, d, m*n)
+		err := ctx.BlasFlavour(gpuctx.TF32, func(h gpuctx.Blas) error {
+			return h.Gemm(gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: a, B: b, C: c, AB: gpuctx.F32, CType: gpuctx.F32})
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ctx.Stream().Synchronize(); err != nil {
+			t.Fatal(err)
+		}
+		got := download(t, c)
+		want, other := full, tf32
+		if allow {
+			want, other = tf32, full
+		}
+		eWant, eOther := blas.RelErr(to64(got), want), blas.RelErr(to64(got), other)
+		if !(eWant <= 1e-6) || !(eOther > 10*eWant) {
+			t.Errorf("AllowTF32=%v: relative error %.2g against the expected math, %.2g against the other; want the expected one exact and the other clearly off", allow, eWant, eOther)
+		}
+	}
+}
+
+// cuBLASLt matmuls on the CPU backend: f32 and bf16 inputs, f32 output, right
+// results, queued on the callback's stream; closing the stream frees its
+// workspaces (eager and cuBLASLt).
+func TestBlasLtResultsAndStreamCloseFreesWorkspaces(t *testing.T) {
+	d := openDevice(t, "cpu")
+	r := rand.New(rand.NewPCG(43, 44))
+	const m, n, k = 16, 8, 32
+	av, bv := randF32(r, m*k), randF32(r, k*n)
+	s := newStream(t, d)
+	ctx := newContext(t, d, gpuctx.ContextOptions{Stream: s})
+	a, b, c := upload(t, d, av), upload(t, d, bv), poison(t, d, m*n)
+	ab16, bb16 := toBF16(av), toBF16(bv)
+	a16, b16, c2 := uploadBytes(t, d, ab16), uploadBytes(t, d, bb16), poison(t, d, m*n)
+	err := ctx.BlasLt(func(lt gpuctx.BlasLt) error {
+		if lt.Stream() != s {
+			return fmt.Errorf("Lt handle for stream %v, want %d", lt.Stream(), s.ID())
+		}
+		if err := lt.Matmul(gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: a, B: b, C: c, AB: gpuctx.F32, CType: gpuctx.F32}); err != nil {
+			return err
+		}
+		return lt.Matmul(gpuctx.Gemm{M: m, N: n, K: k, Alpha: 1, A: a16, B: b16, C: c2, AB: gpuctx.BF16, CType: gpuctx.F32})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ctx.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	checkClose(t, "lt f32", download(t, c), refGemm(gpuctx.RowMajor, false, false, m, n, k, av, bv), 1e-5)
+	checkClose(t, "lt bf16", download(t, c2), refGemm(gpuctx.RowMajor, false, false, m, n, k, fromBF16(ab16), fromBF16(bb16)), 1e-5)
+	if ws, lt, _ := gpuctx.WorkspaceCounts(d); ws != 1 || lt != 1 {
+		t.Fatalf("%d workspaces and %d Lt workspaces before closing the stream, want 1 and 1", ws, lt)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if ws, lt, retired := gpuctx.WorkspaceCounts(d); ws != 0 || lt != 0 || retired != 0 {
+		t.Errorf("after closing the stream: %d workspaces, %d Lt, %d retired; want none", ws, lt, retired)
+	}
+}
+
+func toBF16(x []float32) []uint16 {
+	out := make([]uint16, len(x))
+	for i, v := range x {
+		out[i] = half.BF16(v)
+	}
+	return out
+}
+
+func fromBF16(x []uint16) []float32 {
+	out := make([]float32, len(x))
+	for i, v := range x {
+		out[i] = half.FromBF16(v)
+	}
+	return out
+}
+
+func uploadBytes(t *testing.T, d *gpuctx.Device, x []uint16) *gpuctx.Buffer {
+	t.Helper()
+	b, err := d.Alloc(2 * len(x))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.CopyFromHost(unsafe.Slice((*byte)(unsafe.Pointer(&x[0])), 2*len(x))); err != nil {
+		t.Fatal(err)
+	}
+	return b
 }

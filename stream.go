@@ -245,7 +245,11 @@ func (s *Stream) Wait(e *Event) error {
 	if err := e.check(op, s.dev); err != nil {
 		return err
 	}
-	return s.hs.Wait(e.he)
+	if err := s.hs.Wait(e.he); err != nil {
+		return err
+	}
+	s.dev.noteWait(s, e) // joins the capture e was recorded in, if any (graph.go)
+	return nil
 }
 
 // Synchronize blocks the host until all work queued on s so far is done, and
@@ -355,7 +359,11 @@ func (e *Event) Record(s *Stream) error {
 	if err := e.check(op, s.dev); err != nil {
 		return err
 	}
-	return e.he.Record(s.hs)
+	if err := e.he.Record(s.hs); err != nil {
+		return err
+	}
+	s.dev.noteRecord(e, s) // tracks events recorded in a capture (graph.go)
+	return nil
 }
 
 // Synchronize blocks the host until the work e captured is done. An event never

@@ -7,7 +7,9 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/gpuctx/gpuctx"
 )
@@ -165,4 +167,142 @@ func stressWorker(dev *gpuctx.Device, add *gpuctx.Kernel, name string, w, iters 
 		}
 	}
 	return nil
+}
+
+// within runs fn and fails the test if it has not returned after d, printing
+// every goroutine's stack, instead of letting a hang eat the package timeout.
+func within(t *testing.T, d time.Duration, what string, fn func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn()
+	}()
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-done:
+	case <-timer.C:
+		buf := make([]byte, 1<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		t.Fatalf("%s: still running after %v (hang); goroutines:\n%s", what, d, buf)
+	}
+}
+
+// TestPoolNoLostWakeup: with a pool limit of 1 or 2, rounds of goroutines that
+// each make one callback, a round at a time. A release that slips between a
+// waiter's failed look for a free handle and its going to sleep must still wake
+// it: a lost wakeup leaves the last waiter of a round asleep with nobody left to
+// release, and the round's deadline fails the test instead of hanging.
+func TestPoolNoLostWakeup(t *testing.T) {
+	dev := openDevice(t, "cpu")
+	prev := runtime.GOMAXPROCS(max(4, runtime.NumCPU()))
+	t.Cleanup(func() { runtime.GOMAXPROCS(prev) })
+	streams := []*gpuctx.Stream{newStream(t, dev), newStream(t, dev), newStream(t, dev)}
+	ctx := newContext(t, dev, gpuctx.ContextOptions{Stream: streams[0]})
+	rounds := 20000
+	if testing.Short() {
+		rounds = 4000
+	}
+	for _, limit := range []int{1, 2} {
+		t.Run(fmt.Sprintf("limit%d", limit), func(t *testing.T) {
+			if err := dev.SetBlasHandleLimit(limit); err != nil {
+				t.Fatal(err)
+			}
+			views := make([]*gpuctx.Context, 4)
+			for i := range views {
+				v, err := ctx.WithStream(streams[i%len(streams)])
+				if err != nil {
+					t.Fatal(err)
+				}
+				views[i] = v
+			}
+			var calls atomic.Int64
+			within(t, 60*time.Second, "all rounds", func() {
+				for r := range rounds {
+					var wg sync.WaitGroup
+					for g := range limit + 2 {
+						v := views[(r+g)%len(views)]
+						wg.Go(func() {
+							err := v.Blas(func(gpuctx.Blas) error {
+								if g%2 == 0 {
+									runtime.Gosched()
+								}
+								calls.Add(1)
+								return nil
+							})
+							if err != nil {
+								t.Errorf("round %d: %v", r, err)
+							}
+						})
+					}
+					wg.Wait()
+				}
+			})
+			if want := int64(rounds * (limit + 2)); calls.Load() != want {
+				t.Errorf("%d callbacks ran, want %d", calls.Load(), want)
+			}
+			t.Logf("%d rounds, stats %+v", rounds, ctx.Stats())
+		})
+	}
+	_ = dev.SetBlasHandleLimit(gpuctx.DefaultMaxHandles)
+}
+
+// TestPoolManyGoroutines: 64 goroutines on 8 streams, pool limits 1 and 2, a
+// few hundred callbacks each with a GEMM; every callback completes before the
+// deadline and no handle is ever used by two callbacks at once (the race
+// detector and the handle count check it).
+func TestPoolManyGoroutines(t *testing.T) {
+	dev := openDevice(t, "cpu")
+	streams := make([]*gpuctx.Stream, 8)
+	for i := range streams {
+		streams[i] = newStream(t, dev)
+	}
+	ctx := newContext(t, dev, gpuctx.ContextOptions{Stream: streams[0]})
+	a, err := dev.Alloc(4 * 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := make([]*gpuctx.Buffer, 64) // freed with the device, after its work
+	for i := range cs {
+		if cs[i], err = dev.Alloc(4 * 16); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, limit := range []int{1, 2} {
+		t.Run(fmt.Sprintf("limit%d", limit), func(t *testing.T) {
+			if err := dev.SetBlasHandleLimit(limit); err != nil {
+				t.Fatal(err)
+			}
+			var inside atomic.Int32
+			within(t, 120*time.Second, "64 goroutines", func() {
+				var wg sync.WaitGroup
+				for g := range 64 {
+					v, err := ctx.WithStream(streams[g%len(streams)])
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					c := cs[g]
+					wg.Go(func() {
+						for range 100 {
+							err := v.Blas(func(h gpuctx.Blas) error {
+								if n := inside.Add(1); int(n) > limit {
+									t.Errorf("%d callbacks inside at once with a limit of %d", n, limit)
+								}
+								defer inside.Add(-1)
+								return h.Gemm(gpuctx.Gemm{M: 4, N: 4, K: 4, Alpha: 1, A: a, B: a, C: c, AB: gpuctx.F32, CType: gpuctx.F32})
+							})
+							if err != nil {
+								t.Error(err)
+								return
+							}
+						}
+					})
+				}
+				wg.Wait()
+			})
+		})
+	}
+	_ = dev.SetBlasHandleLimit(gpuctx.DefaultMaxHandles)
 }

@@ -59,6 +59,19 @@ func (h *blasHandle) SetStream(s hal.Stream) error {
 	return nil
 }
 
+// BoundStream returns the stream the handle is bound to (nil: none), as the
+// library holds it (hal.BlasInspector).
+func (h *blasHandle) BoundStream() hal.Stream {
+	if h.stream == nil {
+		return nil
+	}
+	return h.stream
+}
+
+// BoundWorkspace returns the workspace the handle holds ((0, 0): the library
+// default, which SetStream restores, as cublasSetStream does).
+func (h *blasHandle) BoundWorkspace() (hal.Ptr, int) { return h.ws, h.wsSize }
+
 // SetWorkspace makes [p, p+n) the handle's workspace; it must lie inside one
 // live allocation and p must be 256-byte aligned (as cuBLAS requires). p == 0
 // with n == 0 removes the workspace. Operations read it when they are queued.
@@ -618,4 +631,6 @@ func geamT[T float32 | float64 | complex64 | complex128](d *device, g hal.GeamDe
 var (
 	_ hal.BlasHandle = (*blasHandle)(nil)
 	_ hal.LtHandle   = (*ltHandle)(nil)
+
+	_ hal.BlasInspector = (*blasHandle)(nil)
 )

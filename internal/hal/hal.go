@@ -328,6 +328,15 @@ type WorkspaceChecker interface {
 	WorkspaceConflicts() int64
 }
 
+// BlasInspector is implemented by BLAS handles that can report what the
+// library itself holds (the CPU backend): the stream the handle is bound to
+// (nil: none) and its workspace ((0, 0): the library default). Tests use it to
+// check the binding rule against the handle, not against the caller's records.
+type BlasInspector interface {
+	BoundStream() Stream
+	BoundWorkspace() (p Ptr, n int)
+}
+
 // Capturer is implemented by streams that can record their work into a graph
 // (CUDA stream capture) instead of running it. Between BeginCapture and
 // EndCapture, work queued on the stream is recorded, not run; a stream that
