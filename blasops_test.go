@@ -242,3 +242,22 @@ func TestBlasExtentChecks(t *testing.T) {
 		t.Fatalf("a rejected call reached the stream: %v", err)
 	}
 }
+
+// TestAllocOutOfMemory: an absurd allocation on the CPU backend is an error
+// that matches gpuctx.ErrOutOfMemory (as CUDA's is), not a dead process.
+func TestAllocOutOfMemory(t *testing.T) {
+	d := cpuDevice(t)
+	for _, n := range []int{1 << 40, 1 << 50, math.MaxInt} {
+		if b, err := d.Alloc(n); !errors.Is(err, gpuctx.ErrOutOfMemory) {
+			t.Fatalf("Alloc(%d) = %v, %v; want ErrOutOfMemory", n, b, err)
+		}
+		if _, err := d.AllocHost(n); !errors.Is(err, gpuctx.ErrOutOfMemory) {
+			t.Fatalf("AllocHost(%d): %v; want ErrOutOfMemory", n, err)
+		}
+	}
+	if b, err := d.Alloc(1 << 20); err != nil {
+		t.Fatalf("a small Alloc after the failures: %v", err)
+	} else {
+		_ = b.Free()
+	}
+}

@@ -21,9 +21,12 @@ package cpu
 import (
 	"errors"
 	"fmt"
+	"math"
+	"os"
 	"runtime"
 	"runtime/debug"
 	"sort"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -112,6 +115,11 @@ type device struct {
 	hosts   map[uintptr][]byte
 	streams map[uint64]*stream
 
+	// limit is the memory budget of Alloc and AllocHost in bytes (0: none but
+	// the host's); used is what live allocations hold. Both under mu.
+	limit uint64
+	used  uint64
+
 	wsMu      sync.Mutex
 	wsBusy    map[hal.Ptr]*atomic.Uint64 // workspace address -> ID of the stream using it (0: free)
 	conflicts atomic.Int64
@@ -131,6 +139,7 @@ func newDevice(b *backend) *device {
 			SMCount:     runtime.NumCPU(),
 			TotalMemory: total,
 		},
+		limit:   memLimit(total),
 		allocs:  map[hal.Ptr]*allocation{},
 		hosts:   map[uintptr][]byte{},
 		streams: map[uint64]*stream{},
@@ -139,6 +148,44 @@ func newDevice(b *backend) *device {
 }
 
 func memTotal() uint64 { return sysmem.Field("MemTotal") }
+
+// MemoryLimitEnv caps the memory the CPU device lends (bytes; "1e9" and
+// "1073741824" both parse). Unset: the host's MemTotal.
+const MemoryLimitEnv = "GPUCTX_CPU_MEMORY"
+
+func memLimit(total uint64) uint64 {
+	if v := os.Getenv(MemoryLimitEnv); v != "" {
+		if f, err := strconv.ParseFloat(v, 64); err == nil && f >= 1 && f < math.MaxUint64 {
+			return uint64(f)
+		}
+	}
+	return total
+}
+
+// bigAlloc is the size above which Alloc also checks the host's MemAvailable
+// (reading /proc/meminfo costs microseconds; small requests skip it).
+const bigAlloc = 64 << 20
+
+// reserve charges n bytes to the budget or returns an out-of-memory error like
+// CUDA's (wrapping hal.ErrOutOfMemory), so that an absurd request never
+// reaches make, whose failure kills the process. Called with mu held.
+func (d *device) reserve(call string, n int) error {
+	un := uint64(n)
+	if d.limit != 0 && (un > d.limit || d.used > d.limit-un) {
+		return fmt.Errorf("cpu: %s(%d): %w: %d of the device's %d bytes are in use (limit: $%s or the host's MemTotal)",
+			call, n, hal.ErrOutOfMemory, d.used, d.limit, MemoryLimitEnv)
+	}
+	if n > math.MaxInt-256 {
+		return fmt.Errorf("cpu: %s(%d): %w: the request exceeds the address space", call, n, hal.ErrOutOfMemory)
+	}
+	if n >= bigAlloc {
+		if avail := sysmem.Field("MemAvailable"); avail != 0 && un > avail {
+			return fmt.Errorf("cpu: %s(%d): %w: the host has %d bytes available", call, n, hal.ErrOutOfMemory, avail)
+		}
+	}
+	d.used += un
+	return nil
+}
 
 func (d *device) close() error {
 	d.mu.Lock()
@@ -152,6 +199,7 @@ func (d *device) close() error {
 	}
 	d.mu.Lock()
 	d.closed = true
+	d.used = 0
 	d.allocs = map[hal.Ptr]*allocation{}
 	d.sorted = nil
 	d.hosts = map[uintptr][]byte{}
@@ -176,6 +224,16 @@ func (d *device) Alloc(n int) (hal.Ptr, error) {
 	if n <= 0 {
 		return 0, fmt.Errorf("cpu: Alloc(%d): size must be positive", n)
 	}
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return 0, d.errClosed("Alloc")
+	}
+	err := d.reserve("Alloc", n)
+	d.mu.Unlock()
+	if err != nil {
+		return 0, err
+	}
 	raw := make([]byte, n+255)
 	addr := uintptr(unsafe.Pointer(unsafe.SliceData(raw)))
 	off := int((addr+255)&^255 - addr)
@@ -183,6 +241,7 @@ func (d *device) Alloc(n int) (hal.Ptr, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
+		d.used -= uint64(n)
 		return 0, d.errClosed("Alloc")
 	}
 	d.allocs[a.base] = a
@@ -201,6 +260,7 @@ func (d *device) Free(p hal.Ptr) error {
 	if _, ok := d.allocs[p]; !ok {
 		return fmt.Errorf("cpu: Free(%#x): %w (unknown or already freed; pass a pointer returned by Alloc)", uintptr(p), hal.ErrBadPointer)
 	}
+	d.used -= uint64(len(d.allocs[p].buf))
 	delete(d.allocs, p)
 	i := sort.Search(len(d.sorted), func(i int) bool { return d.sorted[i] >= p })
 	d.sorted = append(d.sorted[:i], d.sorted[i+1:]...)
@@ -241,6 +301,16 @@ func (d *device) AllocHost(n int) (unsafe.Pointer, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("cpu: AllocHost(%d): size must be positive", n)
 	}
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return nil, d.errClosed("AllocHost")
+	}
+	err := d.reserve("AllocHost", n)
+	d.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
 	raw := make([]byte, n+255)
 	addr := uintptr(unsafe.Pointer(unsafe.SliceData(raw)))
 	off := int((addr+255)&^255 - addr)
@@ -248,6 +318,7 @@ func (d *device) AllocHost(n int) (unsafe.Pointer, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
+		d.used -= uint64(n)
 		return nil, d.errClosed("AllocHost")
 	}
 	p := unsafe.Pointer(unsafe.SliceData(buf))
@@ -262,6 +333,7 @@ func (d *device) FreeHost(p unsafe.Pointer) error {
 	if _, ok := d.hosts[uintptr(p)]; !ok {
 		return fmt.Errorf("cpu: FreeHost(%p): %w (unknown or already freed; pass a pointer returned by AllocHost)", p, hal.ErrBadPointer)
 	}
+	d.used -= uint64(len(d.hosts[uintptr(p)]))
 	delete(d.hosts, uintptr(p))
 	return nil
 }

@@ -83,6 +83,8 @@ func (e *Error) Is(target error) bool {
 		case cudaErrorNoDevice, cudaErrorStubLibrary, cudaErrorInsufficientDrv, cudaErrorNotInitialized, cudaErrorDeinitialized:
 			return true
 		}
+	case hal.ErrOutOfMemory:
+		return e.Code == cudaErrorOutOfMemory
 	case hal.ErrNoKernel:
 		return e.Code == cudaErrorNotFound && e.Call == "cuModuleGetFunction"
 	}

@@ -18,7 +18,7 @@ func TestCheckFormatsStatus(t *testing.T) {
 		is   []error
 		not  []error
 	}{
-		{"cuMemAlloc_v2", 2, "cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2)", []error{ErrOutOfMemory}, []error{ErrInvalidValue, hal.ErrUnavailable}},
+		{"cuMemAlloc_v2", 2, "cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2)", []error{ErrOutOfMemory, hal.ErrOutOfMemory}, []error{ErrInvalidValue, hal.ErrUnavailable}},
 		{"cuInit", 100, "cuInit: CUDA_ERROR_NO_DEVICE (100)", []error{ErrNoDevice, hal.ErrUnavailable}, []error{ErrOutOfMemory}},
 		{"cuModuleGetFunction", 500, "cuModuleGetFunction: CUDA_ERROR_NOT_FOUND (500)", []error{hal.ErrNoKernel}, nil},
 		{"cuLaunchKernel", 999, "cuLaunchKernel: CUDA_ERROR_UNKNOWN_STATUS (999)", nil, []error{hal.ErrNoKernel, ErrLaunchFailed}},
