@@ -120,6 +120,13 @@ type device struct {
 	limit uint64
 	used  uint64
 
+	// lost holds the first error raised by queued work. Like a sticky CUDA
+	// error (illegal address, launch failure) it poisons the whole device:
+	// every later call on it fails with an error wrapping hal.ErrDeviceLost and
+	// that first failure. Releasing calls (Free, FreeHost, Destroy, Close)
+	// still work so that everything can be cleaned up.
+	lost atomic.Pointer[error]
+
 	wsMu      sync.Mutex
 	wsBusy    map[hal.Ptr]*atomic.Uint64 // workspace address -> ID of the stream using it (0: free)
 	conflicts atomic.Int64
@@ -207,6 +214,22 @@ func (d *device) close() error {
 	return nil
 }
 
+// markLost records err, raised by queued work on stream sid, as the device's
+// first sticky error; later errors are ignored.
+func (d *device) markLost(sid uint64, err error) {
+	e := fmt.Errorf("stream %d: %w", sid, err)
+	d.lost.CompareAndSwap(nil, &e)
+}
+
+// lostErr returns nil, or, once queued work has failed, an error naming call
+// that wraps hal.ErrDeviceLost and the first failure.
+func (d *device) lostErr(call string) error {
+	if p := d.lost.Load(); p != nil {
+		return fmt.Errorf("cpu: %s: %w (every call fails; open a new backend): first failure: %w", call, hal.ErrDeviceLost, *p)
+	}
+	return nil
+}
+
 func (d *device) errClosed(call string) error {
 	return fmt.Errorf("cpu: %s: device is closed; open a new backend with cpu.Open", call)
 }
@@ -221,6 +244,9 @@ func (d *device) PriorityRange() (least, greatest int) { return 0, -5 }
 // Alloc returns n bytes of zeroed host memory posing as device memory, 256-byte
 // aligned, kept alive until Free. Safe for concurrent use.
 func (d *device) Alloc(n int) (hal.Ptr, error) {
+	if err := d.lostErr("Alloc"); err != nil {
+		return 0, err
+	}
 	if n <= 0 {
 		return 0, fmt.Errorf("cpu: Alloc(%d): size must be positive", n)
 	}
@@ -298,6 +324,9 @@ func (d *device) mem(call string, p hal.Ptr, n int, align int) ([]byte, error) {
 // AllocHost returns n bytes of zeroed host memory, 256-byte aligned, kept alive
 // until FreeHost ("pinned" has no meaning on the CPU). Safe for concurrent use.
 func (d *device) AllocHost(n int) (unsafe.Pointer, error) {
+	if err := d.lostErr("AllocHost"); err != nil {
+		return nil, err
+	}
 	if n <= 0 {
 		return nil, fmt.Errorf("cpu: AllocHost(%d): size must be positive", n)
 	}
@@ -355,18 +384,27 @@ func hostBytes(call string, p unsafe.Pointer, n int) ([]byte, error) {
 // CopyHtoD copies n bytes from host memory to the device and returns when done.
 // It runs on the calling goroutine and does not wait for any stream.
 func (d *device) CopyHtoD(dst hal.Ptr, src unsafe.Pointer, n int) error {
+	if err := d.lostErr("CopyHtoD"); err != nil {
+		return err
+	}
 	return runNow(d.copyHtoD("CopyHtoD", dst, src, n))
 }
 
 // CopyDtoH copies n bytes from the device to host memory and returns when done.
 // It runs on the calling goroutine and does not wait for any stream.
 func (d *device) CopyDtoH(dst unsafe.Pointer, src hal.Ptr, n int) error {
+	if err := d.lostErr("CopyDtoH"); err != nil {
+		return err
+	}
 	return runNow(d.copyDtoH("CopyDtoH", dst, src, n))
 }
 
 // CopyDtoD copies n bytes between device ranges (they may overlap) and returns
 // when done. It runs on the calling goroutine and does not wait for any stream.
 func (d *device) CopyDtoD(dst, src hal.Ptr, n int) error {
+	if err := d.lostErr("CopyDtoD"); err != nil {
+		return err
+	}
 	return runNow(d.copyDtoD("CopyDtoD", dst, src, n))
 }
 
@@ -457,6 +495,9 @@ func (d *device) memset(call string, dst hal.Ptr, v byte, n int) (func() error, 
 // NewStream starts a stream: a goroutine that runs the stream's work in order.
 // Safe for concurrent use.
 func (d *device) NewStream(o hal.StreamOptions) (hal.Stream, error) {
+	if err := d.lostErr("NewStream"); err != nil {
+		return nil, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -469,6 +510,9 @@ func (d *device) NewStream(o hal.StreamOptions) (hal.Stream, error) {
 
 // NewEvent makes an event; timing enables Elapsed. Safe for concurrent use.
 func (d *device) NewEvent(timing bool) (hal.Event, error) {
+	if err := d.lostErr("NewEvent"); err != nil {
+		return nil, err
+	}
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	if d.closed {
@@ -492,11 +536,18 @@ func (d *device) Synchronize() error {
 			errs = append(errs, err)
 		}
 	}
+	if len(errs) == 0 {
+		// The stream that failed may be destroyed by now: the device is still lost.
+		return d.lostErr("Synchronize")
+	}
 	return errors.Join(errs...)
 }
 
 // MemInfo reports the host's available and total memory (/proc/meminfo).
 func (d *device) MemInfo() (free, total uint64, err error) {
+	if err := d.lostErr("MemInfo"); err != nil {
+		return 0, 0, err
+	}
 	total = memTotal()
 	if total == 0 {
 		return 0, 0, errors.New("cpu: MemInfo: cannot read MemTotal from /proc/meminfo")
