@@ -205,6 +205,10 @@ func gemmDesc(d *Device, op string, g *Gemm, count, strideA, strideB, strideC in
 	desc := sh.ColMajorDesc(g.A.ptr(), g.B.ptr(), g.C.ptr(), g.Alpha, g.Beta)
 	batch := sh.ColMajorBatch(count, strideA, strideB, strideC)
 	sa, sb, sc := blas.DescSpans(desc, batch)
+	if _, _, one := blas.DescSpans(desc, hal.StridedBatch{Count: 1}); count > 1 && strideC < one {
+		return hal.GemmDesc{}, hal.StridedBatch{}, fmt.Errorf("%w: gpuctx: %s: strideC=%d is smaller than the %d elements of one C matrix: the batch's outputs would overlap and the results be undefined",
+			ErrInvalid, op, strideC, one)
+	}
 	nameA, nameB := sh.DescOperands()
 	bufs := map[string]*Buffer{"A": g.A, "B": g.B}
 	detail := ""
@@ -253,6 +257,9 @@ func (h Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC in
 	desc, batch, err := gemmDesc(l.c.dev, op, &g, count, strideA, strideB, strideC)
 	if err != nil {
 		return err
+	}
+	if desc.M == 0 || desc.N == 0 {
+		return nil // no output: nothing to compute, whatever the count
 	}
 	if err := h.sl.blas.GemmStridedBatched(desc, batch); err != nil {
 		return fmt.Errorf("gpuctx: %s %dx%dx%d x%d %v->%v: %w", op, g.M, g.N, g.K, count, g.AB, g.CType, err)

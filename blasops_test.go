@@ -261,3 +261,25 @@ func TestAllocOutOfMemory(t *testing.T) {
 		_ = b.Free()
 	}
 }
+
+// TestGemmStridedBatchedOverlappingC: a batch whose C matrices overlap
+// (strideC smaller than one C matrix) has undefined results on cuBLAS and is
+// rejected; a batch with no output (m or n zero) is a no-op whatever its count.
+func TestGemmStridedBatchedOverlappingC(t *testing.T) {
+	d := cpuDevice(t)
+	s := newStream(t, d)
+	ctx := newContext(t, d, gpuctx.ContextOptions{Stream: s})
+	buf := func(n int) *gpuctx.Buffer { return uploadBytes(t, d, make([]byte, 4*n)) }
+	g := gpuctx.Gemm{M: 2, N: 2, K: 2, Alpha: 1, A: buf(12), B: buf(12), C: buf(64), AB: gpuctx.F32, CType: gpuctx.F32}
+	err := ctx.Blas(func(h gpuctx.Blas) error { return h.GemmStridedBatched(g, 3, 4, 4, 3) })
+	if !errors.Is(err, gpuctx.ErrInvalid) || !strings.Contains(err.Error(), "strideC=3") {
+		t.Fatalf("overlapping C: got %v, want ErrInvalid naming strideC", err)
+	}
+	g.M = 0
+	if err := ctx.Blas(func(h gpuctx.Blas) error { return h.GemmStridedBatched(g, math.MaxInt, 0, 0, 0) }); err != nil {
+		t.Fatalf("empty batch: %v", err)
+	}
+	if err := s.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+}
