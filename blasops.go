@@ -2,6 +2,7 @@ package gpuctx
 
 import (
 	"fmt"
+	"math"
 	"runtime"
 	"sync/atomic"
 
@@ -251,8 +252,8 @@ func (h Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC in
 		return err
 	}
 	defer unlock()
-	if count < 1 || strideA < 0 || strideB < 0 || strideC < 0 {
-		return fmt.Errorf("%w: gpuctx: %s: count=%d strides=(%d,%d,%d): count must be >= 1 and strides >= 0", ErrInvalid, op, count, strideA, strideB, strideC)
+	if count < 1 || count > math.MaxInt32 || strideA < 0 || strideB < 0 || strideC < 0 {
+		return fmt.Errorf("%w: gpuctx: %s: count=%d strides=(%d,%d,%d): count must be in [1, 2^31-1] (cuBLAS's batch count is an int) and strides >= 0", ErrInvalid, op, count, strideA, strideB, strideC)
 	}
 	desc, batch, err := gemmDesc(l.c.dev, op, &g, count, strideA, strideB, strideC)
 	if err != nil {
