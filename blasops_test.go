@@ -276,7 +276,7 @@ func TestGemmStridedBatchedOverlappingC(t *testing.T) {
 		t.Fatalf("overlapping C: got %v, want ErrInvalid naming strideC", err)
 	}
 	g.M = 0
-	if err := ctx.Blas(func(h gpuctx.Blas) error { return h.GemmStridedBatched(g, math.MaxInt, 0, 0, 0) }); err != nil {
+	if err := ctx.Blas(func(h gpuctx.Blas) error { return h.GemmStridedBatched(g, math.MaxInt32, 0, 0, 0) }); err != nil {
 		t.Fatalf("empty batch: %v", err)
 	}
 	if err := s.Synchronize(); err != nil {
