@@ -2,6 +2,7 @@ package gpuctx
 
 import (
 	"fmt"
+	"math"
 	"runtime"
 	"sync/atomic"
 
@@ -154,23 +155,75 @@ func elems(op, name string, b *Buffer, t DType, d *Device) (int, error) {
 	}
 }
 
-func gemmDesc(d *Device, op string, g *Gemm) (hal.GemmDesc, error) {
+// operand is one user operand as the backend will use it: from p on, span
+// elements of es bytes.
+type operand struct {
+	name string // the user's name for it: A, B or C
+	buf  *Buffer
+	p    hal.Ptr
+	span int
+	es   int
+}
+
+// checkExtents checks, after the row-major mapping, that every operand the
+// backend will touch lies inside the user's buffer, so that no BLAS call can
+// read or write outside one. The error names the user's operand, the bytes
+// needed and the bytes held.
+func checkExtents(op, detail string, ops ...operand) error {
+	for _, o := range ops {
+		if o.span == 0 {
+			continue
+		}
+		needB := blas.Bytes(o.span, o.es)
+		base := o.buf.ptr()
+		if o.p < base || uint64(o.p-base) > uint64(o.buf.size) || needB > o.buf.size-int(o.p-base) {
+			return fmt.Errorf("%w: %w: gpuctx: %s: %s needs %d bytes%s but its buffer holds %d",
+				ErrSize, ErrInvalid, op, o.name, needB, detail, o.buf.size)
+		}
+	}
+	return nil
+}
+
+// gemmDesc validates g (as a batch of count GEMMs with the given strides, in
+// elements of the user's A, B and C; count 1 for a single GEMM) and returns the
+// column-major descriptor and batch a backend executes. Every operand's extent
+// is checked against its buffer after the mapping.
+func gemmDesc(d *Device, op string, g *Gemm, count, strideA, strideB, strideC int) (hal.GemmDesc, hal.StridedBatch, error) {
 	var err error
 	sh := blas.GemmShape{Layout: g.Layout, TransA: g.TransA, TransB: g.TransB, M: g.M, N: g.N, K: g.K,
 		LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, AB: g.AB, C: g.CType}
 	if sh.ALen, err = elems(op, "A", g.A, g.AB, d); err != nil {
-		return hal.GemmDesc{}, err
+		return hal.GemmDesc{}, hal.StridedBatch{}, err
 	}
 	if sh.BLen, err = elems(op, "B", g.B, g.AB, d); err != nil {
-		return hal.GemmDesc{}, err
+		return hal.GemmDesc{}, hal.StridedBatch{}, err
 	}
 	if sh.CLen, err = elems(op, "C", g.C, g.CType, d); err != nil {
-		return hal.GemmDesc{}, err
+		return hal.GemmDesc{}, hal.StridedBatch{}, err
 	}
 	if err := sh.Normalize(); err != nil {
-		return hal.GemmDesc{}, fmt.Errorf("gpuctx: %s: %w", op, err)
+		return hal.GemmDesc{}, hal.StridedBatch{}, fmt.Errorf("gpuctx: %s: %w", op, err)
 	}
-	return sh.ColMajorDesc(g.A.ptr(), g.B.ptr(), g.C.ptr(), g.Alpha, g.Beta), nil
+	desc := sh.ColMajorDesc(g.A.ptr(), g.B.ptr(), g.C.ptr(), g.Alpha, g.Beta)
+	batch := sh.ColMajorBatch(count, strideA, strideB, strideC)
+	sa, sb, sc := blas.DescSpans(desc, batch)
+	if _, _, one := blas.DescSpans(desc, hal.StridedBatch{Count: 1}); count > 1 && strideC < one {
+		return hal.GemmDesc{}, hal.StridedBatch{}, fmt.Errorf("%w: gpuctx: %s: strideC=%d is smaller than the %d elements of one C matrix: the batch's outputs would overlap and the results be undefined",
+			ErrInvalid, op, strideC, one)
+	}
+	nameA, nameB := sh.DescOperands()
+	bufs := map[string]*Buffer{"A": g.A, "B": g.B}
+	detail := ""
+	if count != 1 {
+		detail = fmt.Sprintf(" for a batch of %d (strides A %d, B %d, C %d elements)", count, strideA, strideB, strideC)
+	}
+	if err := checkExtents(op, detail,
+		operand{nameA, bufs[nameA], desc.A, sa, g.AB.Size()},
+		operand{nameB, bufs[nameB], desc.B, sb, g.AB.Size()},
+		operand{"C", g.C, desc.C, sc, g.CType.Size()}); err != nil {
+		return hal.GemmDesc{}, hal.StridedBatch{}, err
+	}
+	return desc, batch, nil
 }
 
 // Gemm queues one GEMM on the handle's stream.
@@ -180,7 +233,7 @@ func (h Blas) Gemm(g Gemm) error {
 		return err
 	}
 	defer unlock()
-	desc, err := gemmDesc(l.c.dev, "Blas.Gemm", &g)
+	desc, _, err := gemmDesc(l.c.dev, "Blas.Gemm", &g, 1, 0, 0, 0)
 	if err != nil {
 		return err
 	}
@@ -191,47 +244,29 @@ func (h Blas) Gemm(g Gemm) error {
 }
 
 // GemmStridedBatched queues count GEMMs of the shape g describes; matrix i of A
-// starts strideA elements after matrix i-1 (likewise B and C). g's buffers must
-// hold every matrix of the batch.
+// starts strideA elements after matrix i-1 (likewise B and C), in g's layout.
+// g's buffers must hold every matrix of the batch.
 func (h Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC int) error {
 	const op = "Blas.GemmStridedBatched"
-	l, unlock, err := enter(h.sl, h.gen, "Blas.GemmStridedBatched")
+	l, unlock, err := enter(h.sl, h.gen, op)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	if count < 1 || strideA < 0 || strideB < 0 || strideC < 0 {
-		return fmt.Errorf("%w: gpuctx: %s: count=%d strides=(%d,%d,%d): count must be >= 1 and strides >= 0", ErrInvalid, op, count, strideA, strideB, strideC)
+	if count < 1 || count > math.MaxInt32 || strideA < 0 || strideB < 0 || strideC < 0 {
+		return fmt.Errorf("%w: gpuctx: %s: count=%d strides=(%d,%d,%d): count must be in [1, 2^31-1] (cuBLAS's batch count is an int) and strides >= 0", ErrInvalid, op, count, strideA, strideB, strideC)
 	}
-	// Validate the last matrix of the batch: views of the buffers at its offset.
-	last := g
-	for _, v := range []struct {
-		b      **Buffer
-		stride int
-		t      DType
-		name   string
-	}{{&last.A, strideA, g.AB, "A"}, {&last.B, strideB, g.AB, "B"}, {&last.C, strideC, g.CType, "C"}} {
-		if *v.b == nil {
-			return fmt.Errorf("%w: gpuctx: %s: %s is nil", ErrInvalid, op, v.name)
-		}
-		off := (count - 1) * v.stride * v.t.Size()
-		if off > (*v.b).size {
-			return fmt.Errorf("%w: gpuctx: %s: %s holds %d bytes but matrix %d starts at byte %d (stride %d elements)", ErrSize, op, v.name, (*v.b).size, count-1, off, v.stride)
-		}
-		view, err := (*v.b).Slice(off, (*v.b).size-off)
-		if err != nil {
-			return err
-		}
-		*v.b = view
-	}
-	if _, err := gemmDesc(l.c.dev, op, &last); err != nil {
-		return err
-	}
-	desc, err := gemmDesc(l.c.dev, op, &g)
+	desc, batch, err := gemmDesc(l.c.dev, op, &g, count, strideA, strideB, strideC)
 	if err != nil {
 		return err
 	}
-	return h.sl.blas.GemmStridedBatched(desc, hal.StridedBatch{Count: count, StrideA: int64(strideA), StrideB: int64(strideB), StrideC: int64(strideC)})
+	if desc.M == 0 || desc.N == 0 {
+		return nil // no output: nothing to compute, whatever the count
+	}
+	if err := h.sl.blas.GemmStridedBatched(desc, batch); err != nil {
+		return fmt.Errorf("gpuctx: %s %dx%dx%d x%d %v->%v: %w", op, g.M, g.N, g.K, count, g.AB, g.CType, err)
+	}
+	return nil
 }
 
 // GemmGrouped queues independent GEMMs of different shapes (one per element of
@@ -252,7 +287,7 @@ func (h Blas) GemmGrouped(gs []Gemm) error {
 			return fmt.Errorf("%w: gpuctx: %s: group %d has dtypes %v->%v alpha %g beta %g but group 0 has %v->%v alpha %g beta %g; all groups must share them",
 				ErrInvalid, op, i, g.AB, g.CType, g.Alpha, g.Beta, gs[0].AB, gs[0].CType, gs[0].Alpha, gs[0].Beta)
 		}
-		desc, err := gemmDesc(l.c.dev, fmt.Sprintf("%s group %d", op, i), g)
+		desc, _, err := gemmDesc(l.c.dev, fmt.Sprintf("%s group %d", op, i), g, 1, 0, 0, 0)
 		if err != nil {
 			return err
 		}
@@ -290,7 +325,13 @@ func (h Blas) Geam(g Geam) error {
 	if err := sh.Normalize(); err != nil {
 		return fmt.Errorf("gpuctx: %s: %w", op, err)
 	}
-	return h.sl.blas.Geam(sh.ColMajorDesc(g.A.ptr(), g.B.ptr(), g.C.ptr(), g.Alpha, g.Beta))
+	desc := sh.ColMajorDesc(g.A.ptr(), g.B.ptr(), g.C.ptr(), g.Alpha, g.Beta)
+	sa, sb, sc := blas.GeamDescSpans(desc)
+	es := g.Type.Size()
+	if err := checkExtents(op, "", operand{"A", g.A, desc.A, sa, es}, operand{"B", g.B, desc.B, sb, es}, operand{"C", g.C, desc.C, sc, es}); err != nil {
+		return err
+	}
+	return h.sl.blas.Geam(desc)
 }
 
 // BlasLt is a cuBLASLt handle lent to a BlasLt callback. Matmul queues work on
@@ -317,7 +358,7 @@ func (lt BlasLt) Matmul(g Gemm) error {
 	if g.AB == F64 {
 		return fmt.Errorf("%w: gpuctx: %s: f64 is not supported by the cuBLASLt path; use Context.Blas", ErrInvalid, op)
 	}
-	desc, err := gemmDesc(l.c.dev, op, &g)
+	desc, _, err := gemmDesc(l.c.dev, op, &g, 1, 0, 0, 0)
 	if err != nil {
 		return err
 	}

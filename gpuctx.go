@@ -44,6 +44,13 @@ var (
 	ErrUnavailable = hal.ErrUnavailable
 	// ErrNoKernel: Device.Kernel was asked for a name no kernel source defines.
 	ErrNoKernel = hal.ErrNoKernel
+	// ErrOutOfMemory: the device cannot hold an allocation of that size
+	// (CUDA_ERROR_OUT_OF_MEMORY, or the CPU backend's memory budget).
+	ErrOutOfMemory = hal.ErrOutOfMemory
+	// ErrDeviceLost: an earlier asynchronous error (CUDA: illegal address,
+	// launch failure, ...) left the device unusable; every later call on it
+	// fails with an error naming that first failure. Close and reopen.
+	ErrDeviceLost = hal.ErrDeviceLost
 )
 
 // DType is an element type. It is an alias so that values flow to the BLAS

@@ -73,15 +73,77 @@ func minLD(l Layout, r, c int) int {
 }
 
 // need returns the number of elements an r×c stored matrix with leading
-// dimension ld spans.
+// dimension ld spans, saturating at math.MaxInt (so that a huge shape never
+// wraps around to a small or negative need and passes a length check).
 func need(l Layout, r, c, ld int) int {
-	if r == 0 || c == 0 {
+	if r <= 0 || c <= 0 {
 		return 0
 	}
 	if l == ColMajor {
-		return (c-1)*ld + r
+		return mulAdd(c-1, ld, r)
 	}
-	return (r-1)*ld + c
+	return mulAdd(r-1, ld, c)
+}
+
+// mulAdd returns a*b + c for a, b, c >= 0, saturating at math.MaxInt; a
+// negative operand also saturates (it never names a valid extent).
+func mulAdd(a, b, c int) int {
+	if a < 0 || b < 0 || c < 0 {
+		return math.MaxInt
+	}
+	if a != 0 && b > (math.MaxInt-c)/a {
+		return math.MaxInt
+	}
+	return a*b + c
+}
+
+// Span is the number of elements a batch of count matrices, each spanning one
+// elements and starting stride elements after the previous, covers from the
+// start of the first: (count-1)*stride + one, saturating at math.MaxInt. An
+// empty matrix (one == 0) or an empty batch covers nothing.
+func Span(count, stride, one int) int {
+	if count <= 0 || one == 0 {
+		return 0
+	}
+	return mulAdd(count-1, stride, one)
+}
+
+// Bytes converts an element count to bytes for elements of size es,
+// saturating at math.MaxInt.
+func Bytes(elems, es int) int { return mulAdd(elems, es, 0) }
+
+// DescSpans returns how many elements the column-major GEMM d reads or writes
+// from each of its pointers A, B and C, over the batch b (use
+// StridedBatch{Count: 1} for one GEMM). This is the extent of the descriptor a
+// backend executes, after the row-major mapping; every value saturates at
+// math.MaxInt.
+func DescSpans(d hal.GemmDesc, b hal.StridedBatch) (a, bb, c int) {
+	if d.M <= 0 || d.N <= 0 {
+		return 0, 0, 0 // no output, nothing is read
+	}
+	ar, ac := stored(d.TransA == hal.Trans, d.M, d.K)
+	br, bc := stored(d.TransB == hal.Trans, d.K, d.N)
+	return Span(b.Count, clampInt(b.StrideA), need(ColMajor, ar, ac, d.LDA)),
+		Span(b.Count, clampInt(b.StrideB), need(ColMajor, br, bc, d.LDB)),
+		Span(b.Count, clampInt(b.StrideC), need(ColMajor, d.M, d.N, d.LDC))
+}
+
+// GeamDescSpans returns how many elements the column-major geam d touches from
+// A, B and C.
+func GeamDescSpans(d hal.GeamDesc) (a, b, c int) {
+	if d.M <= 0 || d.N <= 0 {
+		return 0, 0, 0
+	}
+	ar, ac := stored(d.TransA == hal.Trans, d.M, d.N)
+	br, bc := stored(d.TransB == hal.Trans, d.M, d.N)
+	return need(ColMajor, ar, ac, d.LDA), need(ColMajor, br, bc, d.LDB), need(ColMajor, d.M, d.N, d.LDC)
+}
+
+func clampInt(x int64) int {
+	if x < 0 || uint64(x) > uint64(math.MaxInt) {
+		return math.MaxInt
+	}
+	return int(x)
 }
 
 // SupportedGemm reports whether a GEMM with inputs ab and output c is supported:
@@ -159,6 +221,27 @@ func (g *GemmShape) ColMajorDesc(a, b, c hal.Ptr, alpha, beta float64) hal.GemmD
 	}
 	return hal.GemmDesc{TransA: tb, TransB: ta, M: g.N, N: g.M, K: g.K, Alpha: alpha, Beta: beta,
 		A: b, LDA: g.LDB, B: a, LDB: g.LDA, C: c, LDC: g.LDC, AB: g.AB, CType: g.C}
+}
+
+// ColMajorBatch maps the strides of a strided batch of GEMMs of shape g (in
+// elements of the user's A, B and C) onto the descriptor ColMajorDesc returns:
+// for a row-major GEMM the descriptor's A is the user's B and its B the user's
+// A, so their strides swap with them. C keeps its stride.
+func (g *GemmShape) ColMajorBatch(count, strideA, strideB, strideC int) hal.StridedBatch {
+	if g.Layout == RowMajor {
+		strideA, strideB = strideB, strideA
+	}
+	return hal.StridedBatch{Count: count, StrideA: int64(strideA), StrideB: int64(strideB), StrideC: int64(strideC)}
+}
+
+// DescOperands names the user's operands in the order of the descriptor
+// ColMajorDesc returns: ("A", "B") for column-major, ("B", "A") for row-major,
+// where the mapping swaps them.
+func (g *GemmShape) DescOperands() (descA, descB string) {
+	if g.Layout == RowMajor {
+		return "B", "A"
+	}
+	return "A", "B"
 }
 
 func op(t bool) hal.Op {

@@ -43,6 +43,8 @@ func Cases() []Case {
 		{"StreamOrdering", TestStreamOrdering},
 		{"EventDependency", TestEventDependency},
 		{"EventElapsed", TestEventElapsed},
+		{"BlasStridedBatched", TestBlasStridedBatched},
+		{"BlasExtents", TestBlasExtents},
 		{"Errors", TestErrors},
 	}
 }

@@ -21,9 +21,12 @@ package cpu
 import (
 	"errors"
 	"fmt"
+	"math"
+	"os"
 	"runtime"
 	"runtime/debug"
 	"sort"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -112,6 +115,18 @@ type device struct {
 	hosts   map[uintptr][]byte
 	streams map[uint64]*stream
 
+	// limit is the memory budget of Alloc and AllocHost in bytes (0: none but
+	// the host's); used is what live allocations hold. Both under mu.
+	limit uint64
+	used  uint64
+
+	// lost holds the first error raised by queued work. Like a sticky CUDA
+	// error (illegal address, launch failure) it poisons the whole device:
+	// every later call on it fails with an error wrapping hal.ErrDeviceLost and
+	// that first failure. Releasing calls (Free, FreeHost, Destroy, Close)
+	// still work so that everything can be cleaned up.
+	lost atomic.Pointer[error]
+
 	wsMu      sync.Mutex
 	wsBusy    map[hal.Ptr]*atomic.Uint64 // workspace address -> ID of the stream using it (0: free)
 	conflicts atomic.Int64
@@ -131,6 +146,7 @@ func newDevice(b *backend) *device {
 			SMCount:     runtime.NumCPU(),
 			TotalMemory: total,
 		},
+		limit:   memLimit(total),
 		allocs:  map[hal.Ptr]*allocation{},
 		hosts:   map[uintptr][]byte{},
 		streams: map[uint64]*stream{},
@@ -139,6 +155,44 @@ func newDevice(b *backend) *device {
 }
 
 func memTotal() uint64 { return sysmem.Field("MemTotal") }
+
+// MemoryLimitEnv caps the memory the CPU device lends (bytes; "1e9" and
+// "1073741824" both parse). Unset: the host's MemTotal.
+const MemoryLimitEnv = "GPUCTX_CPU_MEMORY"
+
+func memLimit(total uint64) uint64 {
+	if v := os.Getenv(MemoryLimitEnv); v != "" {
+		if f, err := strconv.ParseFloat(v, 64); err == nil && f >= 1 && f < math.MaxUint64 {
+			return uint64(f)
+		}
+	}
+	return total
+}
+
+// bigAlloc is the size above which Alloc also checks the host's MemAvailable
+// (reading /proc/meminfo costs microseconds; small requests skip it).
+const bigAlloc = 64 << 20
+
+// reserve charges n bytes to the budget or returns an out-of-memory error like
+// CUDA's (wrapping hal.ErrOutOfMemory), so that an absurd request never
+// reaches make, whose failure kills the process. Called with mu held.
+func (d *device) reserve(call string, n int) error {
+	un := uint64(n)
+	if d.limit != 0 && (un > d.limit || d.used > d.limit-un) {
+		return fmt.Errorf("cpu: %s(%d): %w: %d of the device's %d bytes are in use (limit: $%s or the host's MemTotal)",
+			call, n, hal.ErrOutOfMemory, d.used, d.limit, MemoryLimitEnv)
+	}
+	if n > math.MaxInt-256 {
+		return fmt.Errorf("cpu: %s(%d): %w: the request exceeds the address space", call, n, hal.ErrOutOfMemory)
+	}
+	if n >= bigAlloc {
+		if avail := sysmem.Field("MemAvailable"); avail != 0 && un > avail {
+			return fmt.Errorf("cpu: %s(%d): %w: the host has %d bytes available", call, n, hal.ErrOutOfMemory, avail)
+		}
+	}
+	d.used += un
+	return nil
+}
 
 func (d *device) close() error {
 	d.mu.Lock()
@@ -152,10 +206,27 @@ func (d *device) close() error {
 	}
 	d.mu.Lock()
 	d.closed = true
+	d.used = 0
 	d.allocs = map[hal.Ptr]*allocation{}
 	d.sorted = nil
 	d.hosts = map[uintptr][]byte{}
 	d.mu.Unlock()
+	return nil
+}
+
+// markLost records err, raised by queued work on stream sid, as the device's
+// first sticky error; later errors are ignored.
+func (d *device) markLost(sid uint64, err error) {
+	e := fmt.Errorf("stream %d: %w", sid, err)
+	d.lost.CompareAndSwap(nil, &e)
+}
+
+// lostErr returns nil, or, once queued work has failed, an error naming call
+// that wraps hal.ErrDeviceLost and the first failure.
+func (d *device) lostErr(call string) error {
+	if p := d.lost.Load(); p != nil {
+		return fmt.Errorf("cpu: %s: %w (every call fails; open a new backend): first failure: %w", call, hal.ErrDeviceLost, *p)
+	}
 	return nil
 }
 
@@ -173,8 +244,21 @@ func (d *device) PriorityRange() (least, greatest int) { return 0, -5 }
 // Alloc returns n bytes of zeroed host memory posing as device memory, 256-byte
 // aligned, kept alive until Free. Safe for concurrent use.
 func (d *device) Alloc(n int) (hal.Ptr, error) {
+	if err := d.lostErr("Alloc"); err != nil {
+		return 0, err
+	}
 	if n <= 0 {
 		return 0, fmt.Errorf("cpu: Alloc(%d): size must be positive", n)
+	}
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return 0, d.errClosed("Alloc")
+	}
+	err := d.reserve("Alloc", n)
+	d.mu.Unlock()
+	if err != nil {
+		return 0, err
 	}
 	raw := make([]byte, n+255)
 	addr := uintptr(unsafe.Pointer(unsafe.SliceData(raw)))
@@ -183,6 +267,7 @@ func (d *device) Alloc(n int) (hal.Ptr, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
+		d.used -= uint64(n)
 		return 0, d.errClosed("Alloc")
 	}
 	d.allocs[a.base] = a
@@ -201,6 +286,7 @@ func (d *device) Free(p hal.Ptr) error {
 	if _, ok := d.allocs[p]; !ok {
 		return fmt.Errorf("cpu: Free(%#x): %w (unknown or already freed; pass a pointer returned by Alloc)", uintptr(p), hal.ErrBadPointer)
 	}
+	d.used -= uint64(len(d.allocs[p].buf))
 	delete(d.allocs, p)
 	i := sort.Search(len(d.sorted), func(i int) bool { return d.sorted[i] >= p })
 	d.sorted = append(d.sorted[:i], d.sorted[i+1:]...)
@@ -238,8 +324,21 @@ func (d *device) mem(call string, p hal.Ptr, n int, align int) ([]byte, error) {
 // AllocHost returns n bytes of zeroed host memory, 256-byte aligned, kept alive
 // until FreeHost ("pinned" has no meaning on the CPU). Safe for concurrent use.
 func (d *device) AllocHost(n int) (unsafe.Pointer, error) {
+	if err := d.lostErr("AllocHost"); err != nil {
+		return nil, err
+	}
 	if n <= 0 {
 		return nil, fmt.Errorf("cpu: AllocHost(%d): size must be positive", n)
+	}
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return nil, d.errClosed("AllocHost")
+	}
+	err := d.reserve("AllocHost", n)
+	d.mu.Unlock()
+	if err != nil {
+		return nil, err
 	}
 	raw := make([]byte, n+255)
 	addr := uintptr(unsafe.Pointer(unsafe.SliceData(raw)))
@@ -248,6 +347,7 @@ func (d *device) AllocHost(n int) (unsafe.Pointer, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
+		d.used -= uint64(n)
 		return nil, d.errClosed("AllocHost")
 	}
 	p := unsafe.Pointer(unsafe.SliceData(buf))
@@ -262,6 +362,7 @@ func (d *device) FreeHost(p unsafe.Pointer) error {
 	if _, ok := d.hosts[uintptr(p)]; !ok {
 		return fmt.Errorf("cpu: FreeHost(%p): %w (unknown or already freed; pass a pointer returned by AllocHost)", p, hal.ErrBadPointer)
 	}
+	d.used -= uint64(len(d.hosts[uintptr(p)]))
 	delete(d.hosts, uintptr(p))
 	return nil
 }
@@ -283,18 +384,27 @@ func hostBytes(call string, p unsafe.Pointer, n int) ([]byte, error) {
 // CopyHtoD copies n bytes from host memory to the device and returns when done.
 // It runs on the calling goroutine and does not wait for any stream.
 func (d *device) CopyHtoD(dst hal.Ptr, src unsafe.Pointer, n int) error {
+	if err := d.lostErr("CopyHtoD"); err != nil {
+		return err
+	}
 	return runNow(d.copyHtoD("CopyHtoD", dst, src, n))
 }
 
 // CopyDtoH copies n bytes from the device to host memory and returns when done.
 // It runs on the calling goroutine and does not wait for any stream.
 func (d *device) CopyDtoH(dst unsafe.Pointer, src hal.Ptr, n int) error {
+	if err := d.lostErr("CopyDtoH"); err != nil {
+		return err
+	}
 	return runNow(d.copyDtoH("CopyDtoH", dst, src, n))
 }
 
 // CopyDtoD copies n bytes between device ranges (they may overlap) and returns
 // when done. It runs on the calling goroutine and does not wait for any stream.
 func (d *device) CopyDtoD(dst, src hal.Ptr, n int) error {
+	if err := d.lostErr("CopyDtoD"); err != nil {
+		return err
+	}
 	return runNow(d.copyDtoD("CopyDtoD", dst, src, n))
 }
 
@@ -385,6 +495,9 @@ func (d *device) memset(call string, dst hal.Ptr, v byte, n int) (func() error, 
 // NewStream starts a stream: a goroutine that runs the stream's work in order.
 // Safe for concurrent use.
 func (d *device) NewStream(o hal.StreamOptions) (hal.Stream, error) {
+	if err := d.lostErr("NewStream"); err != nil {
+		return nil, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -397,6 +510,9 @@ func (d *device) NewStream(o hal.StreamOptions) (hal.Stream, error) {
 
 // NewEvent makes an event; timing enables Elapsed. Safe for concurrent use.
 func (d *device) NewEvent(timing bool) (hal.Event, error) {
+	if err := d.lostErr("NewEvent"); err != nil {
+		return nil, err
+	}
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	if d.closed {
@@ -420,11 +536,18 @@ func (d *device) Synchronize() error {
 			errs = append(errs, err)
 		}
 	}
+	if len(errs) == 0 {
+		// The stream that failed may be destroyed by now: the device is still lost.
+		return d.lostErr("Synchronize")
+	}
 	return errors.Join(errs...)
 }
 
 // MemInfo reports the host's available and total memory (/proc/meminfo).
 func (d *device) MemInfo() (free, total uint64, err error) {
+	if err := d.lostErr("MemInfo"); err != nil {
+		return 0, 0, err
+	}
 	total = memTotal()
 	if total == 0 {
 		return 0, 0, errors.New("cpu: MemInfo: cannot read MemTotal from /proc/meminfo")

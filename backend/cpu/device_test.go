@@ -3,6 +3,7 @@ package cpu
 import (
 	"bytes"
 	"errors"
+	"math"
 	"strings"
 	"testing"
 	"unsafe"
@@ -171,5 +172,52 @@ func TestMemoryRoundTrip(t *testing.T) {
 	t.Logf("MemInfo free=%d total=%d err=%v", free, total, err)
 	if err == nil && (total == 0 || free > total) {
 		t.Errorf("MemInfo free=%d total=%d", free, total)
+	}
+}
+
+// TestAllocOutOfMemory: an absurd request returns an error wrapping
+// hal.ErrOutOfMemory (as CUDA_ERROR_OUT_OF_MEMORY does) instead of the Go
+// runtime dying in make; the budget is charged and refunded by Free.
+func TestAllocOutOfMemory(t *testing.T) {
+	d := newTestDevice(t)
+	for _, n := range []int{1 << 40, 1 << 50, math.MaxInt - 10, math.MaxInt} {
+		if p, err := d.Alloc(n); !errors.Is(err, hal.ErrOutOfMemory) {
+			t.Errorf("Alloc(%d) = %#x, %v; want hal.ErrOutOfMemory", n, p, err)
+		} else if !strings.Contains(err.Error(), "Alloc(") {
+			t.Errorf("Alloc(%d): error %q does not name the call", n, err)
+		}
+		if _, err := d.AllocHost(n); !errors.Is(err, hal.ErrOutOfMemory) {
+			t.Errorf("AllocHost(%d): %v; want hal.ErrOutOfMemory", n, err)
+		}
+	}
+	// A configured budget.
+	d.mu.Lock()
+	d.limit = 1 << 20
+	d.mu.Unlock()
+	p1, err := d.Alloc(600 << 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.Alloc(600 << 10); !errors.Is(err, hal.ErrOutOfMemory) {
+		t.Fatalf("second 600 KiB in a 1 MiB budget: %v; want hal.ErrOutOfMemory", err)
+	}
+	h, err := d.AllocHost(300 << 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Free(p1); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.FreeHost(h); err != nil {
+		t.Fatal(err)
+	}
+	p2, err := d.Alloc(1 << 20)
+	if err != nil {
+		t.Fatalf("the whole budget after Free: %v", err)
+	}
+	_ = d.Free(p2)
+	t.Setenv(MemoryLimitEnv, "1e6")
+	if got := memLimit(5); got != 1e6 {
+		t.Errorf("memLimit with $%s=1e6: %d", MemoryLimitEnv, got)
 	}
 }

@@ -258,7 +258,9 @@ func TestMoEGatherSwigluCombine(t *testing.T) {
 // naming the kernel instead of out-of-range accesses.
 func TestMoEKernelErrors(t *testing.T) {
 	d := newTestDevice(t)
-	buf := alloc(t, d, 4096)
+	// A failed kernel loses the device (as a sticky CUDA error does): each
+	// case runs on a device of its own.
+	buf := &bufArg{}
 	tests := []struct {
 		name, kernel string
 		args         []any
@@ -277,7 +279,14 @@ func TestMoEKernelErrors(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			err := launchSync(t, d, tc.kernel, tc.args...)
+			d := newTestDevice(t)
+			args := append([]any(nil), tc.args...)
+			for i, a := range args {
+				if a == buf {
+					args[i] = alloc(t, d, 4096)
+				}
+			}
+			err := launchSync(t, d, tc.kernel, args...)
 			if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), tc.kernel) {
 				t.Fatalf("got %v, want an error naming %s and containing %q", err, tc.kernel, tc.want)
 			}
@@ -329,3 +338,6 @@ func TestKernelSignaturesMatchCUDA(t *testing.T) {
 		}
 	}
 }
+
+// bufArg stands for a 4 KiB buffer of the device a case runs on.
+type bufArg struct{}

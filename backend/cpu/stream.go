@@ -78,7 +78,8 @@ func (s *stream) loop() {
 		}
 		s.completed++
 		if err != nil && s.err == nil {
-			s.err = fmt.Errorf("cpu: stream %d: asynchronous error (sticky: the stream fails every later call; make a new stream): %w", s.id, err)
+			s.err = fmt.Errorf("cpu: stream %d: asynchronous error (sticky: %w, every later call on it fails): %w", s.id, hal.ErrDeviceLost, err)
+			s.dev.markLost(s.id, err)
 		}
 		s.cond.Broadcast()
 		s.mu.Unlock()
@@ -107,6 +108,9 @@ func (s *stream) enqueue(call string, w work) error {
 	if s.err != nil {
 		return fmt.Errorf("cpu: %s: %w", call, s.err)
 	}
+	if err := s.dev.lostErr(call); err != nil {
+		return err
+	}
 	if s.capt != nil {
 		s.capt.add(w.fn)
 		return nil
@@ -129,7 +133,10 @@ func (s *stream) wait() error {
 	for s.completed < target {
 		s.cond.Wait()
 	}
-	return s.err
+	if s.err != nil {
+		return s.err
+	}
+	return s.dev.lostErr(fmt.Sprintf("stream %d", s.id))
 }
 
 // CopyHtoDAsync queues a copy of n bytes from host memory src to dst on this
@@ -257,7 +264,10 @@ func (s *stream) Query() (bool, error) {
 	if s.capt != nil {
 		return false, fmt.Errorf("cpu: Query: stream %d is capturing: end the capture first", s.id)
 	}
-	return s.completed == s.submitted, s.err
+	if s.err != nil {
+		return s.completed == s.submitted, s.err
+	}
+	return s.completed == s.submitted, s.dev.lostErr("Query")
 }
 
 // Destroy lets the queued work finish, then stops the stream's goroutine. Later

@@ -3,8 +3,10 @@ package cpu
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
@@ -148,14 +150,45 @@ func TestStickyError(t *testing.T) {
 	if err := d.Synchronize(); !errors.Is(err, hal.ErrBadPointer) {
 		t.Errorf("device Synchronize: got %v, want the stream's sticky error", err)
 	}
-	// Other streams are unaffected.
-	if err := other.Launch(fill, one, one, 0, y, float32(1), int64(4)); err != nil {
-		t.Fatal(err)
+	// As after a sticky CUDA error, the whole device is lost: every later call,
+	// on any stream, fails with hal.ErrDeviceLost naming the first failure.
+	lost := []struct {
+		name string
+		err  error
+	}{
+		{"other Launch", other.Launch(fill, one, one, 0, y, float32(1), int64(4))},
+		{"other Synchronize", other.Synchronize()},
+		{"failed stream Synchronize", s.Synchronize()},
+		{"device Synchronize", d.Synchronize()},
+		{"CopyHtoD", d.CopyHtoD(y, unsafe.Pointer(new([4]byte)), 4)},
 	}
-	if err := other.Synchronize(); err != nil {
-		t.Errorf("other stream: %v", err)
+	_, err := d.Alloc(16)
+	lost = append(lost, struct {
+		name string
+		err  error
+	}{"Alloc", err})
+	_, err = d.NewStream(hal.StreamOptions{})
+	lost = append(lost, struct {
+		name string
+		err  error
+	}{"NewStream", err})
+	for _, l := range lost {
+		if !errors.Is(l.err, hal.ErrDeviceLost) || !errors.Is(l.err, hal.ErrBadPointer) || !strings.Contains(l.err.Error(), "gpuctx_fill_f32") {
+			t.Errorf("%s after the failure: got %v, want hal.ErrDeviceLost naming the first failure (gpuctx_fill_f32, hal.ErrBadPointer)", l.name, l.err)
+		}
 	}
+	// Releasing still works.
+	if err := other.Destroy(); err != nil {
+		t.Errorf("Destroy on a lost device: %v", err)
+	}
+	if err := d.Free(y); err != nil {
+		t.Errorf("Free on a lost device: %v", err)
+	}
+
 	// Freed between Launch and execution also fails asynchronously.
+	d = newTestDevice(t)
+	y, _ = d.Alloc(16)
+	fill = mustKernel(t, d, "gpuctx_fill_f32")
 	s2 := newTestStream(t, d)
 	gate, open := newGate(t)
 	if err := s2.enqueueFn("test", func() error { <-gate; return nil }); err != nil {

@@ -23,6 +23,7 @@ type device struct {
 	leastPrio, greatestPrio int
 
 	closed atomic.Bool
+	sticky stickyState // the first sticky error: the device is lost after it
 
 	mu      sync.Mutex // guards the resource sets below
 	mem     map[hal.Ptr]int
@@ -119,10 +120,23 @@ func cStringBuf(b []byte) string {
 // none) is, runs fn and unlocks. Every driver and library call that needs a
 // context goes through Do. Do may be called from any goroutine, concurrently;
 // calls may nest. It fails with ErrClosed after Close.
+//
+// After a sticky error (illegal address, launch failure, ...; see stickyCode)
+// seen by any call, Do fails at once with a *DeviceLostError naming that first
+// failure, for every later call: nothing waits on a dead context.
 func (d *device) Do(fn func() error) error {
 	if d.closed.Load() {
 		return fmt.Errorf("cuda: device %d: %w", d.info.Index, ErrClosed)
 	}
+	if err := d.sticky.err(); err != nil {
+		return err
+	}
+	return d.sticky.note(d.info.Index, d.run(fn))
+}
+
+// run is Do without the device-lost check: Close uses it to release what it
+// can after a sticky error.
+func (d *device) run(fn func() error) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	var cur uintptr
@@ -351,7 +365,7 @@ func (d *device) close() error {
 			errs = append(errs, err)
 		}
 	}
-	err := d.Do(func() error {
+	err := d.run(func() error {
 		d.modMu.Lock()
 		for file, m := range d.modules {
 			errs = append(errs, check(d.api, "cuModuleUnload", d.api.cuModuleUnload(m)))

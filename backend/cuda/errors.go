@@ -3,6 +3,7 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/gpuctx/gpuctx/internal/dynload"
 	"github.com/gpuctx/gpuctx/internal/hal"
@@ -25,7 +26,18 @@ const (
 	cudaErrorInvalidHandle   = 400
 	cudaErrorNotFound        = 500
 	cudaErrorNotReady        = 600
-	cudaErrorLaunchFailed    = 700
+	cudaErrorIllegalAddress  = 700
+	cudaErrorLaunchFailed    = 719
+
+	// Sticky statuses: the context is unusable after them (cuda.h).
+	cudaErrorECCUncorrectable   = 214
+	cudaErrorLaunchTimeout      = 702
+	cudaErrorAssert             = 710
+	cudaErrorHardwareStackError = 714
+	cudaErrorIllegalInstruction = 715
+	cudaErrorMisalignedAddress  = 716
+	cudaErrorInvalidAddrSpace   = 717
+	cudaErrorInvalidPC          = 718
 )
 
 // errorNames are used when cuGetErrorName is unavailable (the driver failed to
@@ -45,7 +57,78 @@ var errorNames = map[int32]string{
 	cudaErrorInvalidHandle:   "CUDA_ERROR_INVALID_HANDLE",
 	cudaErrorNotFound:        "CUDA_ERROR_NOT_FOUND",
 	cudaErrorNotReady:        "CUDA_ERROR_NOT_READY",
+	cudaErrorIllegalAddress:  "CUDA_ERROR_ILLEGAL_ADDRESS",
 	cudaErrorLaunchFailed:    "CUDA_ERROR_LAUNCH_FAILED",
+
+	cudaErrorECCUncorrectable:   "CUDA_ERROR_ECC_UNCORRECTABLE",
+	cudaErrorLaunchTimeout:      "CUDA_ERROR_LAUNCH_TIMEOUT",
+	cudaErrorAssert:             "CUDA_ERROR_ASSERT",
+	cudaErrorHardwareStackError: "CUDA_ERROR_HARDWARE_STACK_ERROR",
+	cudaErrorIllegalInstruction: "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+	cudaErrorMisalignedAddress:  "CUDA_ERROR_MISALIGNED_ADDRESS",
+	cudaErrorInvalidAddrSpace:   "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+	cudaErrorInvalidPC:          "CUDA_ERROR_INVALID_PC",
+}
+
+// stickyCode reports whether a CUresult leaves the context unusable: after it
+// every later driver call in the process's context fails (cuda.h: "the process
+// must be terminated and relaunched").
+func stickyCode(r int32) bool {
+	switch r {
+	case cudaErrorECCUncorrectable, cudaErrorIllegalAddress, cudaErrorLaunchTimeout, cudaErrorAssert,
+		cudaErrorHardwareStackError, cudaErrorIllegalInstruction, cudaErrorMisalignedAddress,
+		cudaErrorInvalidAddrSpace, cudaErrorInvalidPC, cudaErrorLaunchFailed:
+		return true
+	}
+	return false
+}
+
+// DeviceLostError is returned by every call on a device after a sticky error.
+// It matches hal.ErrDeviceLost (and so gpuctx.ErrDeviceLost) and unwraps to the
+// first sticky error.
+type DeviceLostError struct {
+	Device int
+	First  error // the first sticky failure, an *Error
+}
+
+func (e *DeviceLostError) Error() string {
+	return fmt.Sprintf("cuda: device %d: %v (the context is unusable; every later call fails until the process restarts): first failure: %v",
+		e.Device, hal.ErrDeviceLost, e.First)
+}
+
+// Is matches hal.ErrDeviceLost.
+func (e *DeviceLostError) Is(target error) bool { return target == hal.ErrDeviceLost }
+
+// Unwrap returns the first sticky failure.
+func (e *DeviceLostError) Unwrap() error { return e.First }
+
+// stickyState records a device's first sticky error. Safe for concurrent use.
+type stickyState struct {
+	lost atomic.Pointer[DeviceLostError]
+}
+
+// err returns the device-lost error once a sticky error was seen, else nil.
+func (s *stickyState) err() error {
+	if l := s.lost.Load(); l != nil {
+		return l
+	}
+	return nil
+}
+
+// note inspects err, the result of a driver call on device dev: a sticky
+// status is recorded (the first one wins) and turned into the device-lost
+// error; any other error is returned unchanged.
+func (s *stickyState) note(dev int, err error) error {
+	var ce *Error
+	if err == nil || !errors.As(err, &ce) || !stickyCode(ce.Code) {
+		return err
+	}
+	s.lost.CompareAndSwap(nil, &DeviceLostError{Device: dev, First: err})
+	if first := s.lost.Load(); first.First != err {
+		// Another call saw a sticky error first: name it, keep this one too.
+		return fmt.Errorf("%w (this call: %v)", first, err)
+	}
+	return s.lost.Load()
 }
 
 // Error is a failed CUDA driver call. It formats as
@@ -83,6 +166,8 @@ func (e *Error) Is(target error) bool {
 		case cudaErrorNoDevice, cudaErrorStubLibrary, cudaErrorInsufficientDrv, cudaErrorNotInitialized, cudaErrorDeinitialized:
 			return true
 		}
+	case hal.ErrOutOfMemory:
+		return e.Code == cudaErrorOutOfMemory
 	case hal.ErrNoKernel:
 		return e.Code == cudaErrorNotFound && e.Call == "cuModuleGetFunction"
 	}
@@ -95,6 +180,7 @@ var (
 	ErrInvalidValue  = &Error{Code: cudaErrorInvalidValue, Name: "CUDA_ERROR_INVALID_VALUE"}
 	ErrInvalidHandle = &Error{Code: cudaErrorInvalidHandle, Name: "CUDA_ERROR_INVALID_HANDLE"}
 	ErrLaunchFailed  = &Error{Code: cudaErrorLaunchFailed, Name: "CUDA_ERROR_LAUNCH_FAILED"}
+	ErrIllegalAddr   = &Error{Code: cudaErrorIllegalAddress, Name: "CUDA_ERROR_ILLEGAL_ADDRESS"}
 	ErrNoDevice      = &Error{Code: cudaErrorNoDevice, Name: "CUDA_ERROR_NO_DEVICE"}
 )
 

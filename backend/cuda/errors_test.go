@@ -18,7 +18,7 @@ func TestCheckFormatsStatus(t *testing.T) {
 		is   []error
 		not  []error
 	}{
-		{"cuMemAlloc_v2", 2, "cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2)", []error{ErrOutOfMemory}, []error{ErrInvalidValue, hal.ErrUnavailable}},
+		{"cuMemAlloc_v2", 2, "cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2)", []error{ErrOutOfMemory, hal.ErrOutOfMemory}, []error{ErrInvalidValue, hal.ErrUnavailable}},
 		{"cuInit", 100, "cuInit: CUDA_ERROR_NO_DEVICE (100)", []error{ErrNoDevice, hal.ErrUnavailable}, []error{ErrOutOfMemory}},
 		{"cuModuleGetFunction", 500, "cuModuleGetFunction: CUDA_ERROR_NOT_FOUND (500)", []error{hal.ErrNoKernel}, nil},
 		{"cuLaunchKernel", 999, "cuLaunchKernel: CUDA_ERROR_UNKNOWN_STATUS (999)", nil, []error{hal.ErrNoKernel, ErrLaunchFailed}},
@@ -173,5 +173,62 @@ func TestKernelIndexMatchesSources(t *testing.T) {
 		if _, ok := kernelFiles()[want]; !ok {
 			t.Errorf("kernel %s missing from package kernels", want)
 		}
+	}
+}
+
+// TestStickyClassification: the statuses after which a CUDA context is unusable
+// are recognised (and named without cuGetErrorName); others are not.
+func TestStickyClassification(t *testing.T) {
+	sticky := map[int32]string{
+		214: "CUDA_ERROR_ECC_UNCORRECTABLE", 700: "CUDA_ERROR_ILLEGAL_ADDRESS", 702: "CUDA_ERROR_LAUNCH_TIMEOUT",
+		710: "CUDA_ERROR_ASSERT", 714: "CUDA_ERROR_HARDWARE_STACK_ERROR", 715: "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+		716: "CUDA_ERROR_MISALIGNED_ADDRESS", 717: "CUDA_ERROR_INVALID_ADDRESS_SPACE", 718: "CUDA_ERROR_INVALID_PC",
+		719: "CUDA_ERROR_LAUNCH_FAILED",
+	}
+	for code, name := range sticky {
+		if !stickyCode(code) {
+			t.Errorf("%s (%d) is not classified sticky", name, code)
+		}
+		if got := check(nil, "cuStreamSynchronize", code).Error(); !strings.Contains(got, name) {
+			t.Errorf("check(%d) = %q, want it to name %s", code, got, name)
+		}
+	}
+	for _, code := range []int32{0, 1, 2, 4, 100, 201, 400, 500, 600, 701, 999} {
+		if stickyCode(code) {
+			t.Errorf("status %d classified sticky", code)
+		}
+	}
+	if !errors.Is(check(nil, "cuLaunchKernel", 719), ErrLaunchFailed) || errors.Is(check(nil, "cuLaunchKernel", 700), ErrLaunchFailed) {
+		t.Error("ErrLaunchFailed must match CUDA_ERROR_LAUNCH_FAILED (719) only, not CUDA_ERROR_ILLEGAL_ADDRESS (700)")
+	}
+}
+
+// TestStickyStateLosesDevice: after the first sticky status every later call
+// fails with a device-lost error naming that first failure, matching
+// hal.ErrDeviceLost; non-sticky errors pass through untouched.
+func TestStickyStateLosesDevice(t *testing.T) {
+	var s stickyState
+	oom := check(nil, "cuMemAlloc_v2", 2)
+	if got := s.note(0, oom); got != oom || s.err() != nil {
+		t.Fatalf("a non-sticky error changed state: %v, %v", got, s.err())
+	}
+	if s.note(0, nil) != nil {
+		t.Fatal("note(nil) != nil")
+	}
+	first := s.note(3, check(nil, "cuStreamSynchronize", 700))
+	if !errors.Is(first, hal.ErrDeviceLost) || !errors.Is(first, ErrIllegalAddr) {
+		t.Fatalf("first sticky error: %v; want hal.ErrDeviceLost wrapping CUDA_ERROR_ILLEGAL_ADDRESS", first)
+	}
+	second := s.note(3, check(nil, "cuCtxSynchronize", 719))
+	later := s.err()
+	for _, err := range []error{second, later} {
+		if !errors.Is(err, hal.ErrDeviceLost) || !errors.Is(err, ErrIllegalAddr) ||
+			!strings.Contains(err.Error(), "cuStreamSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS (700)") || !strings.Contains(err.Error(), "device 3") {
+			t.Errorf("later error %q must be device-lost and name the first failure", err)
+		}
+	}
+	var dl *DeviceLostError
+	if !errors.As(later, &dl) || dl.Device != 3 {
+		t.Errorf("errors.As(*DeviceLostError): %#v", later)
 	}
 }

@@ -363,4 +363,6 @@ var (
 	ErrUnavailable = errors.New("backend unavailable")
 	ErrNoKernel    = errors.New("no such kernel")
 	ErrBadPointer  = errors.New("pointer not allocated on this device")
+	ErrOutOfMemory = errors.New("out of device memory")
+	ErrDeviceLost  = errors.New("device lost after a sticky error")
 )
