@@ -1019,7 +1019,7 @@ func TestBlasLtResultsAndStreamCloseFreesWorkspaces(t *testing.T) {
 	ctx := newContext(t, d, gpuctx.ContextOptions{Stream: s})
 	a, b, c := upload(t, d, av), upload(t, d, bv), poison(t, d, m*n)
 	ab16, bb16 := toBF16(av), toBF16(bv)
-	a16, b16, c2 := uploadBytes(t, d, ab16), uploadBytes(t, d, bb16), poison(t, d, m*n)
+	a16, b16, c2 := uploadU16(t, d, ab16), uploadU16(t, d, bb16), poison(t, d, m*n)
 	err := ctx.BlasLt(func(lt gpuctx.BlasLt) error {
 		if lt.Stream() != s {
 			return fmt.Errorf("Lt handle for stream %v, want %d", lt.Stream(), s.ID())
@@ -1067,7 +1067,7 @@ func fromBF16(x []uint16) []float32 {
 	return out
 }
 
-func uploadBytes(t *testing.T, d *gpuctx.Device, x []uint16) *gpuctx.Buffer {
+func uploadU16(t *testing.T, d *gpuctx.Device, x []uint16) *gpuctx.Buffer {
 	t.Helper()
 	b, err := d.Alloc(2 * len(x))
 	if err != nil {

@@ -376,15 +376,36 @@ func f32s(v []float64) []float32 {
 // TestMoEFusedKernelErrors checks that bad sizes, pointers and plan entries of
 // the fused kernels become stream errors naming the kernel.
 func TestMoEFusedKernelErrors(t *testing.T) {
-	d := newTestDevice(t)
-	buf := alloc(t, d, 4096)
-	small := alloc(t, d, 64)
-	// A valid plan for TK=2, BM=16: one block of expert 1, npost 16.
-	sorted := upload(t, d, asBytes(append([]int32{0, 1}, filled(14, int32(2))...)))
-	be := upload(t, d, asBytes([]int32{1}))
-	np := upload(t, d, asBytes([]int32{16}))
-	negSorted := upload(t, d, asBytes(append([]int32{0, -3}, filled(14, int32(2))...)))
-	bigNpost := upload(t, d, asBytes([]int32{1 << 20}))
+	// A failed kernel loses the device (as a sticky CUDA error does): each
+	// case runs on a device of its own, with fixtures made by fixtures.
+	type fixture int
+	const (
+		buf fixture = iota
+		small
+		sorted    // a valid plan for TK=2, BM=16: one block of expert 1, npost 16
+		be        //
+		np        //
+		negSorted // sorted with a negative row
+		bigNpost  // npost past the sorted rows
+	)
+	fixtures := func(d *device, f fixture) any {
+		switch f {
+		case buf:
+			return alloc(t, d, 4096)
+		case small:
+			return alloc(t, d, 64)
+		case sorted:
+			return upload(t, d, asBytes(append([]int32{0, 1}, filled(14, int32(2))...)))
+		case be:
+			return upload(t, d, asBytes([]int32{1}))
+		case np:
+			return upload(t, d, asBytes([]int32{16}))
+		case negSorted:
+			return upload(t, d, asBytes(append([]int32{0, -3}, filled(14, int32(2))...)))
+		default:
+			return upload(t, d, asBytes([]int32{1 << 20}))
+		}
+	}
 	c := kernels.MoEGemms[0] // BM 16
 	if c.BM != 16 {
 		t.Fatalf("MoEGemms[0].BM = %d: update this test", c.BM)
@@ -427,7 +448,14 @@ func TestMoEFusedKernelErrors(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			err := launchSync(t, d, tc.kernel, tc.args...)
+			d := newTestDevice(t)
+			args := append([]any(nil), tc.args...)
+			for i, a := range args {
+				if f, ok := a.(fixture); ok {
+					args[i] = fixtures(d, f)
+				}
+			}
+			err := launchSync(t, d, tc.kernel, args...)
 			if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), tc.kernel) {
 				t.Fatalf("got %v, want an error naming %s and containing %q", err, tc.kernel, tc.want)
 			}
