@@ -70,3 +70,23 @@ func TestIndex(t *testing.T) {
 		}
 	}
 }
+
+// TestMoEGemmConfigs checks every tile against moe_gemm.cu's static
+// assertions and the shared-memory limit (NVRTC would refuse the whole file on
+// the GPU), and that tags are unique.
+func TestMoEGemmConfigs(t *testing.T) {
+	seen := map[string]bool{}
+	for _, c := range MoEGemms {
+		if err := c.Check(); err != nil {
+			t.Error(err)
+		}
+		if seen[c.Tag()] {
+			t.Errorf("tile %s listed twice", c.Tag())
+		}
+		seen[c.Tag()] = true
+	}
+	bad := MoEGemm{BM: 16, BN: 128, BK: 64, WarpsM: 1, WarpsN: 8, Stages: 4} // 128 A chunks, 256 threads
+	if bad.Check() == nil {
+		t.Errorf("tile %s passes Check, but its A tile cannot split over its threads", bad.Tag())
+	}
+}

@@ -64,12 +64,37 @@ var MoEGemms = []MoEGemm{
 	{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},
 	{BM: 16, BN: 64, BK: 128, WarpsM: 1, WarpsN: 4, Stages: 4},
 	{BM: 16, BN: 128, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 4},
-	{BM: 16, BN: 128, BK: 64, WarpsM: 1, WarpsN: 8, Stages: 4},
+	{BM: 32, BN: 128, BK: 64, WarpsM: 1, WarpsN: 8, Stages: 4},
 	{BM: 32, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},
 	{BM: 64, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4},
 	{BM: 64, BN: 128, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4},
 	{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 4, Stages: 3},
 	{BM: 128, BN: 128, BK: 64, WarpsM: 2, WarpsN: 4, Stages: 3},
+}
+
+// MoEGemmSmemLimit is the shared memory one block may use on the GPUs the
+// fused kernels target (sm_80 and sm_90: 227 KiB), static part included.
+const MoEGemmSmemLimit = 227 << 10
+
+// Check reports why c cannot be instantiated (the static assertions of
+// moe_gemm.cu and the shared-memory limit), or nil.
+func (c MoEGemm) Check() error {
+	th := c.Threads()
+	switch {
+	case c.BK != 64 && c.BK != 128:
+		return fmt.Errorf("tile %s: BK = %d, want 64 or 128", c.Tag(), c.BK)
+	case c.WarpsM < 1 || c.WarpsN < 1 || c.BM%(16*c.WarpsM) != 0 || c.BN%(16*c.WarpsN) != 0:
+		return fmt.Errorf("tile %s: each warp's tile must be a multiple of 16x16", c.Tag())
+	case c.BM*c.BK/8 < th || (c.BM*c.BK/8)%th != 0:
+		return fmt.Errorf("tile %s: the A tile's %d 16-byte chunks do not split evenly over %d threads", c.Tag(), c.BM*c.BK/8, th)
+	case c.BN*c.BK/8 < th || (c.BN*c.BK/8)%th != 0:
+		return fmt.Errorf("tile %s: the B tile's %d 16-byte chunks do not split evenly over %d threads", c.Tag(), c.BN*c.BK/8, th)
+	case c.Stages < 2:
+		return fmt.Errorf("tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
+	case c.SmemBytes(true)+8*c.BM > MoEGemmSmemLimit:
+		return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+8*c.BM, MoEGemmSmemLimit)
+	}
+	return nil
 }
 
 // moeGemmInstances returns the extern "C" wrappers that instantiate the
