@@ -175,11 +175,13 @@ type Layer struct {
 	thresh int
 	small  int // SmallBatchTokens, resolved
 
-	useGraphs bool                       // capture and replay where possible
-	graphs    map[graphKey]*gpuctx.Graph // captured forwards
-	seen      map[graphKey]int           // forwards run per shape (the first is eager)
-	gx, gy    *gpuctx.Buffer             // the graphs' staging input and output
-	flav      gpuctx.Flavour
+	useGraphs  bool                        // capture and replay where possible
+	graphs     map[graphKey]*gpuctx.Graph  // captured forwards
+	seen       map[graphKey]int            // forwards run per shape (the first is eager)
+	gx, gy     *gpuctx.Buffer              // the graphs' staging input and output
+	direct     map[directKey]*gpuctx.Graph // graphs captured on callers' x and y
+	directSeen map[directKey]bool          // (shape, x, y) run once through staging
+	flav       gpuctx.Flavour
 
 	main, side  *gpuctx.Stream
 	ownMain     bool
@@ -272,6 +274,7 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 	}
 	l.useGraphs = !o.NoGraphs
 	l.graphs, l.seen = map[graphKey]*gpuctx.Graph{}, map[graphKey]int{}
+	l.direct, l.directSeen = map[directKey]*gpuctx.Graph{}, map[directKey]bool{}
 	switch l.small = o.SmallBatchTokens; {
 	case l.small == 0:
 		l.small = DefaultSmallBatchTokens
@@ -550,6 +553,10 @@ func (l *Layer) release() error {
 		keep(g.Close())
 	}
 	l.graphs = nil
+	for _, g := range l.direct {
+		keep(g.Close())
+	}
+	l.direct = nil
 	for _, b := range append(l.scr.all(), &l.gx, &l.gy) {
 		if *b != nil {
 			keep((*b).Free())

@@ -850,3 +850,81 @@ func TestLayerFusedShared(t *testing.T) {
 		}
 	}
 }
+
+// TestLayerDirectGraphs checks the graphs captured on the caller's own x and
+// y: a forward that reuses its buffers replays without staging copies, gives
+// the eager layer's bits on new contents every run (x == y too), and a freed
+// buffer is an error, not a replay on freed memory.
+func TestLayerDirectGraphs(t *testing.T) {
+	cfg := scaledPresets()["deepseek-v2-lite"]
+	w, err := RandomWeights(cfg, 23)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range layerBackends(t) {
+		for _, dt := range layerDTypes {
+			t.Run(b.name+"/"+dt.String(), func(t *testing.T) {
+				eager, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, NoGraphs: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer eager.Close()
+				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				const T = 5
+				n := T * cfg.HiddenSize * l.es
+				xb, err := b.dev.Alloc(n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				yb, err := b.dev.Alloc(n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer yb.Free()
+				run := func(x, y *gpuctx.Buffer, in []float32, mode Mode) []byte {
+					t.Helper()
+					if err := x.CopyFromHost(l.encode(in)); err != nil {
+						t.Fatal(err)
+					}
+					if err := l.ForwardDevice(x, y, T, mode, Whole); err != nil {
+						t.Fatal(err)
+					}
+					out := make([]byte, n)
+					if err := l.MainStream().Synchronize(); err != nil {
+						t.Fatal(err)
+					}
+					if err := y.CopyToHost(out); err != nil {
+						t.Fatal(err)
+					}
+					return out
+				}
+				for i := range 6 {
+					x := randomX(T, cfg.HiddenSize, uint64(300+i))
+					mode := []Mode{Single, Dual}[i%2]
+					want := deviceRun(t, eager, x, T, mode, Whole)
+					if got := run(xb, yb, x, mode); !bytes.Equal(got, want) {
+						t.Fatalf("run %d %v: differs from the eager layer", i, mode)
+					}
+					if got := run(xb, xb, x, mode); !bytes.Equal(got, want) { // y == x
+						t.Fatalf("run %d %v, y == x: differs from the eager layer", i, mode)
+					}
+				}
+				if b.name == "cuda" || len(l.graphs) > 0 { // the backend captures
+					if len(l.direct) == 0 {
+						t.Fatal("no forward was captured on the caller's buffers")
+					}
+				}
+				if err := xb.Free(); err != nil {
+					t.Fatal(err)
+				}
+				if err := l.ForwardDevice(xb, yb, T, Single, Whole); err == nil {
+					t.Fatal("ForwardDevice on a freed x succeeded")
+				}
+			})
+		}
+	}
+}
