@@ -99,6 +99,117 @@ static __device__ __forceinline__ void moe_warp_argmax(float& bv, int& bi) {
 // with weight 1 (ns = 0 without a fused shared expert; ks >= K + ns).
 // Launch: block (32,1,1), any grid (blocks stride over tokens). E <= 512, K <= 16,
 // ns <= 16.
+// moe_route_args_ok reports whether gpuctx_moe_route's sizes are in range.
+static __device__ __forceinline__ bool moe_route_args_ok(int E, int K, int method, int groups, int topk_groups,
+                                                         int ks, int ns) {
+    if (E <= 0 || E > MOE_MAX_E || K <= 0 || K > MOE_MAX_K || K > E) return false;
+    if (ns < 0 || ns > MOE_MAX_K || ks < K + ns) return false;
+    if (method != 0 && (groups <= 0 || groups > E || E % groups != 0 || topk_groups > groups)) return false;
+    return true;
+}
+
+// moe_route_token routes token t (one warp, lane = its lane) from lg = its E
+// logits, with the scratch arrays of one warp (see gpuctx_moe_route).
+static __device__ void moe_route_token(const float* __restrict__ lg, const float* __restrict__ bias,
+                                       int* __restrict__ topk_idx, float* __restrict__ topk_w, int t, int E, int K,
+                                       int scoring, int method, int groups, int topk_groups, int has_bias, int norm,
+                                       float norm_eps, float scale, int ks, int ns, float* sc, float* ch, float* gs,
+                                       unsigned char* keep, unsigned char* taken, float* wsel, int lane) {
+    const float neg_inf = __uint_as_float(0xff800000u);
+    if (scoring == 1) {
+        for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-lg[e]));
+    } else {
+        float m = neg_inf;
+        for (int e = lane; e < E; e += 32) m = fmaxf(m, lg[e]);
+        m = moe_warp_max(m);
+        float s = 0.0f;
+        for (int e = lane; e < E; e += 32) {
+            float v = expf(lg[e] - m);
+            sc[e] = v;
+            s += v;
+        }
+        s = moe_warp_sum(s);
+        for (int e = lane; e < E; e += 32) sc[e] = sc[e] / s;
+    }
+    for (int e = lane; e < E; e += 32) {
+        ch[e] = has_bias ? sc[e] + bias[e] : sc[e];
+        taken[e] = 0;
+    }
+    __syncwarp();
+    if (method != 0) {
+        const int per = E / groups;
+        for (int g = lane; g < groups; g += 32) {
+            float a = neg_inf, b = neg_inf;
+            for (int j = 0; j < per; ++j) {
+                float v = ch[g * per + j];
+                if (v > a) {
+                    b = a;
+                    a = v;
+                } else if (v > b) {
+                    b = v;
+                }
+            }
+            gs[g] = (method == 1) ? a : a + b;
+            keep[g] = 0;
+        }
+        __syncwarp();
+        for (int r = 0; r < topk_groups; ++r) {
+            float bv = neg_inf;
+            int bi = -1;
+            for (int g = lane; g < groups; g += 32) {
+                if (!keep[g] && moe_better(gs[g], g, bv, bi)) {
+                    bv = gs[g];
+                    bi = g;
+                }
+            }
+            moe_warp_argmax(bv, bi);
+            __syncwarp();
+            if (lane == 0 && bi >= 0) keep[bi] = 1;
+            __syncwarp();
+        }
+        for (int e = lane; e < E; e += 32) {
+            if (!keep[e / per]) ch[e] = 0.0f;
+        }
+        __syncwarp();
+    }
+    for (int k = 0; k < K; ++k) {
+        float bv = neg_inf;
+        int bi = -1;
+        for (int e = lane; e < E; e += 32) {
+            if (!taken[e] && moe_better(ch[e], e, bv, bi)) {
+                bv = ch[e];
+                bi = e;
+            }
+        }
+        moe_warp_argmax(bv, bi);
+        if (bi < 0) bi = 0;  // unreachable: K <= E leaves an untaken expert
+        __syncwarp();
+        if (lane == 0) {
+            taken[bi] = 1;
+            topk_idx[(long long)t * ks + k] = bi;
+            wsel[k] = (method == 2) ? sc[bi] : ch[bi];
+        }
+        __syncwarp();
+    }
+    if (lane == 0) {
+        float s = 0.0f;
+        if (norm) {
+            for (int k = 0; k < K; ++k) s += wsel[k];
+            s += norm_eps;
+        }
+        for (int k = 0; k < K; ++k) {
+            float v = wsel[k];
+            if (norm) v = v / s;
+            topk_w[(long long)t * ks + k] = v * scale;
+        }
+        for (int j = 0; j < ns; ++j) {
+            topk_idx[(long long)t * ks + K + j] = E + j;
+            topk_w[(long long)t * ks + K + j] = 1.0f;
+        }
+    }
+    __syncwarp();  // the next token reuses the shared arrays
+}
+
 extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
                                             int* __restrict__ topk_idx, float* __restrict__ topk_w,
                                             int T, int E, int K, int scoring, int method, int groups,
@@ -111,105 +222,11 @@ extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, co
     __shared__ unsigned char taken[MOE_MAX_E];
     __shared__ float wsel[MOE_MAX_K];
     if (threadIdx.x >= 32) return;  // one warp per block; extra threads idle
-    if (E <= 0 || E > MOE_MAX_E || K <= 0 || K > MOE_MAX_K || K > E) return;
-    if (ns < 0 || ns > MOE_MAX_K || ks < K + ns) return;
-    if (method != 0 && (groups <= 0 || groups > E || E % groups != 0 || topk_groups > groups)) return;
-    const int lane = threadIdx.x;
-    const float neg_inf = __uint_as_float(0xff800000u);
+    if (!moe_route_args_ok(E, K, method, groups, topk_groups, ks, ns)) return;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-        const float* lg = logits + (long long)t * E;
-        if (scoring == 1) {
-            for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-lg[e]));
-        } else {
-            float m = neg_inf;
-            for (int e = lane; e < E; e += 32) m = fmaxf(m, lg[e]);
-            m = moe_warp_max(m);
-            float s = 0.0f;
-            for (int e = lane; e < E; e += 32) {
-                float v = expf(lg[e] - m);
-                sc[e] = v;
-                s += v;
-            }
-            s = moe_warp_sum(s);
-            for (int e = lane; e < E; e += 32) sc[e] = sc[e] / s;
-        }
-        for (int e = lane; e < E; e += 32) {
-            ch[e] = has_bias ? sc[e] + bias[e] : sc[e];
-            taken[e] = 0;
-        }
-        __syncwarp();
-        if (method != 0) {
-            const int per = E / groups;
-            for (int g = lane; g < groups; g += 32) {
-                float a = neg_inf, b = neg_inf;
-                for (int j = 0; j < per; ++j) {
-                    float v = ch[g * per + j];
-                    if (v > a) {
-                        b = a;
-                        a = v;
-                    } else if (v > b) {
-                        b = v;
-                    }
-                }
-                gs[g] = (method == 1) ? a : a + b;
-                keep[g] = 0;
-            }
-            __syncwarp();
-            for (int r = 0; r < topk_groups; ++r) {
-                float bv = neg_inf;
-                int bi = -1;
-                for (int g = lane; g < groups; g += 32) {
-                    if (!keep[g] && moe_better(gs[g], g, bv, bi)) {
-                        bv = gs[g];
-                        bi = g;
-                    }
-                }
-                moe_warp_argmax(bv, bi);
-                __syncwarp();
-                if (lane == 0 && bi >= 0) keep[bi] = 1;
-                __syncwarp();
-            }
-            for (int e = lane; e < E; e += 32) {
-                if (!keep[e / per]) ch[e] = 0.0f;
-            }
-            __syncwarp();
-        }
-        for (int k = 0; k < K; ++k) {
-            float bv = neg_inf;
-            int bi = -1;
-            for (int e = lane; e < E; e += 32) {
-                if (!taken[e] && moe_better(ch[e], e, bv, bi)) {
-                    bv = ch[e];
-                    bi = e;
-                }
-            }
-            moe_warp_argmax(bv, bi);
-            if (bi < 0) bi = 0;  // unreachable: K <= E leaves an untaken expert
-            __syncwarp();
-            if (lane == 0) {
-                taken[bi] = 1;
-                topk_idx[(long long)t * ks + k] = bi;
-                wsel[k] = (method == 2) ? sc[bi] : ch[bi];
-            }
-            __syncwarp();
-        }
-        if (lane == 0) {
-            float s = 0.0f;
-            if (norm) {
-                for (int k = 0; k < K; ++k) s += wsel[k];
-                s += norm_eps;
-            }
-            for (int k = 0; k < K; ++k) {
-                float v = wsel[k];
-                if (norm) v = v / s;
-                topk_w[(long long)t * ks + k] = v * scale;
-            }
-            for (int j = 0; j < ns; ++j) {
-                topk_idx[(long long)t * ks + K + j] = E + j;
-                topk_w[(long long)t * ks + K + j] = 1.0f;
-            }
-        }
-        __syncwarp();  // the next token reuses the shared arrays
+        moe_route_token(logits + (long long)t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups,
+                        topk_groups, has_bias, norm, norm_eps, scale, ks, ns, sc, ch, gs, keep, taken, wsel,
+                        threadIdx.x);
     }
 }
 
@@ -539,15 +556,11 @@ extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, 
 #define MOE_ALIGN_WARPS 16
 #define MOE_ALIGN_UNROLL 8  // assignments per lane loaded before they are counted
 
-extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_align(
-    const int* __restrict__ topk_idx, int* __restrict__ sorted, int* __restrict__ block_expert, int* __restrict__ npost,
-    int TK, int E, int BM, int cap) {
-    __shared__ int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
-    __shared__ int seg[MOE_MAX_E + 1];
-    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 ||
-        cap % BM != 0) {
-        return;
-    }
+// moe_align_block is gpuctx_moe_align's body for one block of
+// 32 * MOE_ALIGN_WARPS threads, with its shared arrays passed in.
+static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __restrict__ sorted,
+                                       int* __restrict__ block_expert, int* __restrict__ npost, int TK, int E,
+                                       int BM, int cap, int (*cnt)[MOE_MAX_E], int* seg) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -639,6 +652,85 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
             __syncwarp();
         }
     }
+}
+
+extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_align(
+    const int* __restrict__ topk_idx, int* __restrict__ sorted, int* __restrict__ block_expert, int* __restrict__ npost,
+    int TK, int E, int BM, int cap) {
+    __shared__ int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
+    __shared__ int seg[MOE_MAX_E + 1];
+    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 ||
+        cap % BM != 0) {
+        return;
+    }
+    moe_align_block(topk_idx, sorted, block_expert, npost, TK, E, BM, cap, cnt, seg);
+}
+
+// gpuctx_moe_route_align: the router GEMM, gpuctx_moe_route and
+// gpuctx_moe_align in one block, for small batches with a small router (one
+// launch instead of three): logits[t, e] = x[t, :] . router[e, :] (bf16
+// operands, f32 sums, stored to logits [T, E]), then the routing of every
+// token (topk_idx, topk_w [T, ks]; the route's arguments) and the aligned sort
+// of its TK = T * ks assignments over E + ns experts (the align's arguments).
+// Launch: grid (1,1,1), block (512,1,1). H a multiple of 8, E <= 512.
+#define MOE_RA_ROUTE_WARPS 4
+
+extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_route_align(
+    const unsigned short* __restrict__ x, const unsigned short* __restrict__ router, const float* __restrict__ bias,
+    float* __restrict__ logits, int* __restrict__ topk_idx, float* __restrict__ topk_w, int* __restrict__ sorted,
+    int* __restrict__ block_expert, int* __restrict__ npost, int T, int H, int E, int K, int scoring, int method,
+    int groups, int topk_groups, int has_bias, int norm, float norm_eps, float scale, int ks, int ns, int BM,
+    int cap) {
+    union Smem {
+        struct {
+            float sc[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
+            float ch[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
+            float gs[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
+            unsigned char keep[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
+            unsigned char taken[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
+            float wsel[MOE_RA_ROUTE_WARPS][MOE_MAX_K];
+        } r;
+        struct {
+            int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
+            int seg[MOE_MAX_E + 1];
+        } a;
+    };
+    __shared__ Smem sm;
+    const int Ex = E + ns;
+    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || T < 0 || H % 8 != 0 || Ex > MOE_MAX_E ||
+        BM <= 0 || cap % BM != 0 || !moe_route_args_ok(E, K, method, groups, topk_groups, ks, ns)) {
+        return;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Logits: one warp per (token, expert), 16-byte loads, butterfly sum.
+    for (int d = warp; d < T * E; d += MOE_ALIGN_WARPS) {
+        const int t = d / E, e = d - t * E;
+        const unsigned short* xr = x + (long long)t * H;
+        const unsigned short* wr = router + (long long)e * H;
+        float acc = 0.0f;
+        for (int h = lane * 8; h < H; h += 32 * 8) {
+            const uint4 a = *(const uint4*)(xr + h);
+            const uint4 b = *(const uint4*)(wr + h);
+            const unsigned int av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                acc += __uint_as_float(av[j] << 16) * __uint_as_float(bv[j] << 16);
+                acc += __uint_as_float(av[j] & 0xffff0000u) * __uint_as_float(bv[j] & 0xffff0000u);
+            }
+        }
+        acc = moe_warp_sum(acc);
+        if (lane == 0) logits[(long long)t * E + e] = acc;
+    }
+    __syncthreads();
+    if (warp < MOE_RA_ROUTE_WARPS) {
+        for (int t = warp; t < T; t += MOE_RA_ROUTE_WARPS) {
+            moe_route_token(logits + (long long)t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups,
+                            topk_groups, has_bias, norm, norm_eps, scale, ks, ns, sm.r.sc[warp], sm.r.ch[warp],
+                            sm.r.gs[warp], sm.r.keep[warp], sm.r.taken[warp], sm.r.wsel[warp], lane);
+        }
+    }
+    __syncthreads();
+    moe_align_block(topk_idx, sorted, block_expert, npost, T * ks, Ex, BM, cap, sm.a.cnt, sm.a.seg);
 }
 
 // gpuctx_moe_combine_rows: gpuctx_moe_combine with the routed rows in

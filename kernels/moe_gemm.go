@@ -68,6 +68,8 @@ var MoEGemms = []MoEGemm{
 	{BM: 32, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},
 	{BM: 64, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4},
 	{BM: 64, BN: 128, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4},
+	{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 3},
+	{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4},
 	{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 4, Stages: 3},
 	{BM: 128, BN: 128, BK: 64, WarpsM: 2, WarpsN: 4, Stages: 3},
 }

@@ -198,6 +198,7 @@ type Layer struct {
 	kExpertDown *gpuctx.Kernel
 	kAlign      *gpuctx.Kernel
 	kCombRows   *gpuctx.Kernel
+	kRouteAlign *gpuctx.Kernel
 
 	fusedOK     bool                               // bf16, H and I multiples of 8, not NoFused
 	ns          int                                // shared-expert chunks fused as experts E.. (0: none)
@@ -334,7 +335,8 @@ func (l *Layer) init(w *Weights) error {
 	}{{&l.kRoute, "gpuctx_moe_route"}, {&l.kPlan, "gpuctx_moe_plan"}, {&l.kGather, "gpuctx_moe_gather"},
 		{&l.kSwiglu, "gpuctx_moe_swiglu"}, {&l.kCombine, "gpuctx_moe_combine"},
 		{&l.kExpertUp, "gpuctx_moe_expert_up"}, {&l.kExpertDown, "gpuctx_moe_expert_down"},
-		{&l.kAlign, "gpuctx_moe_align"}, {&l.kCombRows, "gpuctx_moe_combine_rows"}} {
+		{&l.kAlign, "gpuctx_moe_align"}, {&l.kCombRows, "gpuctx_moe_combine_rows"},
+		{&l.kRouteAlign, "gpuctx_moe_route_align"}} {
 		if *k.dst, err = l.dev.Kernel(k.name); err != nil {
 			return err
 		}

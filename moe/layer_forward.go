@@ -261,6 +261,10 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 	c := &l.cfg
 	H, E, K, I := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate
 	TK, es, s := T*K, l.es, &l.scr
+	l.routedKS = l.slots(shared)
+	if l.routeAlignOK(T) { // router, routing and sort in one launch
+		return l.routedSmall(x, T, shared)
+	}
 	err := l.ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error {
 		return h.Gemm(gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: T, N: E, K: H, Alpha: 1,
 			A: x, B: l.router, C: s.logits, AB: l.dt, CType: gpuctx.F32})
@@ -268,24 +272,7 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 	if err != nil {
 		return fmt.Errorf("moe: router GEMM: %w", err)
 	}
-	scoring, method := scoreSoftmax, methodGreedy
-	if c.Scoring == Sigmoid {
-		scoring = scoreSigmoid
-	}
-	switch c.TopKMethod {
-	case GroupLimitedGreedy:
-		method = methodGroupMax
-	case NoAuxTC:
-		method = methodGroupTop2
-	}
-	var eps float32
-	if c.Family == DeepseekV3 {
-		eps = 1e-20
-	}
-	scale := float32(1)
-	if c.Family == DeepseekV2 || c.Family == DeepseekV3 {
-		scale = float32(c.RoutedScalingFactor)
-	}
+	scoring, method, eps, scale := l.routeArgs()
 	one := gpuctx.Dim3{X: 1, Y: 1, Z: 1}
 	if err := l.main.Launch(l.kRoute, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0,
 		s.logits, l.bias, s.idx, s.w, int32(T), int32(E), int32(K), scoring, method,
@@ -293,7 +280,6 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 		int32(l.slots(shared)), int32(l.slots(shared)-K)); err != nil {
 		return err
 	}
-	l.routedKS = l.slots(shared)
 	if l.fused(T) {
 		return l.routedFused(x, T, shared)
 	}
@@ -373,6 +359,29 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 		return fmt.Errorf("moe: expert down grouped GEMM: %w", err)
 	}
 	return nil
+}
+
+// routeArgs returns gpuctx_moe_route's scoring and method codes, norm_eps and
+// scale for the layer's config.
+func (l *Layer) routeArgs() (scoring, method int32, eps, scale float32) {
+	c := &l.cfg
+	scoring, method, scale = scoreSoftmax, methodGreedy, 1
+	if c.Scoring == Sigmoid {
+		scoring = scoreSigmoid
+	}
+	switch c.TopKMethod {
+	case GroupLimitedGreedy:
+		method = methodGroupMax
+	case NoAuxTC:
+		method = methodGroupTop2
+	}
+	if c.Family == DeepseekV3 {
+		eps = 1e-20
+	}
+	if c.Family == DeepseekV2 || c.Family == DeepseekV3 {
+		scale = float32(c.RoutedScalingFactor)
+	}
+	return scoring, method, eps, scale
 }
 
 // sharedExpert queues the shared expert (and the Qwen2-MoE gate logits) on

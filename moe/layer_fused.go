@@ -145,6 +145,81 @@ func (l *Layer) launchExperts(x *gpuctx.Buffer, T int, tp tilePair) error {
 		s.act, l.down, s.sorted, s.bexp, s.npost, s.out, int32(TK), int32(H), int32(I))
 }
 
+// knownTiles returns the tiles of T's bucket when they are already chosen
+// (forced or tuned), without tuning.
+func (l *Layer) knownTiles(T int) (tilePair, bool) {
+	if l.forceTile != nil {
+		return tilePair{*l.forceTile, *l.forceTile}, true
+	}
+	if !l.autotune {
+		return tilePair{ruleTile(T, l.routedKS, l.experts()), ruleTile(T, l.routedKS, l.experts())}, true
+	}
+	tp, ok := l.tiles[tileKey{tileBucket(T), l.fusedShared}]
+	return tp, ok
+}
+
+// routeAlignMACs bounds the router work gpuctx_moe_route_align does in its
+// one block (T*E*H multiply-adds), and routeAlignBytes the router it reads.
+const (
+	routeAlignMACs  = 1 << 20
+	routeAlignBytes = 512 << 10
+)
+
+// routeAlignOK reports whether a fused-path batch of T tokens routes and sorts
+// in one launch (gpuctx_moe_route_align): a small batch and a small router.
+func (l *Layer) routeAlignOK(T int) bool {
+	c := &l.cfg
+	return l.fused(T) && T*c.NumExperts*c.HiddenSize <= routeAlignMACs &&
+		c.NumExperts*c.HiddenSize*l.es <= routeAlignBytes && l.experts() <= MaxExperts
+}
+
+// routedSmall queues the fused routed path of a batch that routeAlignOK
+// accepts: gpuctx_moe_route_align, then the expert kernels. Every forward of
+// such a batch computes the router logits the same way (in that kernel, never
+// in a GEMM), so results do not depend on whether the tiles were tuned yet;
+// the first forward of a bucket on CUDA tunes them on this routing and sorts
+// again with the chosen rows per block.
+func (l *Layer) routedSmall(x *gpuctx.Buffer, T, shared int) error {
+	tp, known := l.knownTiles(T)
+	bm := tp.up.BM
+	if !known {
+		bm = ruleTile(T, l.routedKS, l.experts()).BM
+	}
+	if err := l.ensureFused(T, bm); err != nil {
+		return err
+	}
+	if err := l.launchRouteAlign(x, T, shared, bm); err != nil {
+		return err
+	}
+	if !known {
+		var err error
+		if tp, err = l.tilesFor(x, T); err != nil {
+			return err
+		}
+		if err := l.ensureFused(T, tp.up.BM); err != nil {
+			return err
+		}
+		if err := l.launchAlign(T, tp.up.BM); err != nil {
+			return err
+		}
+	}
+	return l.expertsFused(x, T, shared, tp)
+}
+
+// launchRouteAlign queues gpuctx_moe_route_align for T tokens with tile rows
+// bm (the fused scratch must be sized for them).
+func (l *Layer) launchRouteAlign(x *gpuctx.Buffer, T, shared, bm int) error {
+	c, s := &l.cfg, &l.scr
+	scoring, method, eps, scale := l.routeArgs()
+	ks := l.slots(shared)
+	TK, E := T*ks, l.experts()
+	return l.main.Launch(l.kRouteAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
+		x, l.router, l.bias, s.logits, s.idx, s.w, s.sorted, s.bexp, s.npost,
+		int32(T), int32(c.HiddenSize), int32(c.NumExperts), int32(c.TopK), scoring, method,
+		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,
+		int32(ks), int32(ks-c.TopK), int32(bm), int32(alignCap(TK, E, bm)))
+}
+
 // tilesFor returns the tiles of T's bucket: the forced tile, the tuned or
 // rule-of-thumb choice. Tuning (CUDA, first forward of a bucket, never during a
 // capture) needs the routing of this forward in s.idx, and waits for the main
@@ -316,6 +391,13 @@ func (l *Layer) routedFused(x *gpuctx.Buffer, T int, shared int) error {
 	if err := l.launchAlign(T, tp.up.BM); err != nil {
 		return err
 	}
+	return l.expertsFused(x, T, shared, tp)
+}
+
+// expertsFused queues, after the aligned sort, the shared expert's fork (Dual)
+// and the fused expert kernels, then the shared expert on the main stream
+// (Single).
+func (l *Layer) expertsFused(x *gpuctx.Buffer, T int, shared int, tp tilePair) error {
 	if err := l.evCounts.Record(l.main); err != nil {
 		return err
 	}

@@ -33,6 +33,13 @@ func init() {
 			argI32, argI32, argI32}, func(d *device, a []any) error { return moeFusedDown(d, a, bm) })
 	}
 
+	// gpuctx_moe_route_align(x, router, bias, logits, topk_idx, topk_w, sorted,
+	// block_expert, npost, T, H, E, K, scoring, method, groups, topk_groups,
+	// has_bias, norm, norm_eps, scale, ks, ns, BM, cap).
+	registerKernel("gpuctx_moe_route_align", []argKind{argPtr, argPtr, argPtr, argPtr, argPtr, argPtr, argPtr, argPtr, argPtr,
+		argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argF32, argF32,
+		argI32, argI32, argI32, argI32}, moeRouteAlign)
+
 	// gpuctx_moe_combine_rows(const void* out, const float* w, const void* shared,
 	// const float* gate, void* y, int T, int K, int H, int has_routed,
 	// int has_shared, int has_gate, int bf16).
@@ -41,6 +48,47 @@ func init() {
 }
 
 func roundUp(n, m int) int { return (n + m - 1) / m * m }
+
+// moeRouteAlign is gpuctx_moe_route_align: the router logits (bf16 x [T,H]
+// times bf16 router [E,H], f32 sums in ascending h), then the route and the
+// align twins on them, with the arguments the CUDA kernel passes them.
+func moeRouteAlign(d *device, a []any) error {
+	T, H, E := a[9].(int32), a[10].(int32), a[11].(int32)
+	ks, ns, bm, cp := a[21].(int32), a[22].(int32), a[23].(int32), a[24].(int32)
+	if T < 0 || H <= 0 || H%8 != 0 || E <= 0 || E > moeMaxE {
+		return fmt.Errorf("route_align: T=%d H=%d E=%d: want T >= 0, H > 0 a multiple of 8, 0 < E <= %d", T, H, E, moeMaxE)
+	}
+	x, err := deviceSlice[uint16](d, "x", a[0].(hal.Ptr), int64(T)*int64(H))
+	if err != nil {
+		return err
+	}
+	router, err := deviceSlice[uint16](d, "router", a[1].(hal.Ptr), int64(E)*int64(H))
+	if err != nil {
+		return err
+	}
+	logits, err := deviceSlice[float32](d, "logits", a[3].(hal.Ptr), int64(T)*int64(E))
+	if err != nil {
+		return err
+	}
+	for t := 0; t < int(T); t++ {
+		xr := x[t*int(H) : (t+1)*int(H)]
+		for e := 0; e < int(E); e++ {
+			wr := router[e*int(H) : (e+1)*int(H)]
+			var acc float32
+			for h := range xr {
+				acc += bf16ToF32(xr[h]) * bf16ToF32(wr[h])
+			}
+			logits[t*int(E)+e] = acc
+		}
+	}
+	route := []any{a[3], a[2], a[4], a[5], T, E}
+	route = append(route, a[12:21]...) // K, scoring, method, groups, topk_groups, has_bias, norm, norm_eps, scale
+	route = append(route, ks, ns)
+	if err := moeRoute(d, route); err != nil {
+		return err
+	}
+	return moeAlign(d, []any{a[4], a[6], a[7], a[8], T * ks, E + ns, bm, cp})
+}
 
 func moeAlign(d *device, a []any) error {
 	TK, E, BM, cp := int(a[4].(int32)), int(a[5].(int32)), int(a[6].(int32)), int(a[7].(int32))
