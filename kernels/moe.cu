@@ -708,7 +708,8 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_ro
         const unsigned short* xr = x + (long long)t * H;
         const unsigned short* wr = router + (long long)e * H;
         float acc = 0.0f;
-        for (int h = lane * 8; h < H; h += 32 * 8) {
+#pragma unroll 4
+        for (int h = lane * 8; h < H; h += 32 * 8) {  // four 16-byte loads in flight per lane
             const uint4 a = *(const uint4*)(xr + h);
             const uint4 b = *(const uint4*)(wr + h);
             const unsigned int av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};

@@ -158,10 +158,13 @@ func (l *Layer) knownTiles(T int) (tilePair, bool) {
 	return tp, ok
 }
 
-// routeAlignMACs bounds the router work gpuctx_moe_route_align does in its
-// one block (T*E*H multiply-adds), and routeAlignBytes the router it reads.
+// routeAlignDots bounds the router dot products gpuctx_moe_route_align does in
+// its one block (T*E), and routeAlignBytes the router it reads. Measured on an
+// H200 (bench/RESULTS.md): at 64 dots (DeepSeek-V2-Lite, 1 token) the one
+// launch beat the router GEMM + route + align by 4 us; at 512 dots (8 tokens)
+// it lost 35 us.
 const (
-	routeAlignMACs  = 1 << 20
+	routeAlignDots  = 128
 	routeAlignBytes = 512 << 10
 )
 
@@ -169,7 +172,7 @@ const (
 // in one launch (gpuctx_moe_route_align): a small batch and a small router.
 func (l *Layer) routeAlignOK(T int) bool {
 	c := &l.cfg
-	return l.fused(T) && T*c.NumExperts*c.HiddenSize <= routeAlignMACs &&
+	return l.fused(T) && T*c.NumExperts <= routeAlignDots &&
 		c.NumExperts*c.HiddenSize*l.es <= routeAlignBytes && l.experts() <= MaxExperts
 }
 
