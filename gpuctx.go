@@ -24,8 +24,8 @@
 // so SetStream on one view never moves another. Never Close a view: closing a
 // view closes the Context it came from, and every other view with it. Drop
 // views when done (they hold nothing of their own) and Close only the Context
-// itself, once, after every goroutine using a view has returned. See
-// Example_twoStreams.
+// itself, once, after every goroutine using a view has returned, as the
+// example of Context.WithStream does.
 //
 // Every method is safe for concurrent use by multiple goroutines unless its doc
 // says otherwise. Callers never need runtime.LockOSThread: the CUDA backend makes
