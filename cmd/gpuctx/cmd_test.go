@@ -272,6 +272,7 @@ func TestVersion(t *testing.T) {
 		{bi, "", "devel (commit abc1234def56, 2026-12-01, modified)"},
 		{bi, "0123456", "devel (commit 0123456)"},
 		{&debug.BuildInfo{Main: debug.Module{Version: "v1.2.3"}}, "", "v1.2.3 (no commit recorded"},
+		{&debug.BuildInfo{Main: debug.Module{Version: "v0.0.0-20261201143537-64955ab386c7+dirty"}, Settings: bi.Settings}, "", "devel (commit abc1234def56, 2026-12-01, modified)"},
 	} {
 		if got := formatVersion(c.bi, c.override); !strings.HasPrefix(got, c.want) {
 			t.Errorf("formatVersion(%v, %q) = %q, want %q", c.bi.Settings, c.override, got, c.want)

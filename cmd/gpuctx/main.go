@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"runtime/debug"
 	"strings"
 	"time"
@@ -246,12 +247,18 @@ func version() string {
 	return formatVersion(bi, buildCommit)
 }
 
+// pseudoVersion matches the tail of a Go pseudo-version.
+var pseudoVersion = regexp.MustCompile(`\d{14}-[0-9a-f]{12}(\+dirty)?$`)
+
 // formatVersion is version for the build info bi (may be nil) and the
 // link-time commit override.
 func formatVersion(bi *debug.BuildInfo, override string) string {
 	v, rev, date, modified := "devel", "", "", false
 	if bi != nil {
-		if bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+		// A tagged version is kept; the pseudo-version the go command derives
+		// from the commit (v0.0.0-20261201143537-64955ab386c7[+dirty]) says
+		// nothing the commit and date below do not, so it reads as devel.
+		if bi.Main.Version != "" && bi.Main.Version != "(devel)" && !pseudoVersion.MatchString(bi.Main.Version) {
 			v = bi.Main.Version
 		}
 		for _, s := range bi.Settings {
