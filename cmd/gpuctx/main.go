@@ -9,7 +9,8 @@
 // Use a.openRuntime to open the backend chosen by --backend / GPUCTX_BACKEND,
 // a.out for output, a.jsonOut to honour --json, and return errors from RunE
 // (wrap them with fail to say what to do): main prints one line on stderr and
-// exits 1.
+// exits 1 (a vendor library that cannot be loaded gets a few lines: what to do,
+// then the paths tried; see loadErrorText).
 package main
 
 import (
