@@ -20,8 +20,8 @@ const (
 )
 
 // Gemm describes C = Alpha*op(A)*op(B) + Beta*C with C M×N, op(A) M×K and
-// op(B) K×N. A and B hold elements of type AB, C of type C. Leading dimensions
-// of 0 mean packed. Supported: f32->f32, f64->f64, f16->f16|f32, bf16->bf16|f32;
+// op(B) K×N. A and B hold elements of type AB, C elements of type CType.
+// TransA and TransB select op(X) = Xᵀ. Leading dimensions of 0 mean packed. Supported: f32->f32, f64->f64, f16->f16|f32, bf16->bf16|f32;
 // f16/bf16/f32 compute in f32 (TF32 only in the TF32 flavour of a Context that
 // allows it), f64 in f64.
 type Gemm struct {
@@ -35,7 +35,10 @@ type Gemm struct {
 }
 
 // Geam describes C = Alpha*op(A) + Beta*op(B) with C M×N, for f32, f64, c64 and
-// c128 (real types use the real parts of Alpha and Beta).
+// c128 (real types use the real parts of Alpha and Beta). TransA and TransB
+// select op(X) = Xᵀ, the plain transpose, for complex types too: gpuctx passes
+// CUBLAS_OP_T, never CUBLAS_OP_C, so nothing is conjugated (the CPU backend
+// does the same). For a conjugate transpose, conjugate the input first.
 type Geam struct {
 	Layout         Layout
 	TransA, TransB bool
@@ -273,6 +276,14 @@ func (h Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC in
 // gs) on the handle's stream: cublasGemmGroupedBatchedEx where the library has
 // it, otherwise one GEMM per group, with identical results. All groups share
 // dtypes, Alpha and Beta.
+//
+// Empty groups (M == 0 or N == 0, e.g. an expert that got no tokens) are
+// skipped: nothing is read or written and no kernel runs for them. They are
+// still validated, so each needs non-nil A, B and C buffers of the handle's
+// device, aligned to their element size and large enough for the operand's
+// shape with the other dimensions (B is K×N even when M is 0); the simplest is
+// to leave them out of gs. A group with K == 0 and M, N > 0 is not empty: it
+// sets C = Beta*C. An empty gs, or one whose groups are all empty, returns nil.
 func (h Blas) GemmGrouped(gs []Gemm) error {
 	const op = "Blas.GemmGrouped"
 	l, unlock, err := enter(h.sl, h.gen, "Blas.GemmGrouped")
@@ -302,7 +313,8 @@ func (h Blas) GemmGrouped(gs []Gemm) error {
 	return h.sl.blas.GemmGrouped(descs)
 }
 
-// Geam queues C = Alpha*op(A) + Beta*op(B) on the handle's stream.
+// Geam queues C = Alpha*op(A) + Beta*op(B) on the handle's stream; op is the
+// plain transpose when TransA or TransB is set, never the conjugate (see Geam).
 func (h Blas) Geam(g Geam) error {
 	const op = "Blas.Geam"
 	l, unlock, err := enter(h.sl, h.gen, "Blas.Geam")

@@ -8,6 +8,25 @@
 // backend. GPUCTX_BACKEND=cuda|cpu forces one; a forced backend that is not
 // available is an error, never a silent fallback.
 //
+// # Streams and Contexts
+//
+// There is no default stream: every piece of work is queued on a Stream that
+// the caller made (Device.NewStream) or on the stream of a Context. A Context
+// made with ContextOptions.Stream nil creates a stream of its own; that is the
+// stream to use when you have none in mind: Context.Stream returns it (queue
+// kernels and copies there, then BLAS calls through Context.Blas run after
+// them in order), and Context.Close closes it. StreamOptions.Blocking concerns
+// only CUDA's legacy NULL stream, which gpuctx never uses.
+//
+// To drive several streams through one Context from several goroutines, give
+// each goroutine a view: v, err := ctx.WithStream(s). A view shares the
+// Context's handles, workspaces and lifetime and has its own current stream,
+// so SetStream on one view never moves another. Never Close a view: closing a
+// view closes the Context it came from, and every other view with it. Drop
+// views when done (they hold nothing of their own) and Close only the Context
+// itself, once, after every goroutine using a view has returned, as the
+// example of Context.WithStream does.
+//
 // Every method is safe for concurrent use by multiple goroutines unless its doc
 // says otherwise. Callers never need runtime.LockOSThread: the CUDA backend makes
 // the device's context current on whatever OS thread makes a driver call.

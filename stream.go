@@ -11,8 +11,18 @@ import (
 
 // StreamOptions configures a new stream.
 type StreamOptions struct {
-	// Blocking makes the stream synchronise with the legacy default stream
-	// (CUDA's default for cuStreamCreate). Streams are non-blocking by default.
+	// Blocking makes the stream synchronise with CUDA's legacy default stream
+	// (the NULL stream, stream 0) of the device's primary context: work on a
+	// blocking stream waits for earlier work on the NULL stream and the other
+	// way round, as cuStreamCreate's default flag does. gpuctx has no default
+	// stream and never queues work on the NULL stream itself, so this matters
+	// only when other code in the process (a cgo library, a framework sharing
+	// the primary context) issues work there. Streams are non-blocking by
+	// default; the CPU backend ignores the flag (it has no NULL stream).
+	//
+	// The stream to use when you have none in mind is a Context's own: a
+	// Context made with ContextOptions.Stream nil creates one, Context.Stream
+	// returns it, and Context.Close closes it.
 	Blocking bool
 	// Priority: lower numbers run first when both are ready (CUDA convention).
 	// 0 is the default priority; Device.PriorityRange gives the valid range.

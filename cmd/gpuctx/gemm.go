@@ -4,7 +4,9 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 
+	"github.com/schollz/progressbar/v3"
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
@@ -23,7 +25,19 @@ type gemmOpts struct {
 	sets          int
 	check         bool
 	lt            bool
+	fullSize      bool
 }
+
+// On the CPU backend gemm caps each dimension at cpuGemmDim and, unless set,
+// runs cpuGemmIters GEMMs per round, cpuGemmRepeats rounds and cpuGemmWarmup
+// warm-up GEMMs, so that a command meant for a GPU (8192³ takes hours on two
+// cores) finishes in seconds. --full-size keeps the shape asked for.
+const (
+	cpuGemmDim     = 512
+	cpuGemmIters   = 3
+	cpuGemmRepeats = 3
+	cpuGemmWarmup  = 1
+)
 
 type gemmReport struct {
 	Backend   string    `json:"backend"`
@@ -41,6 +55,10 @@ type gemmReport struct {
 	MedianUS  float64   `json:"median_us_per_gemm"`
 	MaxRelErr float64   `json:"max_rel_err_sampled"`
 	Checked   int       `json:"entries_checked"`
+	// ScaledDown is true when the CPU backend shrank the shape or the
+	// iteration counts; Note says from what to what.
+	ScaledDown bool   `json:"scaled_down"`
+	Note       string `json:"note,omitempty"`
 }
 
 func newGemmCmd(a *app) *cobra.Command {
@@ -52,15 +70,23 @@ func newGemmCmd(a *app) *cobra.Command {
 one Context view per stream, each stream with its own A, B and C (several sets
 rotated so that small problems do not sit in L2), random data, warm-up first,
 then the median of --repeats timed rounds of --iters GEMMs per stream, timed
-with device events. It prints TFLOP/s for all streams together and for each
-stream, and checks sampled entries of C against a float64 host reference.
+with device events. It prints the rate for all streams together and for each
+stream (TFLOP/s, or GFLOP/s below 1 TFLOP/s), and checks sampled entries of C
+against a float64 host reference. A progress bar runs on stderr when it is a
+terminal.
+
+The default sizes and the examples are GPU sizes. On the CPU backend (no GPU,
+or --backend cpu) gemm caps M, N and K at 512 and, unless they are set, runs 1
+warm-up, 3 rounds of 3 GEMMs, and says so in its output, so that it finishes
+in seconds; --full-size keeps the shape asked for (8192³ on two cores takes
+hours).
 
 dtype: f32, tf32 (f32 with TF32 tensor-core math), bf16, f16 (f32 accumulate,
 output in the input type), f64.`,
 		Example: `  gpuctx gemm --m 8192 --n 8192 --k 8192 --dtype bf16
   gpuctx gemm --m 4096 --n 4096 --k 4096 --dtype f32 --streams 4 --json`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error { return a.runGemm(o) },
+		RunE: func(cmd *cobra.Command, _ []string) error { return a.runGemm(cmd, o) },
 	}
 	f := cmd.Flags()
 	f.IntVar(&o.m, "m", 4096, "rows of A and C")
@@ -75,6 +101,7 @@ output in the input type), f64.`,
 	f.IntVar(&o.sets, "sets", 0, "operand sets per stream rotated between GEMMs (0: enough to exceed 256 MiB)")
 	f.BoolVar(&o.lt, "lt", false, "use the cuBLASLt path (Context.BlasLt) instead of cuBLAS (f32, bf16, f16)")
 	f.BoolVar(&o.check, "check", true, "check sampled entries of C against a float64 reference")
+	f.BoolVar(&o.fullSize, "full-size", false, "on the CPU backend, keep --m/--n/--k and the iteration counts (slow: 8192³ takes hours)")
 	return cmd
 }
 
@@ -123,7 +150,44 @@ type gemmSet struct {
 	hostA, hB []byte
 }
 
-func (a *app) runGemm(o gemmOpts) error {
+// scaleForCPU shrinks o for the CPU backend (see cpuGemmDim) and returns a
+// note saying what changed, or "" when nothing did.
+func (o *gemmOpts) scaleForCPU(changed func(string) bool) string {
+	if o.fullSize {
+		return ""
+	}
+	var did []string
+	if o.m > cpuGemmDim || o.n > cpuGemmDim || o.k > cpuGemmDim {
+		did = append(did, fmt.Sprintf("shape %d×%d×%d to %d×%d×%d", o.m, o.n, o.k,
+			min(o.m, cpuGemmDim), min(o.n, cpuGemmDim), min(o.k, cpuGemmDim)))
+		o.m, o.n, o.k = min(o.m, cpuGemmDim), min(o.n, cpuGemmDim), min(o.k, cpuGemmDim)
+	}
+	for _, c := range []struct {
+		flag string
+		v    *int
+		cpu  int
+	}{{"iters", &o.iters, cpuGemmIters}, {"repeats", &o.repeats, cpuGemmRepeats}, {"warmup", &o.warmup, cpuGemmWarmup}} {
+		if !changed(c.flag) && *c.v > c.cpu {
+			did = append(did, fmt.Sprintf("--%s %d to %d", c.flag, *c.v, c.cpu))
+			*c.v = c.cpu
+		}
+	}
+	if len(did) == 0 {
+		return ""
+	}
+	return "CPU backend: scaled down (" + strings.Join(did, ", ") + ") so that the run takes seconds; --full-size keeps them. CPU rates say nothing about a GPU."
+}
+
+// flopRate formats a rate given in TFLOP/s with three significant digits,
+// in GFLOP/s below 1 TFLOP/s (the CPU backend's range).
+func flopRate(tflops float64) string {
+	if tflops >= 1 || tflops == 0 {
+		return fmt.Sprintf("%.3g TFLOP/s", tflops)
+	}
+	return fmt.Sprintf("%.3g GFLOP/s", tflops*1e3)
+}
+
+func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 	if err := o.validate(); err != nil {
 		return err
 	}
@@ -132,6 +196,10 @@ func (a *app) runGemm(o gemmOpts) error {
 		return err
 	}
 	defer rt.Close()
+	var note string
+	if dev.Backend() == "cpu" {
+		note = o.scaleForCPU(cmd.Flags().Changed)
+	}
 	t, flavour := o.types()
 	es := t.Size()
 	aBytes, bBytes, cBytes := o.m*o.k*es, o.k*o.n*es, o.m*o.n*es
@@ -204,6 +272,18 @@ func (a *app) runGemm(o gemmOpts) error {
 		}
 		return nil
 	}
+	var bar *progressbar.ProgressBar
+	if !a.json && stderrIsTerminal(a.errOut) {
+		bar = progressbar.NewOptions(1+o.repeats+boolInt(o.check), progressbar.OptionSetWriter(a.errOut), progressbar.OptionSetWidth(30),
+			progressbar.OptionShowCount(), progressbar.OptionClearOnFinish(), progressbar.OptionSetDescription("gemm: warm-up"))
+		defer bar.Finish()
+	}
+	step := func(desc string) {
+		if bar != nil {
+			bar.Describe("gemm: " + desc)
+			_ = bar.Add(1)
+		}
+	}
 	// Warm-up on every stream (handle creation, library heuristics, clocks).
 	for s := range o.streams {
 		if err := issue(s, o.warmup); err != nil {
@@ -213,6 +293,7 @@ func (a *app) runGemm(o gemmOpts) error {
 	if err := dev.Synchronize(); err != nil {
 		return fail("warm-up", "", err)
 	}
+	step("timed rounds")
 	flop := 2 * float64(o.m) * float64(o.n) * float64(o.k) * float64(o.iters)
 	var totals []float64
 	per := make([][]float64, o.streams)
@@ -225,9 +306,11 @@ func (a *app) runGemm(o gemmOpts) error {
 		for s := range each {
 			per[s] = append(per[s], each[s])
 		}
+		step("timed rounds")
 	}
 	rep := gemmReport{Backend: dev.Backend(), Device: dev.Info().Name, M: o.m, N: o.n, K: o.k, DType: o.dtype,
-		Streams: o.streams, Iters: o.iters, Policy: o.policy, Path: map[bool]string{false: "blas", true: "blasLt"}[o.lt]}
+		Streams: o.streams, Iters: o.iters, Policy: o.policy, Path: map[bool]string{false: "blas", true: "blasLt"}[o.lt],
+		ScaledDown: note != "", Note: note}
 	medAll := benchkit.Median(totals)
 	rep.TFLOPS = flop * float64(o.streams) / medAll / 1e12
 	rep.MedianUS = medAll / float64(o.iters) * 1e6
@@ -238,10 +321,14 @@ func (a *app) runGemm(o gemmOpts) error {
 		if rep.MaxRelErr, rep.Checked, err = checkGemm(r, o, t, data); err != nil {
 			return err
 		}
+		step("checked")
 		tol := map[string]float64{"f32": 1e-4, "tf32": 5e-3, "bf16": 2e-2, "f16": 1e-2, "f64": 1e-10}[o.dtype]
 		if !(rep.MaxRelErr <= tol) {
 			return fail(fmt.Sprintf("GEMM result wrong: sampled relative error %.3g > %.1g", rep.MaxRelErr, tol), "report this with 'gpuctx info' output", nil)
 		}
+	}
+	if bar != nil {
+		_ = bar.Finish()
 	}
 	if a.json {
 		return a.jsonOut(rep)
@@ -249,10 +336,13 @@ func (a *app) runGemm(o gemmOpts) error {
 	w := a.out
 	fmt.Fprintf(w, "gemm (%s) on %s (%s): C[%d×%d] = A[%d×%d]·B[%d×%d], %s, %d stream(s), %s handles\n",
 		rep.Path, rep.Device, rep.Backend, o.m, o.n, o.m, o.k, o.k, o.n, o.dtype, o.streams, o.policy)
-	fmt.Fprintf(w, "all streams: %.2f TFLOP/s (median of %d rounds of %d GEMMs per stream; %.1f us per GEMM on each stream)\n",
-		rep.TFLOPS, o.repeats, o.iters, rep.MedianUS)
+	if note != "" {
+		fmt.Fprintf(w, "note: %s\n", note)
+	}
+	fmt.Fprintf(w, "all streams: %s (median of %d rounds of %d GEMMs per stream; %.1f µs per GEMM on each stream)\n",
+		flopRate(rep.TFLOPS), o.repeats, o.iters, rep.MedianUS)
 	for s, v := range rep.PerStream {
-		fmt.Fprintf(w, "  stream %d: %.2f TFLOP/s\n", s, v)
+		fmt.Fprintf(w, "  stream %d: %s\n", s, flopRate(v))
 	}
 	if o.check {
 		fmt.Fprintf(w, "check: %d sampled entries, max relative error %.2g\n", rep.Checked, rep.MaxRelErr)

@@ -9,7 +9,8 @@
 // Use a.openRuntime to open the backend chosen by --backend / GPUCTX_BACKEND,
 // a.out for output, a.jsonOut to honour --json, and return errors from RunE
 // (wrap them with fail to say what to do): main prints one line on stderr and
-// exits 1.
+// exits 1 (a vendor library that cannot be loaded gets a few lines: what to do,
+// then the paths tried; see loadErrorText).
 package main
 
 import (
@@ -18,12 +19,15 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"runtime/debug"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/internal/dynload"
 )
 
 // app is the state shared by every command of one invocation.
@@ -79,10 +83,11 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 			return fail(fmt.Sprintf("--backend %q is not a backend", a.backend), "use auto, cuda or cpu", nil)
 		},
 	}
+	root.SetVersionTemplate("gpuctx {{.Version}}\n")
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.PersistentFlags().StringVar(&a.backend, "backend", "",
-		"backend to use: auto, cuda or cpu (default: $GPUCTX_BACKEND, else auto)")
+		"backend to use: auto, cuda or cpu; unset: $GPUCTX_BACKEND, else auto")
 	root.PersistentFlags().BoolVar(&a.json, "json", false, "print machine-readable JSON instead of text")
 	for _, f := range commands {
 		root.AddCommand(f(a))
@@ -133,16 +138,61 @@ func (e *cliError) Unwrap() error { return e.err }
 // fail returns an error printed as "gpuctx: <what>: <cause>: <fix>".
 func fail(what, fix string, err error) error { return &cliError{what: what, fix: fix, err: err} }
 
-// errorLine renders err as the single stderr line "gpuctx: ...". Errors that
+// errorLine renders err as the stderr text "gpuctx: ...": one line, except
+// when a vendor library could not be loaded (see loadErrorText). Errors that
 // did not come through fail (cobra's argument and flag errors) get a pointer
 // to the help.
 func errorLine(err error) string {
-	msg := oneLine(err.Error())
+	var le *dynload.LoadError
+	if errors.As(err, &le) {
+		return loadErrorText(err, le)
+	}
+	msg := dedupe(oneLine(err.Error()))
 	var ce *cliError
 	if !errors.As(err, &ce) {
 		msg += ": run 'gpuctx --help' for usage"
 	}
 	return "gpuctx: " + msg
+}
+
+// dedupe drops the repeats that wrapping adds to an unavailable backend's
+// message ("... is unavailable: cuda: backend unavailable: ...").
+func dedupe(s string) string {
+	for _, b := range []string{"cuda", "cpu"} {
+		s = strings.ReplaceAll(s, "unavailable: "+b+": backend unavailable: ", "unavailable: ")
+	}
+	return s
+}
+
+// loadErrorText lays out a failure to load a vendor library: what failed on
+// the first line, then what to do (the command's advice first, then the
+// loader's), then every path tried, one per line:
+//
+//	gpuctx: opening backend "cuda" (from --backend): cannot load CUDA driver (libcuda.so.1, libcuda.so)
+//	what to do:
+//	  - to run without a GPU, use --backend cpu
+//	  - set GPUCTX_LIBRARY_PATH to the directory ... holding libcuda.so.1, or install the NVIDIA driver (...)
+//	paths tried:
+//	  libcuda.so.1: cannot open shared object file: No such file or directory
+//	  /usr/local/cuda/lib64/libcuda.so.1: no such file
+func loadErrorText(err error, le *dynload.LoadError) string {
+	var b strings.Builder
+	b.WriteString("gpuctx: ")
+	var ce *cliError
+	if errors.As(err, &ce) {
+		b.WriteString(ce.what + ": ")
+	}
+	b.WriteString(le.Summary())
+	b.WriteString("\nwhat to do:")
+	if ce != nil && ce.fix != "" {
+		b.WriteString("\n  - " + ce.fix)
+	}
+	b.WriteString("\n  - " + le.Fix())
+	b.WriteString("\npaths tried:")
+	for _, t := range le.Tried() {
+		b.WriteString("\n  " + t)
+	}
+	return b.String()
 }
 
 // oneLine joins a multi-line message into one line ("; " between lines, a
@@ -187,12 +237,61 @@ func (a *app) openRuntime() (*gpuctx.Runtime, error) {
 	return rt, nil
 }
 
-// version is the module version the binary was built from.
+// version describes the build: the module version (or "devel"), then the
+// commit (main.buildCommit when set with -ldflags "-X main.buildCommit=REV",
+// else vcs.revision from the build info), the commit date (vcs.time) and
+// "modified" when the work tree had uncommitted changes (vcs.modified), e.g.
+// "devel (commit abc1234, 2026-12-01, modified)". Builds with
+// -buildvcs=false and no buildCommit carry no commit.
 func version() string {
-	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
-		return bi.Main.Version
+	bi, _ := debug.ReadBuildInfo()
+	return formatVersion(bi, buildCommit)
+}
+
+// pseudoVersion matches the tail of a Go pseudo-version.
+var pseudoVersion = regexp.MustCompile(`\d{14}-[0-9a-f]{12}(\+dirty)?$`)
+
+// formatVersion is version for the build info bi (may be nil) and the
+// link-time commit override.
+func formatVersion(bi *debug.BuildInfo, override string) string {
+	v, rev, date, modified := "devel", "", "", false
+	if bi != nil {
+		// A tagged version is kept; the pseudo-version the go command derives
+		// from the commit (v0.0.0-20261201143537-64955ab386c7[+dirty]) says
+		// nothing the commit and date below do not, so it reads as devel.
+		if bi.Main.Version != "" && bi.Main.Version != "(devel)" && !pseudoVersion.MatchString(bi.Main.Version) {
+			v = bi.Main.Version
+		}
+		for _, s := range bi.Settings {
+			switch s.Key {
+			case "vcs.revision":
+				rev = s.Value
+			case "vcs.time":
+				if t, err := time.Parse(time.RFC3339, s.Value); err == nil {
+					date = t.UTC().Format("2006-01-02")
+				}
+			case "vcs.modified":
+				modified = s.Value == "true"
+			}
+		}
 	}
-	return "(devel)"
+	if override != "" {
+		rev, date, modified = override, "", false
+	}
+	var parts []string
+	if rev != "" {
+		parts = append(parts, "commit "+rev[:min(len(rev), 12)])
+	}
+	if date != "" {
+		parts = append(parts, date)
+	}
+	if modified {
+		parts = append(parts, "modified")
+	}
+	if len(parts) == 0 {
+		return v + " (no commit recorded: built with -buildvcs=false or outside a git checkout; set one with -ldflags \"-X main.buildCommit=REV\")"
+	}
+	return v + " (" + strings.Join(parts, ", ") + ")"
 }
 
 // jsonOut writes v as indented JSON to a.out.

@@ -29,9 +29,8 @@ the router and the routed experts run on the layer's main stream.
 Supported model_type values: deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe,
 mixtral.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			return fail("moe needs a subcommand", "use 'gpuctx moe run' or 'gpuctx moe bench' (see 'gpuctx moe --help')", nil)
-		},
+		// "gpuctx moe" alone prints this help and succeeds, like "gpuctx".
+		RunE: func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
 	}
 	cmd.AddCommand(newMoeRunCmd(a), newMoeBenchCmd(a))
 	return cmd
@@ -203,7 +202,7 @@ including any first-call setup.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.model, "model", "", "checkpoint directory: config.json and model.safetensors (required)")
-	f.IntVar(&o.layer, "layer", -1, "decoder layer to run (default: the first MoE layer)")
+	f.IntVar(&o.layer, "layer", -1, "decoder layer to run; -1: the first MoE layer")
 	f.StringVar(&o.input, "input", "", "safetensors file with x [tokens, hidden_size] (required)")
 	f.StringVar(&o.output, "output", "", "safetensors file to write y [tokens, hidden_size] to (required)")
 	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32 or bf16")

@@ -170,12 +170,12 @@ it and the exit status is 1.`,
 	f := cmd.Flags()
 	f.StringVar(&o.preset, "preset", "deepseek-v2-lite", "layer shape with random weights: "+strings.Join(moe.PresetNames(), ", "))
 	f.StringVar(&o.model, "model", "", "checkpoint directory (config.json, model.safetensors) instead of a preset")
-	f.IntVar(&o.layer, "layer", -1, "with --model: the decoder layer (default: the first MoE layer)")
-	f.StringVar(&o.tokens, "tokens", benchTokens, "comma-separated token counts (CPU backend default: "+cpuBenchTokens+")")
+	f.IntVar(&o.layer, "layer", -1, "with --model: the decoder layer; -1: the first MoE layer")
+	f.StringVar(&o.tokens, "tokens", benchTokens, "comma-separated token counts (on the CPU backend "+cpuBenchTokens+" unless set)")
 	f.StringVar(&o.modes, "mode", "single,dual", "comma-separated modes to time: single, dual, auto, fused (the shared expert inside the fused kernels)")
 	f.StringVar(&o.dtype, "dtype", "bf16", "layer compute type: bf16 or f32")
-	f.IntVar(&o.iters, "iters", benchIters, fmt.Sprintf("timed forwards per measurement; the median is reported (CPU backend default: %d)", cpuBenchIters))
-	f.IntVar(&o.warmup, "warmup", benchWarmup, fmt.Sprintf("untimed forwards first (CPU backend default: %d)", cpuBenchWarmup))
+	f.IntVar(&o.iters, "iters", benchIters, fmt.Sprintf("timed forwards per measurement; the median is reported (on the CPU backend %d unless set)", cpuBenchIters))
+	f.IntVar(&o.warmup, "warmup", benchWarmup, fmt.Sprintf("untimed forwards first (on the CPU backend %d unless set)", cpuBenchWarmup))
 	f.Uint64Var(&o.seed, "seed", 1, "seed of the random weights and inputs")
 	f.StringVar(&o.plot, "plot", "", "write a log-log PNG of latency vs tokens to this file")
 	f.StringVar(&o.out, "out", "", "write the markdown header and table to this file (for bench/RESULTS.md)")
@@ -185,7 +185,7 @@ it and the exit status is 1.`,
 	f.BoolVar(&o.noGraphs, "no-graphs", false, "run every forward eagerly (by default small batches replay a captured graph)")
 	f.StringVar(&o.peer, "peer", "", "after gpuctx's runs, time this peer script with the same preset and tokens (e.g. "+peerDefaultScript+"; CUDA only)")
 	f.StringVar(&o.python, "peer-python", "python3", "the Python interpreter that runs --peer")
-	f.IntVar(&o.smallBatch, "small-batch", 0, fmt.Sprintf("batches of at most this many tokens use the small-batch expert kernels (no host wait); 0: the default (%d), -1: never", moe.DefaultSmallBatchTokens))
+	f.IntVar(&o.smallBatch, "small-batch", 0, fmt.Sprintf("batches of at most this many tokens use the small-batch expert kernels (no host wait); 0: moe.DefaultSmallBatchTokens (%d), -1: never", moe.DefaultSmallBatchTokens))
 	return cmd
 }
 

@@ -65,29 +65,63 @@ type LoadError struct {
 	Sites []string
 }
 
-// Error lists every attempt, one per line, and says how to fix the problem.
+// Error says what failed and what to do on its first line, then lists every
+// path tried, one per line:
+//
+//	dynload: cannot load CUDA driver (libcuda.so.1, libcuda.so): set GPUCTX_LIBRARY_PATH to ..., or install ...
+//	paths tried:
+//	  libcuda.so.1: cannot open shared object file: No such file or directory
+//	  /usr/local/cuda/lib64/libcuda.so.1: no such file
+//
+// Summary, Fix and Tried return the parts, for callers that lay them out
+// themselves.
 func (e *LoadError) Error() string {
 	var b strings.Builder
+	fmt.Fprintf(&b, "dynload: %s: %s\npaths tried:", e.Summary(), e.Fix())
+	for _, t := range e.Tried() {
+		b.WriteString("\n  " + t)
+	}
+	return b.String()
+}
+
+// Summary is what failed, e.g. "cannot load CUDA driver (libcuda.so.1,
+// libcuda.so)", without the "dynload: " prefix.
+func (e *LoadError) Summary() string {
 	name := e.Spec.Name
 	if name == "" {
 		name = strings.Join(e.Spec.Sonames, "/")
 	}
-	fmt.Fprintf(&b, "dynload: cannot load %s (%s); tried:", name, strings.Join(e.Spec.Sonames, ", "))
-	for _, a := range e.Attempts {
-		fmt.Fprintf(&b, "\n  %s: %s", a.Path, a.Err)
-	}
-	if len(e.Spec.Pip) > 0 {
-		fmt.Fprintf(&b, "\n  pip wheel folders %s: searched below %d site-packages dir(s)", strings.Join(e.Spec.Pip, ", "), len(e.Sites))
-		if len(e.Sites) > 0 {
-			fmt.Fprintf(&b, " (%s)", strings.Join(e.Sites, ", "))
-		}
-	}
-	fmt.Fprintf(&b, "\nset %s to the directory (or colon-separated directories) holding %s",
+	return fmt.Sprintf("cannot load %s (%s)", name, strings.Join(e.Spec.Sonames, ", "))
+}
+
+// Fix says what to do: the directory to put in GPUCTX_LIBRARY_PATH and, when
+// the Spec says, what to install.
+func (e *LoadError) Fix() string {
+	s := fmt.Sprintf("set %s to the directory (or colon-separated directories) holding %s",
 		EnvLibraryPath, firstOr(e.Spec.Sonames, "the library"))
 	if e.Spec.Install != "" {
-		fmt.Fprintf(&b, ", or install %s", e.Spec.Install)
+		s += ", or install " + e.Spec.Install
 	}
-	return b.String()
+	return s
+}
+
+// Tried lists every place Open tried, one entry each ("path: why"), the
+// loader's message without the path repeated, and last the pip wheel folders
+// searched when the Spec names any.
+func (e *LoadError) Tried() []string {
+	var out []string
+	for _, a := range e.Attempts {
+		msg := strings.TrimPrefix(a.Err, a.Path+": ")
+		out = append(out, a.Path+": "+msg)
+	}
+	if len(e.Spec.Pip) > 0 {
+		s := fmt.Sprintf("pip wheel folders %s: searched below %d site-packages dir(s)", strings.Join(e.Spec.Pip, ", "), len(e.Sites))
+		if len(e.Sites) > 0 {
+			s += " (" + strings.Join(e.Sites, ", ") + ")"
+		}
+		out = append(out, s)
+	}
+	return out
 }
 
 // Unwrap returns ErrNotFound.
