@@ -23,9 +23,12 @@ const (
 	// with an event after the input is ready and joined back with an event before
 	// the combine, so that it overlaps the router and the routed experts.
 	Dual
-	// Auto is Dual for batches that take the small-batch path (graph-replayed,
-	// where the side stream measurably pays off) and for batches of at least the
-	// layer's AutoThreshold tokens; Single otherwise.
+	// Auto picks per batch. On the fused routed path (bf16) with a shared
+	// expert it can fuse, it runs Dual or FusedShared, whichever replayed
+	// faster when Auto first ran a batch of that token bucket (measured then,
+	// kept after); with a shared expert it cannot fuse, Dual. Elsewhere it is
+	// Dual for batches that take the small-batch path and for batches of at
+	// least the layer's AutoThreshold tokens, Single otherwise.
 	Auto
 	// FusedShared computes the shared expert inside the fused routed kernels, as
 	// extra experts of weight 1 that every token is routed to (its width split
@@ -148,7 +151,7 @@ type LayerOptions struct {
 	// then run as grouped GEMMs with host-side group sizes, as before it existed.
 	NoFused bool
 	// Tile forces one tile config of the fused expert GEMMs for every batch
-	// (a kernels.MoEGemm tag such as "m16n64w1x4s6"); empty: tuned per bucket.
+	// (a kernels.MoEGemm tag such as "m16n64k64w1x4s6"); empty: tuned per bucket.
 	Tile string
 	// NoAutotune picks fused tiles by a rule of thumb instead of timing the
 	// candidates on the first forward of each token bucket (timing needs CUDA
@@ -209,6 +212,7 @@ type Layer struct {
 	autotune    bool                               // time the tiles per bucket
 	tiles       map[tileKey]tilePair               // chosen tiles by token bucket and shared fusion
 	tuneLog     []string                           // what tune chose (TileChoices)
+	autoModes   map[int]Mode                       // Auto's measured choice by token bucket
 	evTune      [2]*gpuctx.Event                   // timing events of tune
 	capturing   bool                               // a graph capture is under way
 	countsHost  *gpuctx.HostBuffer
@@ -276,6 +280,7 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 	l.useGraphs = !o.NoGraphs
 	l.graphs, l.seen = map[graphKey]*gpuctx.Graph{}, map[graphKey]int{}
 	l.direct, l.directSeen = map[directKey]*gpuctx.Graph{}, map[directKey]bool{}
+	l.autoModes = map[int]Mode{}
 	switch l.small = o.SmallBatchTokens; {
 	case l.small == 0:
 		l.small = DefaultSmallBatchTokens

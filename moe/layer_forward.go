@@ -145,9 +145,19 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	doRouted := part != SharedOnly
 	doShared := hasShared && part != RoutedOnly
 	if mode == Auto {
-		mode = Single
-		if (part != SharedOnly && l.smallBatch(T)) || T >= l.thresh {
+		switch {
+		case doRouted && doShared && l.fused(T) && l.ns > 0:
+			m, err := l.autoMode(op, x, y, T, part)
+			if err != nil {
+				return err
+			}
+			mode = m
+		case doRouted && doShared && l.fused(T):
 			mode = Dual
+		case (part != SharedOnly && l.smallBatch(T)) || T >= l.thresh:
+			mode = Dual
+		default:
+			mode = Single
 		}
 	}
 	fusedShared := mode == FusedShared && doRouted && doShared && l.ns > 0 && l.fused(T)

@@ -348,8 +348,60 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 
 func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
+// autoMode returns the mode Auto runs for a fused-path batch of T tokens whose
+// shared expert can be fused: Dual or FusedShared, whichever replayed faster
+// on the first Auto forward of T's bucket (each mode's graph captured, then
+// timed over three replays with events on the main stream; that first forward
+// waits for the main stream). The choice is kept per bucket and listed by
+// TileChoices.
+func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, part Part) (Mode, error) {
+	b := tileBucket(T)
+	if m, ok := l.autoModes[b]; ok {
+		return m, nil
+	}
+	start, stop := l.evTune[0], l.evTune[1]
+	best, bestD := Dual, time.Duration(-1)
+	var timed []string
+	for _, m := range []Mode{Dual, FusedShared} {
+		for range 2 { // eager (tunes the tiles), then the capture
+			if err := l.forward(op, x, y, T, m, part); err != nil {
+				return 0, err
+			}
+		}
+		var ds []time.Duration
+		for range 3 {
+			if err := start.Record(l.main); err != nil {
+				return 0, err
+			}
+			if err := l.forward(op, x, y, T, m, part); err != nil {
+				return 0, err
+			}
+			if err := stop.Record(l.main); err != nil {
+				return 0, err
+			}
+			if err := stop.Synchronize(); err != nil {
+				return 0, err
+			}
+			d, err := stop.Elapsed(start)
+			if err != nil {
+				return 0, err
+			}
+			ds = append(ds, d)
+		}
+		slices.Sort(ds)
+		timed = append(timed, fmt.Sprintf("%v %.1f us", m, us(ds[1])))
+		if bestD < 0 || ds[1] < bestD {
+			best, bestD = m, ds[1]
+		}
+	}
+	l.autoModes[b] = best
+	l.tuneLog = append(l.tuneLog, fmt.Sprintf("T=%d (bucket %d): auto runs %v (%s)", T, b, best, strings.Join(timed, ", ")))
+	return best, nil
+}
+
 // TileChoices returns one line per token bucket that the autotuner timed: the
-// chosen up and down tiles and their time. For benchmarks and logs.
+// chosen up and down tiles and their time, and the mode Auto picked where it
+// measured one. For benchmarks and logs.
 func (l *Layer) TileChoices() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()

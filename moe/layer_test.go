@@ -376,10 +376,15 @@ func TestLayerDualBitwise(t *testing.T) {
 						for _, T := range []int{1, 7, 40} {
 							x := randomX(T, cfg.HiddenSize, uint64(T))
 							single := deviceRun(t, l, x, T, Single, Whole)
-							for _, mode := range []Mode{Dual, Auto, Single} {
+							for _, mode := range []Mode{Dual, Single} {
 								if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, single) {
 									t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(single)))
 								}
+							}
+							// Auto runs Single, Dual or FusedShared: bitwise one of them.
+							fused := deviceRun(t, l, x, T, FusedShared, Whole)
+							if got := deviceRun(t, l, x, T, Auto, Whole); !bytes.Equal(got, single) && !bytes.Equal(got, fused) {
+								t.Errorf("T=%d: auto differs from single and from fused (relative %.3g)", T, relErr(l.decode(got), l.decode(single)))
 							}
 							// Parts: whole = routed + shared, to f32 rounding.
 							if dt != gpuctx.F32 || cfg.SharedIntermediate == 0 {
@@ -926,5 +931,45 @@ func TestLayerDirectGraphs(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestLayerAutoMeasured checks that Auto on the fused path with a fusable
+// shared expert measures Dual and FusedShared once per token bucket, keeps the
+// choice, and returns the chosen mode's bits.
+func TestLayerAutoMeasured(t *testing.T) {
+	cfg := scaledPresets()["deepseek-v2-lite"]
+	w, err := RandomWeights(cfg, 29)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range layerBackends(t) {
+		t.Run(b.name, func(t *testing.T) {
+			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			for _, T := range []int{3, 4, 40} { // 3 and 4 share a bucket
+				x := randomX(T, cfg.HiddenSize, uint64(T)+7)
+				got := deviceRun(t, l, x, T, Auto, Whole)
+				m, ok := l.autoModes[tileBucket(T)]
+				if !ok || (m != Dual && m != FusedShared) {
+					t.Fatalf("T=%d: Auto recorded %v (%v), want Dual or FusedShared", T, m, ok)
+				}
+				if want := deviceRun(t, l, x, T, m, Whole); !bytes.Equal(got, want) {
+					t.Errorf("T=%d: Auto differs from %v, the mode it picked", T, m)
+				}
+			}
+			n := 0
+			for _, line := range l.TileChoices() {
+				if strings.Contains(line, "auto runs") {
+					n++
+				}
+			}
+			if n != 2 {
+				t.Errorf("Auto measured %d times for 2 buckets: %q", n, l.TileChoices())
+			}
+		})
 	}
 }
