@@ -1,0 +1,326 @@
+package moe
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/gpuctx/gpuctx"
+)
+
+// TestSoak is a bounded stress run (GPUCTX_SOAK=duration, e.g. 5m; backend
+// GPUCTX_SOAK_BACKEND, default cuda): goroutines share one BLAS Context through
+// per-stream views, one more Context is switched between two streams with
+// SetStream before every call, and each goroutine repeats GEMM, strided
+// batched GEMM, grouped GEMM and geam calls and dual-stream MoE forwards (its
+// own Layer, fused and grouped-GEMM paths), comparing every result bitwise with
+// the result the same call gave on one stream before the soak. Device memory
+// must be back where it started once everything is closed.
+func TestSoak(t *testing.T) {
+	dur, err := time.ParseDuration(os.Getenv("GPUCTX_SOAK"))
+	if err != nil || dur <= 0 {
+		t.Skip("set GPUCTX_SOAK to a duration (e.g. 5m) to run the soak")
+	}
+	backend := os.Getenv("GPUCTX_SOAK_BACKEND")
+	if backend == "" {
+		backend = "cuda"
+	}
+	rt, err := gpuctx.OpenBackend(backend)
+	if err != nil {
+		t.Skipf("backend %s: %v", backend, firstLine(err))
+	}
+	defer rt.Close()
+	dev, err := rt.Device(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	free0, _, err := dev.MemInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("soak on %s (%s) for %v; free device memory %d MiB", backend, dev.Info().Name, dur, free0>>20)
+
+	var ops, mismatches atomic.Int64
+	func() { // everything made here is closed before the memory check
+		main, err := dev.NewStream(gpuctx.StreamOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer main.Close()
+		shared, err := dev.NewContext(gpuctx.ContextOptions{Stream: main})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer shared.Close()
+		cfg := scaledPresets()["deepseek-v2-lite"]
+		w, err := RandomWeights(cfg, 41)
+		if err != nil {
+			t.Fatal(err)
+		}
+		const G = 6
+		ctx, cancel := context.WithTimeout(context.Background(), dur)
+		defer cancel()
+		var wg sync.WaitGroup
+		errs := make(chan error, G+1)
+		for g := 0; g < G; g++ {
+			wg.Add(1)
+			go func(g int) {
+				defer wg.Done()
+				if err := soakWorker(ctx, dev, shared, cfg, w, g, &ops, &mismatches); err != nil {
+					errs <- err
+				}
+			}(g)
+		}
+		wg.Add(1)
+		go func() { // one Context switched between two streams before every call
+			defer wg.Done()
+			if err := soakSwitcher(ctx, dev, &ops, &mismatches); err != nil {
+				errs <- err
+			}
+		}()
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Error(err)
+		}
+	}()
+	free1, _, err := dev.MemInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("soak: %d operations, %d mismatches; free device memory %d MiB before, %d MiB after", ops.Load(), mismatches.Load(), free0>>20, free1>>20)
+	if mismatches.Load() != 0 {
+		t.Errorf("%d results differed from their one-stream reference", mismatches.Load())
+	}
+	if ops.Load() == 0 {
+		t.Error("the soak ran no operation")
+	}
+	if backend == "cuda" && free1+64<<20 < free0 {
+		t.Errorf("device memory not returned: %d MiB free before, %d MiB after", free0>>20, free1>>20)
+	}
+}
+
+// soakCase is one BLAS call with fixed inputs and its one-stream result.
+type soakCase struct {
+	name string
+	run  func(h gpuctx.Blas) error
+	out  *gpuctx.Buffer
+	want []byte
+}
+
+// soakCases makes the worker's BLAS calls on fresh random inputs.
+func soakCases(dev *gpuctx.Device, r *rand.Rand) ([]*soakCase, []*gpuctx.Buffer, error) {
+	var bufs []*gpuctx.Buffer
+	up := func(n int) (*gpuctx.Buffer, error) {
+		v := make([]float32, n)
+		for i := range v {
+			v[i] = float32(r.NormFloat64())
+		}
+		b, err := dev.Alloc(4 * n)
+		if err != nil {
+			return nil, err
+		}
+		bufs = append(bufs, b)
+		return b, b.CopyFromHost(unsafe.Slice((*byte)(unsafe.Pointer(&v[0])), 4*n))
+	}
+	m, n, k := 96+r.IntN(64), 80+r.IntN(64), 128+r.IntN(128)
+	const count = 3
+	a, err := up(count * m * k)
+	if err != nil {
+		return nil, bufs, err
+	}
+	b, err := up(count * k * n)
+	if err != nil {
+		return nil, bufs, err
+	}
+	var outs [4]*gpuctx.Buffer
+	for i := range outs {
+		size := count * m * n
+		if i == 3 { // geam: m x k
+			size = m * k
+		}
+		if outs[i], err = up(size); err != nil {
+			return nil, bufs, err
+		}
+	}
+	g := gpuctx.Gemm{Layout: gpuctx.RowMajor, M: m, N: n, K: k, Alpha: 1, A: a, B: b, AB: gpuctx.F32, CType: gpuctx.F32}
+	gemm := g
+	gemm.C = outs[0]
+	strided := g
+	strided.C = outs[1]
+	var groups []gpuctx.Gemm
+	for i := 0; i < count; i++ { // groups of different sizes, each its own C
+		gi := g
+		gi.M = m - 8*i
+		if gi.C, err = outs[2].Slice(4*i*m*n, 4*gi.M*n); err != nil {
+			return nil, bufs, err
+		}
+		groups = append(groups, gi)
+	}
+	geam := gpuctx.Geam{Layout: gpuctx.RowMajor, M: m, N: k, Alpha: 2, Beta: -1, A: a, B: a, C: outs[3], Type: gpuctx.F32}
+	cases := []*soakCase{
+		{name: "gemm", out: outs[0], run: func(h gpuctx.Blas) error { return h.Gemm(gemm) }},
+		{name: "strided", out: outs[1], run: func(h gpuctx.Blas) error {
+			return h.GemmStridedBatched(strided, count, m*k, k*n, m*n)
+		}},
+		{name: "grouped", out: outs[2], run: func(h gpuctx.Blas) error { return h.GemmGrouped(groups) }},
+		{name: "geam", out: outs[3], run: func(h gpuctx.Blas) error { return h.Geam(geam) }},
+	}
+	return cases, bufs, nil
+}
+
+// soakCheck runs c through ctx on its current stream s and compares the output.
+func soakCheck(ctx *gpuctx.Context, s *gpuctx.Stream, c *soakCase, record bool) (bool, error) {
+	if err := ctx.Blas(c.run); err != nil {
+		return false, err
+	}
+	if err := s.Synchronize(); err != nil {
+		return false, err
+	}
+	got := make([]byte, c.out.Size())
+	if err := c.out.CopyToHost(got); err != nil {
+		return false, err
+	}
+	if record {
+		c.want = got
+		return true, nil
+	}
+	return bytes.Equal(got, c.want), nil
+}
+
+func soakWorker(ctx context.Context, dev *gpuctx.Device, shared *gpuctx.Context, cfg *Config, w *Weights, g int,
+	ops, mismatches *atomic.Int64) error {
+	s, err := dev.NewStream(gpuctx.StreamOptions{})
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	view, err := shared.WithStream(s) // never closed: closing the shared Context closes it
+	if err != nil {
+		return err
+	}
+	r := rand.New(rand.NewPCG(uint64(g), 99))
+	cases, bufs, err := soakCases(dev, r)
+	defer func() {
+		for _, b := range bufs {
+			_ = b.Free()
+		}
+	}()
+	if err != nil {
+		return err
+	}
+	for _, c := range cases {
+		if _, err := soakCheck(view, s, c, true); err != nil {
+			return err
+		}
+	}
+	opts := LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, NoFused: g%2 == 1}
+	l, err := NewLayer(dev, cfg, w, opts)
+	if err != nil {
+		return err
+	}
+	defer l.Close()
+	T := 5 + 11*g
+	x := randomX(T, cfg.HiddenSize, uint64(g))
+	single, err := l.Forward(x, T) // the layer's default mode is Single
+	if err != nil {
+		return err
+	}
+	l.mu.Lock()
+	l.mode = FusedShared
+	l.mu.Unlock()
+	fused, err := l.Forward(x, T)
+	if err != nil {
+		return err
+	}
+	for i := 0; ctx.Err() == nil; i++ {
+		c := cases[i%len(cases)]
+		ok, err := soakCheck(view, s, c, false)
+		if err != nil {
+			return err
+		}
+		ops.Add(1)
+		if !ok {
+			mismatches.Add(1)
+		}
+		if i%4 == 3 {
+			mode := []Mode{Dual, Auto, Single}[(i/4)%3]
+			l.mu.Lock()
+			l.mode = mode
+			l.mu.Unlock()
+			got, err := l.Forward(x, T)
+			if err != nil {
+				return err
+			}
+			ops.Add(1)
+			if !slicesEqualBits(got, single) && (mode != Auto || !slicesEqualBits(got, fused)) {
+				mismatches.Add(1)
+			}
+		}
+	}
+	return nil
+}
+
+func soakSwitcher(ctx context.Context, dev *gpuctx.Device, ops, mismatches *atomic.Int64) error {
+	var ss [2]*gpuctx.Stream
+	for i := range ss {
+		s, err := dev.NewStream(gpuctx.StreamOptions{})
+		if err != nil {
+			return err
+		}
+		defer s.Close()
+		ss[i] = s
+	}
+	c, err := dev.NewContext(gpuctx.ContextOptions{Stream: ss[0]})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	cases, bufs, err := soakCases(dev, rand.New(rand.NewPCG(7, 7)))
+	defer func() {
+		for _, b := range bufs {
+			_ = b.Free()
+		}
+	}()
+	if err != nil {
+		return err
+	}
+	for _, cs := range cases {
+		if _, err := soakCheck(c, ss[0], cs, true); err != nil {
+			return err
+		}
+	}
+	for i := 0; ctx.Err() == nil; i++ {
+		s := ss[i%2]
+		if _, err := c.SetStream(s); err != nil {
+			return err
+		}
+		ok, err := soakCheck(c, s, cases[i%len(cases)], false)
+		if err != nil {
+			return err
+		}
+		ops.Add(1)
+		if !ok {
+			mismatches.Add(1)
+		}
+	}
+	return nil
+}
+
+func slicesEqualBits(a, b []float32) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] && !(a[i] != a[i] && b[i] != b[i]) {
+			return false
+		}
+	}
+	return true
+}
