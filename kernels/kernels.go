@@ -117,6 +117,36 @@ func Index(src string) []string {
 	return names
 }
 
+// ParamCounts returns a fresh map from kernel name to the number of
+// parameters in its definition, for every kernel of every source file.
+func ParamCounts() map[string]int {
+	out := map[string]int{}
+	for _, src := range Sources() {
+		for _, m := range kernelDecl.FindAllStringSubmatchIndex(src, -1) {
+			name := src[m[2]:m[3]]
+			depth, n, empty := 1, 1, true
+			for _, r := range src[m[1]:] {
+				if r == '(' {
+					depth++
+				} else if r == ')' {
+					if depth--; depth == 0 {
+						break
+					}
+				} else if r == ',' && depth == 1 {
+					n++
+				} else if r != ' ' && r != '\n' && r != '\t' {
+					empty = false
+				}
+			}
+			if empty {
+				n = 0
+			}
+			out[name] = n
+		}
+	}
+	return out
+}
+
 // Files returns a fresh map from kernel name to the file that defines it.
 func Files() map[string]string {
 	out := map[string]string{}

@@ -90,3 +90,20 @@ func TestMoEGemmConfigs(t *testing.T) {
 		t.Errorf("tile %s passes Check, but its A tile cannot split over its threads", bad.Tag())
 	}
 }
+
+// TestParamCounts checks the parameter counts the CUDA backend asks the
+// driver for (it must not probe past the last one).
+func TestParamCounts(t *testing.T) {
+	got := ParamCounts()
+	for name, want := range map[string]int{
+		"gpuctx_empty": 0, "gpuctx_fill_f32": 3, "gpuctx_moe_route": 17, "gpuctx_moe_align": 8,
+		"gpuctx_moe_route_align": 25, "gpuctx_moe_combine_rows": 12, MoEGemms[0].UpName(): 10, MoEGemms[0].DownName(): 9,
+	} {
+		if got[name] != want {
+			t.Errorf("%s: %d parameters, want %d", name, got[name], want)
+		}
+	}
+	if len(got) != len(Names()) {
+		t.Errorf("%d counts for %d kernels", len(got), len(Names()))
+	}
+}

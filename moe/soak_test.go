@@ -47,7 +47,7 @@ func TestSoak(t *testing.T) {
 	t.Logf("soak on %s (%s) for %v; free device memory %d MiB", backend, dev.Info().Name, dur, free0>>20)
 
 	var ops, mismatches atomic.Int64
-	func() { // everything made here is closed before the memory check
+	phase := func(dur time.Duration) { // everything made here is closed before the memory check
 		main, err := dev.NewStream(gpuctx.StreamOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -89,20 +89,30 @@ func TestSoak(t *testing.T) {
 		for err := range errs {
 			t.Error(err)
 		}
-	}()
+	}
+	// A short first phase loads what the libraries keep for the life of the
+	// process (modules, cuBLAS's own pools); the soak proper must then leave
+	// device memory where that phase left it.
+	phase(min(max(dur/10, 3*time.Second), 20*time.Second))
+	freeWarm, _, err := dev.MemInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	phase(dur)
 	free1, _, err := dev.MemInfo()
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("soak: %d operations, %d mismatches; free device memory %d MiB before, %d MiB after", ops.Load(), mismatches.Load(), free0>>20, free1>>20)
+	t.Logf("soak: %d operations, %d mismatches; free device memory %d MiB at the start, %d MiB after the first phase, %d MiB at the end",
+		ops.Load(), mismatches.Load(), free0>>20, freeWarm>>20, free1>>20)
 	if mismatches.Load() != 0 {
 		t.Errorf("%d results differed from their one-stream reference", mismatches.Load())
 	}
 	if ops.Load() == 0 {
 		t.Error("the soak ran no operation")
 	}
-	if backend == "cuda" && free1+64<<20 < free0 {
-		t.Errorf("device memory not returned: %d MiB free before, %d MiB after", free0>>20, free1>>20)
+	if backend == "cuda" && free1+64<<20 < freeWarm {
+		t.Errorf("device memory grew during the soak: %d MiB free after the first phase, %d MiB at the end", freeWarm>>20, free1>>20)
 	}
 }
 

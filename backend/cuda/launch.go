@@ -175,13 +175,20 @@ func (k *kernel) raiseDynShared(n int32) error {
 }
 
 // paramSizes asks the driver for fn's parameter sizes (cuFuncGetParamInfo),
-// or returns nil if the driver cannot tell. Call inside Do.
-func (d *device) paramSizes(fn uintptr) []uintptr {
+// or returns nil if the driver cannot tell. n is the parameter count the
+// source declares: only those are asked for, so no call fails (a failing
+// probe shows up as an API error under compute-sanitizer); n < 0 probes until
+// the driver says there are no more. Call inside Do.
+func (d *device) paramSizes(fn uintptr, n int) []uintptr {
 	if d.api.cuFuncGetParamInfo == nil {
 		return nil
 	}
+	limit := uintptr(maxKernelArgs + 1)
+	if n >= 0 {
+		limit = uintptr(n)
+	}
 	sizes := []uintptr{}
-	for i := uintptr(0); i < maxKernelArgs+1; i++ {
+	for i := uintptr(0); i < limit; i++ {
 		var off, size uintptr
 		if d.api.cuFuncGetParamInfo(fn, i, &off, &size) != cudaSuccess {
 			break // CUDA_ERROR_INVALID_VALUE past the last parameter

@@ -272,6 +272,9 @@ var compileCache sync.Map
 // kernelFiles maps kernel names to their source files (package kernels).
 var kernelFiles = sync.OnceValue(kernels.Files)
 
+// kernelParams maps kernel names to their declared parameter counts.
+var kernelParams = sync.OnceValue(kernels.ParamCounts)
+
 // kernelSources maps source files to their text (package kernels).
 var kernelSources = sync.OnceValue(kernels.Sources)
 
@@ -341,7 +344,11 @@ func (d *device) Kernel(name string) (hal.Kernel, error) {
 		if err := check(d.api, "cuModuleGetFunction", d.api.cuModuleGetFunction(&fn, mod, name)); err != nil {
 			return err
 		}
-		k = &kernel{d: d, name: name, fn: fn, params: d.paramSizes(fn)}
+		n, ok := kernelParams()[name]
+		if !ok {
+			n = -1
+		}
+		k = &kernel{d: d, name: name, fn: fn, params: d.paramSizes(fn, n)}
 		return nil
 	})
 	if err != nil {
