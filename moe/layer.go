@@ -226,6 +226,7 @@ type Layer struct {
 	routedT     int  // tokens of the last forward that routed (0: none)
 	lastDual    bool // whether the last forward used the side stream (tests)
 	fusedShared bool // the current forward computes the shared expert in the fused kernels
+	lastStaged  bool // the current forward stages x and y (not 16-byte aligned)
 }
 
 // scratch holds the reusable device buffers of a forward.

@@ -170,10 +170,45 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	if err := l.ensure(T, doRouted, doShared); err != nil {
 		return err
 	}
+	// The device-planned kernels read and write rows with 16-byte accesses: a
+	// buffer at another alignment goes through the layer's own buffers.
+	l.lastStaged = false
+	if doRouted && (l.smallBatch(T) || l.fused(T)) && !(aligned16(x) && aligned16(y)) {
+		l.lastStaged = true
+		if l.useGraphs {
+			return l.forwardGraph(x, y, n, T, graphKey{T, dual, fusedShared, doRouted, doShared})
+		}
+		return l.stagedEager(x, y, n, T, dual, doRouted, doShared)
+	}
 	if l.useGraphs && (!doRouted || l.smallBatch(T) || l.fused(T)) {
 		return l.forwardGraph(x, y, n, T, graphKey{T, dual, fusedShared, doRouted, doShared})
 	}
 	return l.eager(x, y, n, T, dual, doRouted, doShared)
+}
+
+// aligned16 reports whether b's device address is a multiple of 16 bytes.
+func aligned16(b *gpuctx.Buffer) bool {
+	p, err := b.Ptr()
+	return err == nil && p%16 == 0
+}
+
+// stagedEager runs the forward eagerly on the layer's own staging buffers
+// (16-byte aligned): x is copied in, y copied out, on the main stream.
+func (l *Layer) stagedEager(x, y *gpuctx.Buffer, n, T int, dual, doRouted, doShared bool) error {
+	synced := false
+	if err := l.grow(&l.gx, n, &synced); err != nil {
+		return err
+	}
+	if err := l.grow(&l.gy, n, &synced); err != nil {
+		return err
+	}
+	if err := l.main.CopyDtoD(l.gx, 0, x, 0, n); err != nil {
+		return err
+	}
+	if err := l.eager(l.gx, l.gy, n, T, dual, doRouted, doShared); err != nil {
+		return err
+	}
+	return l.main.CopyDtoD(y, 0, l.gy, 0, n)
 }
 
 // eager queues the forward of x's first n bytes into y's (see enqueue).
@@ -243,7 +278,11 @@ func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared b
 		if l.fusedShared { // the shared expert's chunks are rows K.. of each token
 			ks, sep = K+l.ns, false
 		}
-		return l.main.Launch(l.kCombRows, gpuctx.Dim3{X: max(1, min((n+255)/256, 4096)), Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
+		per := 1
+		if l.dt == gpuctx.BF16 && H%8 == 0 { // the kernel's 16-byte path: eight elements a thread
+			per = 8
+		}
+		return l.main.Launch(l.kCombRows, gpuctx.Dim3{X: max(1, min((n/per+255)/256, 8192)), Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
 			out, w, sout, sg, yv, int32(T), int32(ks), int32(H),
 			flag(doRouted), flag(sep), flag(sep && l.sgate != nil), flag(l.dt == gpuctx.BF16))
 	}
@@ -599,11 +638,15 @@ func (l *Layer) forwardGraph(x, y *gpuctx.Buffer, n, T int, key graphKey) error 
 	dual, doRouted, doShared := key.dual, key.routed, key.shared
 	if l.seen[key] == 0 {
 		l.seen[key]++
+		if l.lastStaged {
+			return l.stagedEager(x, y, n, T, dual, doRouted, doShared)
+		}
 		return l.eager(x, y, n, T, dual, doRouted, doShared)
 	}
-	// The same x and y again: a graph captured on them needs no staging copies.
+	// The same x and y again: a graph captured on them needs no staging copies
+	// (if they are aligned for the kernels' 16-byte accesses).
 	dk := directKey{key, x, y}
-	if g := l.direct[dk]; g != nil || l.directSeen[dk] {
+	if g := l.direct[dk]; !l.lastStaged && (g != nil || l.directSeen[dk]) {
 		return l.forwardDirect(x, y, n, T, dk)
 	}
 	if len(l.directSeen) >= maxDirectGraphs {

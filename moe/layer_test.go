@@ -973,3 +973,72 @@ func TestLayerAutoMeasured(t *testing.T) {
 		})
 	}
 }
+
+// TestLayerMisalignedBuffers runs x and y at an offset of 2 bytes (bf16) or 4
+// bytes (f32) into their allocations: the device-planned kernels need 16-byte
+// rows, so the layer stages them, and the result equals the aligned run's.
+func TestLayerMisalignedBuffers(t *testing.T) {
+	cfg := scaledPresets()["deepseek-v2-lite"]
+	w, err := RandomWeights(cfg, 31)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range layerBackends(t) {
+		for _, dt := range layerDTypes {
+			for _, graphs := range []bool{true, false} {
+				t.Run(fmt.Sprintf("%s/%v/graphs=%v", b.name, dt, graphs), func(t *testing.T) {
+					l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: dt, NoGraphs: !graphs})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer l.Close()
+					for _, T := range []int{3, 40} {
+						x := randomX(T, cfg.HiddenSize, uint64(T)+3)
+						want := deviceRun(t, l, x, T, Dual, Whole)
+						n := T * cfg.HiddenSize * l.es
+						xa, err := b.dev.Alloc(n + 64)
+						if err != nil {
+							t.Fatal(err)
+						}
+						defer xa.Free()
+						ya, err := b.dev.Alloc(n + 64)
+						if err != nil {
+							t.Fatal(err)
+						}
+						defer ya.Free()
+						xb, err := xa.Slice(l.es, n)
+						if err != nil {
+							t.Fatal(err)
+						}
+						yb, err := ya.Slice(l.es, n)
+						if err != nil {
+							t.Fatal(err)
+						}
+						if err := xb.CopyFromHost(l.encode(x)); err != nil {
+							t.Fatal(err)
+						}
+						for run := 0; run < 3; run++ {
+							if err := l.ForwardDevice(xb, yb, T, Dual, Whole); err != nil {
+								t.Fatal(err)
+							}
+							staged := l.lastStaged
+							if err := l.MainStream().Synchronize(); err != nil {
+								t.Fatal(err)
+							}
+							got := make([]byte, n)
+							if err := yb.CopyToHost(got); err != nil {
+								t.Fatal(err)
+							}
+							if !bytes.Equal(got, want) {
+								t.Fatalf("T=%d run %d: misaligned buffers give other bits than aligned ones", T, run)
+							}
+							if routesOnDevice := l.smallBatch(T) || l.fused(T); staged != routesOnDevice {
+								t.Errorf("T=%d: staged = %v, want %v", T, staged, routesOnDevice)
+							}
+						}
+					}
+				})
+			}
+		}
+	}
+}
