@@ -753,7 +753,11 @@ func (c *Context) acquire(f Flavour, s *Stream) (*slot, error) {
 	if c.opts.Policy == SharedHandle {
 		return c.acquireShared(f)
 	}
-	sl, info, err := c.dev.blas.pool(f, c.opts.UnsafeSharedWorkspace).Acquire(s.ID())
+	p, id := c.dev.blas.pool(f, c.opts.UnsafeSharedWorkspace), s.ID()
+	if sl := p.TryAcquire(id); sl != nil {
+		return sl, nil // steady state: a free handle already bound to s
+	}
+	sl, info, err := p.Acquire(id)
 	if info.Waited {
 		c.waits.Add(1)
 	}

@@ -1,12 +1,11 @@
 // Package handlepool keeps library handles (cuBLAS, cuBLASLt, rocBLAS) of one
-// kind on one device, and the device workspaces they use.
+// kind on one device: PyTorch's CublasHandlePool for Go.
 //
-// A Pool is PyTorch's CublasHandlePool for Go: a bounded set of handles of one
-// kind, each with its own lock, handed to callers that prefer the handle already
-// bound to their stream. A Workspaces registry keys workspaces by stream (and,
-// during a graph capture, by capture and stream), so that two streams never share
-// one. The package knows nothing about how a handle is bound to a stream: the
-// caller (package gpuctx) binds the handle it was lent while holding its lock.
+// A Pool is a bounded set of handles of one kind, each with its own lock,
+// handed to callers that prefer the handle already bound to their stream. The
+// package knows nothing about how a handle is bound to a stream or which
+// workspace it uses: the caller (package gpuctx) binds the handle it was lent
+// while holding its lock, and keeps the per-stream workspaces.
 //
 // Nothing here queues device work or waits for it; Pool.Acquire may wait on the
 // host for a free handle.
@@ -103,8 +102,10 @@ type Acquired struct {
 // Acquire returns a slot locked for the caller, preferring a free one bound to
 // the stream with ID streamID, else a new one while the pool is under its
 // limit, else a free one to rebind (stale ones first), else it waits for one.
-// The caller must call Release(sl). It fails, with an error wrapping
-// hal.ErrClosed, once Done is closed, and with New's error.
+// The caller must call Release(sl). It queues no device work and waits for
+// none; it may wait on the host until another caller releases a handle. It
+// fails, with an error wrapping hal.ErrClosed, once Done is closed, and with
+// New's error. Safe for concurrent use.
 func (p *Pool[H]) Acquire(streamID uint64) (sl *Slot[H], info Acquired, err error) {
 	var waitStart time.Time
 	if !p.tryTake() {
@@ -165,6 +166,20 @@ func (p *Pool[H]) Acquire(streamID uint64) (sl *Slot[H], info Acquired, err erro
 		// Another token holder's scan has the free slot locked for a moment.
 		runtime.Gosched()
 	}
+}
+
+// TryAcquire is Acquire's fast path: it returns a free slot bound to stream
+// streamID, locked for the caller (who must call Release), or nil, holding
+// nothing, when there is none or no token is free. It never waits or creates.
+func (p *Pool[H]) TryAcquire(streamID uint64) *Slot[H] {
+	if !p.tryTake() {
+		return nil
+	}
+	if sl := p.pickBound(streamID); sl != nil {
+		return sl
+	}
+	p.give()
+	return nil
 }
 
 func (a Acquired) since(start time.Time) Acquired {
