@@ -108,21 +108,21 @@ func (l *lease) advance() {
 
 // Stream returns the stream this handle's work is queued on (nil once expired).
 func (h Blas) Stream() *Stream {
-	if h.sl == nil || !h.sl.lease.lock(h.gen) {
+	if h.sl == nil || !h.sl.Handle.lease.lock(h.gen) {
 		return nil
 	}
-	defer h.sl.lease.unlock()
-	return h.sl.lease.s
+	defer h.sl.Handle.lease.unlock()
+	return h.sl.Handle.lease.s
 }
 
 // Native reports whether GemmGrouped uses the library's grouped GEMM (cuBLAS
 // cublasGemmGroupedBatchedEx) rather than a loop of GEMMs.
 func (h Blas) Native() bool {
-	if h.sl == nil || !h.sl.lease.lock(h.gen) { // expired: the slot may be closing
+	if h.sl == nil || !h.sl.Handle.lease.lock(h.gen) { // expired: the slot may be closing
 		return false
 	}
-	defer h.sl.lease.unlock()
-	return h.sl.blas != nil && h.sl.blas.GroupedNative()
+	defer h.sl.Handle.lease.unlock()
+	return h.sl.Handle.blas != nil && h.sl.Handle.blas.GroupedNative()
 }
 
 // enter locks the lease and checks h is current; the returned func unlocks.
@@ -130,7 +130,7 @@ func enter(sl *slot, gen uint64, op string) (*lease, func(), error) {
 	if sl == nil {
 		return nil, nil, fmt.Errorf("gpuctx: %s: %w (zero handle)", op, ErrHandleExpired)
 	}
-	l := &sl.lease
+	l := &sl.Handle.lease
 	if !l.lock(gen) {
 		return nil, nil, fmt.Errorf("gpuctx: %s: %w", op, ErrHandleExpired)
 	}
@@ -144,15 +144,15 @@ func enter(sl *slot, gen uint64, op string) (*lease, func(), error) {
 
 func elems(op, name string, b *Buffer, t DType, d *Device) (int, error) {
 	if b == nil {
-		return 0, fmt.Errorf("%w: gpuctx: %s: %s is nil", ErrInvalid, op, name)
+		return 0, fmt.Errorf("gpuctx: %s: %s is nil: %w", op, name, ErrInvalid)
 	}
 	if err := b.onDevice(op+" "+name, d); err != nil {
 		return 0, err
 	}
 	if es := t.Size(); es == 0 {
-		return 0, fmt.Errorf("%w: gpuctx: %s: %s has invalid dtype %v", ErrInvalid, op, name, t)
+		return 0, fmt.Errorf("gpuctx: %s: %s has invalid dtype %v: %w", op, name, t, ErrInvalid)
 	} else if uintptr(b.ptr())%uintptr(es) != 0 {
-		return 0, fmt.Errorf("%w: gpuctx: %s: %s address %#x is not aligned to its %d-byte %v elements", ErrInvalid, op, name, b.ptr(), es, t)
+		return 0, fmt.Errorf("gpuctx: %s: %s address %#x is not aligned to its %d-byte %v elements: %w", op, name, b.ptr(), es, t, ErrInvalid)
 	} else {
 		return b.size / es, nil
 	}
@@ -180,8 +180,8 @@ func checkExtents(op, detail string, ops ...operand) error {
 		needB := blas.Bytes(o.span, o.es)
 		base := o.buf.ptr()
 		if o.p < base || uint64(o.p-base) > uint64(o.buf.size) || needB > o.buf.size-int(o.p-base) {
-			return fmt.Errorf("%w: %w: gpuctx: %s: %s needs %d bytes%s but its buffer holds %d",
-				ErrSize, ErrInvalid, op, o.name, needB, detail, o.buf.size)
+			return fmt.Errorf("gpuctx: %s: %s needs %d bytes%s but its buffer holds %d: %w (%w)",
+				op, o.name, needB, detail, o.buf.size, ErrSize, ErrInvalid)
 		}
 	}
 	return nil
@@ -211,8 +211,8 @@ func gemmDesc(d *Device, op string, g *Gemm, count, strideA, strideB, strideC in
 	batch := sh.ColMajorBatch(count, strideA, strideB, strideC)
 	sa, sb, sc := blas.DescSpans(desc, batch)
 	if _, _, one := blas.DescSpans(desc, hal.StridedBatch{Count: 1}); count > 1 && strideC < one {
-		return hal.GemmDesc{}, hal.StridedBatch{}, fmt.Errorf("%w: gpuctx: %s: strideC=%d is smaller than the %d elements of one C matrix: the batch's outputs would overlap and the results be undefined",
-			ErrInvalid, op, strideC, one)
+		return hal.GemmDesc{}, hal.StridedBatch{}, fmt.Errorf("gpuctx: %s: strideC=%d is smaller than the %d elements of one C matrix: the batch's outputs would overlap and the results be undefined: %w",
+			op, strideC, one, ErrInvalid)
 	}
 	nameA, nameB := sh.DescOperands()
 	bufs := map[string]*Buffer{"A": g.A, "B": g.B}
@@ -240,7 +240,7 @@ func (h Blas) Gemm(g Gemm) error {
 	if err != nil {
 		return err
 	}
-	if err := h.sl.blas.Gemm(desc); err != nil {
+	if err := h.sl.Handle.blas.Gemm(desc); err != nil {
 		return fmt.Errorf("gpuctx: Blas.Gemm %dx%dx%d %v->%v: %w", g.M, g.N, g.K, g.AB, g.CType, err)
 	}
 	return nil
@@ -257,7 +257,7 @@ func (h Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC in
 	}
 	defer unlock()
 	if count < 1 || count > math.MaxInt32 || strideA < 0 || strideB < 0 || strideC < 0 {
-		return fmt.Errorf("%w: gpuctx: %s: count=%d strides=(%d,%d,%d): count must be in [1, 2^31-1] (cuBLAS's batch count is an int) and strides >= 0", ErrInvalid, op, count, strideA, strideB, strideC)
+		return fmt.Errorf("gpuctx: %s: count=%d strides=(%d,%d,%d): count must be in [1, 2^31-1] (cuBLAS's batch count is an int) and strides >= 0: %w", op, count, strideA, strideB, strideC, ErrInvalid)
 	}
 	desc, batch, err := gemmDesc(l.c.dev, op, &g, count, strideA, strideB, strideC)
 	if err != nil {
@@ -266,7 +266,7 @@ func (h Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC in
 	if desc.M == 0 || desc.N == 0 {
 		return nil // no output: nothing to compute, whatever the count
 	}
-	if err := h.sl.blas.GemmStridedBatched(desc, batch); err != nil {
+	if err := h.sl.Handle.blas.GemmStridedBatched(desc, batch); err != nil {
 		return fmt.Errorf("gpuctx: %s %dx%dx%d x%d %v->%v: %w", op, g.M, g.N, g.K, count, g.AB, g.CType, err)
 	}
 	return nil
@@ -295,8 +295,8 @@ func (h Blas) GemmGrouped(gs []Gemm) error {
 	for i := range gs {
 		g := &gs[i]
 		if g.AB != gs[0].AB || g.CType != gs[0].CType || g.Alpha != gs[0].Alpha || g.Beta != gs[0].Beta {
-			return fmt.Errorf("%w: gpuctx: %s: group %d has dtypes %v->%v alpha %g beta %g but group 0 has %v->%v alpha %g beta %g; all groups must share them",
-				ErrInvalid, op, i, g.AB, g.CType, g.Alpha, g.Beta, gs[0].AB, gs[0].CType, gs[0].Alpha, gs[0].Beta)
+			return fmt.Errorf("gpuctx: %s: group %d has dtypes %v->%v alpha %g beta %g but group 0 has %v->%v alpha %g beta %g; all groups must share them: %w",
+				op, i, g.AB, g.CType, g.Alpha, g.Beta, gs[0].AB, gs[0].CType, gs[0].Alpha, gs[0].Beta, ErrInvalid)
 		}
 		desc, _, err := gemmDesc(l.c.dev, fmt.Sprintf("%s group %d", op, i), g, 1, 0, 0, 0)
 		if err != nil {
@@ -310,7 +310,7 @@ func (h Blas) GemmGrouped(gs []Gemm) error {
 	if len(descs) == 0 {
 		return nil
 	}
-	return h.sl.blas.GemmGrouped(descs)
+	return h.sl.Handle.blas.GemmGrouped(descs)
 }
 
 // Geam queues C = Alpha*op(A) + Beta*op(B) on the handle's stream; op is the
@@ -343,7 +343,7 @@ func (h Blas) Geam(g Geam) error {
 	if err := checkExtents(op, "", operand{"A", g.A, desc.A, sa, es}, operand{"B", g.B, desc.B, sb, es}, operand{"C", g.C, desc.C, sc, es}); err != nil {
 		return err
 	}
-	return h.sl.blas.Geam(desc)
+	return h.sl.Handle.blas.Geam(desc)
 }
 
 // BlasLt is a cuBLASLt handle lent to a BlasLt callback. Matmul queues work on
@@ -368,7 +368,7 @@ func (lt BlasLt) Matmul(g Gemm) error {
 	}
 	defer unlock()
 	if g.AB == F64 {
-		return fmt.Errorf("%w: gpuctx: %s: f64 is not supported by the cuBLASLt path; use Context.Blas", ErrInvalid, op)
+		return fmt.Errorf("gpuctx: %s: f64 is not supported by the cuBLASLt path; use Context.Blas: %w", op, ErrInvalid)
 	}
 	desc, _, err := gemmDesc(l.c.dev, op, &g, 1, 0, 0, 0)
 	if err != nil {
@@ -378,7 +378,7 @@ func (lt BlasLt) Matmul(g Gemm) error {
 	if err != nil {
 		return err
 	}
-	return lt.sl.lt.Matmul(l.s.hs, desc, ws.ptr, ws.size)
+	return lt.sl.Handle.lt.Matmul(l.s.hs, desc, ws.ptr, ws.size)
 }
 
 // Reserve grows the stream's cuBLASLt workspace to at least n bytes. The old

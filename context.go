@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -12,6 +11,7 @@ import (
 	"time"
 
 	"github.com/gpuctx/gpuctx/internal/hal"
+	"github.com/gpuctx/gpuctx/internal/handlepool"
 )
 
 // HandlePolicy says how a Context gets BLAS handles.
@@ -253,9 +253,9 @@ func (c *ctxCore) close() error {
 	c.mu.Unlock()
 	for i := range c.shared {
 		if sl := c.shared[i].Load(); sl != nil {
-			sl.mu.Lock() // wait for a running callback
-			errs = append(errs, sl.destroy(c.dev))
-			sl.mu.Unlock()
+			sl.Lock() // wait for a running callback
+			errs = append(errs, sl.Handle.destroy(c.dev))
+			sl.Unlock()
 		}
 	}
 	if own := c.owned.Swap(nil); own != nil {
@@ -267,29 +267,31 @@ func (c *ctxCore) close() error {
 	return errors.Join(errs...)
 }
 
-// slot is one library handle and what it is bound to. Its mu is the handle's
-// lock: held from binding until the callback that uses it returns.
-type slot struct {
-	mu      sync.Mutex
+// slot is one library handle, its lock and what it is bound to: the handle
+// pool's slot whose Handle is a binding. Its lock is held from binding until the
+// callback that uses it returns.
+type slot = handlepool.Slot[binding]
+
+// binding is a library handle and the stream and workspace it is bound to,
+// guarded by its slot's lock.
+type binding struct {
 	blas    hal.BlasHandle // nil for an Lt slot
 	lt      hal.LtHandle
 	flavour Flavour
 	// sharedWS marks an UnsafeSharedWorkspace slot; pooled Contexts never mix them.
 	sharedWS bool
-	// boundID mirrors bound.ID() (0: unbound) for the lock-free pool scan.
-	boundID atomic.Uint64
 
 	bound   *Stream    // stream the handle is bound to (nil: none yet)
 	applied *workspace // workspace applied since the last bind
 	epoch   uint64     // blasState.epoch when applied was checked
 	ownWS   *workspace // UnsafeSharedWorkspace only
 
-	lease lease // what the slot lends to the callback holding mu
+	lease lease // what the slot lends to the callback holding its lock
 }
 
 // lend records who holds sl (whose mu the caller holds) and returns the lease
 // generation for the handle value given to the callback.
-func (sl *slot) lend(c *Context, s *Stream) uint64 {
+func (sl *binding) lend(c *Context, s *Stream) uint64 {
 	// The previous holder's expire happens before our sl.mu acquisition, and
 	// handles of older leases fail their generation check before they read c or s.
 	l := &sl.lease
@@ -298,13 +300,13 @@ func (sl *slot) lend(c *Context, s *Stream) uint64 {
 }
 
 // expire ends the current lease: every handle value lent so far is expired.
-func (sl *slot) expire() {
+func (sl *binding) expire() {
 	l := &sl.lease
 	l.advance()
 	l.c, l.s = nil, nil
 }
 
-func (sl *slot) destroy(d *Device) error {
+func (sl *binding) destroy(d *Device) error {
 	var errs []error
 	if sl.blas != nil {
 		errs = append(errs, sl.blas.Destroy())
@@ -340,14 +342,13 @@ type blasState struct {
 	mu  sync.Mutex // guards the workspace maps and closed
 	// pools[u][f]: handles of flavour f (numFlavours: cuBLASLt); u == 1 holds the
 	// UnsafeSharedWorkspace handles, which never serve a safe Context.
-	pools    [2][numFlavours + 1]pool
-	maxSlots atomic.Int32
-	done     chan struct{} // closed at device Close: wakes every waiter
-	wsSize   int
-	ws       map[*Stream]*workspace // one workspace per stream: never shared by two streams
-	lt       map[*Stream]*ltState   // grow-only cuBLASLt workspace per stream
-	retired  []retiredWS            // grown-out Lt workspaces, freed once their stream passes ev
-	closed   bool
+	pools   [2][numFlavours + 1]handlepool.Pool[binding]
+	done    chan struct{} // closed at device Close: wakes every waiter
+	wsSize  int
+	ws      map[*Stream]*workspace // one workspace per stream: never shared by two streams
+	lt      map[*Stream]*ltState   // grow-only cuBLASLt workspace per stream
+	retired []retiredWS            // grown-out Lt workspaces, freed once their stream passes ev
+	closed  bool
 	// capt maps each stream in a capture begun through Stream.BeginCapture to
 	// it; evCapt each event recorded in a capture. ncapt counts captures in
 	// progress so that Record and Wait skip the bookkeeping when there is none.
@@ -368,10 +369,16 @@ func (bs *blasState) init(d *Device) {
 	bs.capt = map[*Stream]*capture{}
 	bs.evCapt = map[*Event]*capture{}
 	limit, err1 := envInt(MaxHandlesEnv, DefaultMaxHandles, 1, maxHandlesLimit)
-	bs.maxSlots.Store(int32(limit))
 	for u := range bs.pools {
 		for f := range bs.pools[u] {
-			bs.pools[u][f].avail.Store(int64(limit))
+			unsafeWS, fl := u == 1, Flavour(f)
+			bs.pools[u][f].Init(handlepool.Config[binding]{
+				Limit:   limit,
+				Done:    bs.done,
+				New:     func(h *binding) error { return bs.newHandle(h, fl, unsafeWS) },
+				Destroy: func(h *binding) error { return h.destroy(d) },
+				Stale:   func(h *binding) bool { return h.bound == nil || h.bound.isClosed() },
+			})
 		}
 	}
 	bs.wsSize = WorkspaceDefault
@@ -396,7 +403,7 @@ func envInt(name string, def, lo, hi int) (int, error) {
 	}
 	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 	if err != nil || n < int64(lo) || n > int64(hi) {
-		return def, fmt.Errorf("%w: gpuctx: $%s=%q: want an integer in [%d, %d]", ErrInvalid, name, v, lo, hi)
+		return def, fmt.Errorf("gpuctx: $%s=%q: want an integer in [%d, %d]: %w", name, v, lo, hi, ErrInvalid)
 	}
 	return int(n), nil
 }
@@ -406,7 +413,7 @@ func envInt(name string, def, lo, hi int) (int, error) {
 // created are kept.
 func (d *Device) SetBlasHandleLimit(n int) error {
 	if n < 1 {
-		return fmt.Errorf("%w: gpuctx: Device.SetBlasHandleLimit(%d): the limit must be >= 1", ErrInvalid, n)
+		return fmt.Errorf("gpuctx: Device.SetBlasHandleLimit(%d): the limit must be >= 1: %w", n, ErrInvalid)
 	}
 	d.blas.setLimit(min(n, maxHandlesLimit))
 	return nil
@@ -657,11 +664,7 @@ func (bs *blasState) close() error {
 	var slots []*slot
 	for u := range bs.pools {
 		for f := range bs.pools[u] {
-			p := &bs.pools[u][f]
-			p.mu.Lock()
-			slots = append(slots, p.all()...)
-			p.slots.Store(nil)
-			p.mu.Unlock()
+			slots = append(slots, bs.pools[u][f].Drain()...)
 		}
 	}
 	var ws []*workspace
@@ -681,9 +684,9 @@ func (bs *blasState) close() error {
 	bs.mu.Unlock()
 	errs := []error{bs.sweep(true)} // the device is idle (Device.Close synchronised it)
 	for _, sl := range slots {
-		sl.mu.Lock()
-		errs = append(errs, sl.destroy(bs.dev))
-		sl.mu.Unlock()
+		sl.Lock()
+		errs = append(errs, sl.Handle.destroy(bs.dev))
+		sl.Unlock()
 	}
 	for _, w := range ws {
 		errs = append(errs, w.free(bs.dev))
@@ -691,20 +694,21 @@ func (bs *blasState) close() error {
 	return errors.Join(errs...)
 }
 
-// newSlot creates a handle of flavour f (f == numFlavours: cuBLASLt).
-func (c *Context) newSlot(f Flavour) (*slot, error) {
-	d := c.dev
-	sl := &slot{flavour: f}
+// newHandle makes sl a handle of flavour f (f == numFlavours: cuBLASLt), with a
+// workspace of its own when unsafeWS is set (UnsafeSharedWorkspace).
+func (bs *blasState) newHandle(sl *binding, f Flavour, unsafeWS bool) error {
+	d := bs.dev
+	sl.flavour = f
 	if f == numFlavours {
 		h, err := d.hd.NewLtHandle()
 		if err != nil {
-			return nil, fmt.Errorf("gpuctx: creating a cuBLASLt handle: %w", err)
+			return fmt.Errorf("gpuctx: creating a cuBLASLt handle: %w", err)
 		}
 		sl.lt = h
 	} else {
 		h, err := d.hd.NewBlasHandle()
 		if err != nil {
-			return nil, fmt.Errorf("gpuctx: creating a BLAS handle: %w", err)
+			return fmt.Errorf("gpuctx: creating a BLAS handle: %w", err)
 		}
 		mode := hal.MathDefault
 		switch f {
@@ -715,142 +719,29 @@ func (c *Context) newSlot(f Flavour) (*slot, error) {
 		}
 		if err := h.SetMathMode(mode); err != nil {
 			_ = h.Destroy()
-			return nil, fmt.Errorf("gpuctx: setting BLAS math mode %v: %w", f, err)
+			return fmt.Errorf("gpuctx: setting BLAS math mode %v: %w", f, err)
 		}
 		sl.blas = h
 	}
-	if c.opts.UnsafeSharedWorkspace && sl.blas != nil {
-		n := alignUp(d.blas.wsSize)
+	if unsafeWS && sl.blas != nil {
+		n := alignUp(bs.wsSize)
 		p, err := d.hd.Alloc(n)
 		if err != nil {
 			_ = sl.destroy(d)
-			return nil, fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace (size from $%s or the device default): %w", n, WorkspaceEnv, err)
+			return fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace (size from $%s or the device default): %w", n, WorkspaceEnv, err)
 		}
 		sl.ownWS = &workspace{ptr: p, size: n}
 		sl.sharedWS = true
 	}
-	c.created.Add(1)
-	return sl, nil
-}
-
-// pool is the handles of one flavour on one device. A token semaphore bounds
-// the number of handles held at once by the pool's limit; holding a token
-// guarantees that a free handle exists or may be created. Waiting is on a
-// per-waiter channel that is closed to hand it a token, so a wakeup cannot be
-// lost: a releaser adds its token and then looks for waiters; a waiter
-// registers and then looks for tokens; with sequentially consistent atomics at
-// least one of the two sees the other. The fast path is one CAS for the token,
-// a TryLock scan of the copy-on-write slot slice and one atomic add to release.
-type pool struct {
-	slots atomic.Pointer[[]*slot] // copy-on-write; appended under mu
-	avail atomic.Int64            // free tokens (negative after the limit was lowered)
-	nwait atomic.Int64            // len(waiters), readable without mu
-
-	mu       sync.Mutex
-	waiters  []chan struct{} // FIFO; closed to hand the waiter a token
-	creating int             // handles being created
-}
-
-// all returns the pool's slots (never modified in place).
-func (p *pool) all() []*slot {
-	if s := p.slots.Load(); s != nil {
-		return *s
-	}
 	return nil
-}
-
-// tryTake takes a token if one is free.
-func (p *pool) tryTake() bool {
-	for {
-		n := p.avail.Load()
-		if n <= 0 {
-			return false
-		}
-		if p.avail.CompareAndSwap(n, n-1) {
-			return true
-		}
-	}
-}
-
-// testHookBeforeWait, set by tests only, runs when a caller has found no free
-// handle and is about to wait for one: the window of a lost wakeup.
-var testHookBeforeWait func()
-
-// take takes a token, waiting for one; it fails once done is closed.
-func (p *pool) take(done <-chan struct{}) (waited bool, err error) {
-	if p.tryTake() {
-		return false, nil
-	}
-	if testHookBeforeWait != nil {
-		testHookBeforeWait()
-	}
-	p.mu.Lock()
-	ch := make(chan struct{})
-	p.waiters = append(p.waiters, ch)
-	p.nwait.Add(1)
-	// Registered: a release from now on sees nwait > 0 and hands out tokens
-	// under mu. Look again for a token released before we registered.
-	if p.tryTake() {
-		p.unwait(ch)
-		p.mu.Unlock()
-		return false, nil
-	}
-	p.mu.Unlock()
-	select {
-	case <-ch:
-		return true, nil
-	case <-done:
-		p.mu.Lock()
-		if p.unwait(ch) {
-			p.mu.Unlock()
-		} else { // handed a token as done closed: give it back
-			p.mu.Unlock()
-			p.give()
-		}
-		return true, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
-	}
-}
-
-// unwait removes ch from the waiters (p.mu held) and reports whether it was
-// there (false: a token was handed to it).
-func (p *pool) unwait(ch chan struct{}) bool {
-	for i, w := range p.waiters {
-		if w == ch {
-			p.waiters = append(p.waiters[:i], p.waiters[i+1:]...)
-			p.nwait.Add(-1)
-			return true
-		}
-	}
-	return false
-}
-
-// give returns a token and hands free tokens to waiters, oldest first.
-func (p *pool) give() {
-	p.avail.Add(1)
-	if p.nwait.Load() > 0 {
-		p.handOff()
-	}
-}
-
-func (p *pool) handOff() {
-	p.mu.Lock()
-	for len(p.waiters) > 0 && p.tryTake() {
-		close(p.waiters[0])
-		p.waiters = p.waiters[1:]
-		p.nwait.Add(-1)
-	}
-	p.mu.Unlock()
 }
 
 // setLimit changes the per-flavour limit of every pool, adjusting free tokens
 // by the difference.
 func (bs *blasState) setLimit(n int) {
-	old := bs.maxSlots.Swap(int32(n))
 	for u := range bs.pools {
 		for f := range bs.pools[u] {
-			p := &bs.pools[u][f]
-			p.avail.Add(int64(n) - int64(old))
-			p.handOff()
+			bs.pools[u][f].SetLimit(n)
 		}
 	}
 }
@@ -862,65 +753,24 @@ func (c *Context) acquire(f Flavour, s *Stream) (*slot, error) {
 	if c.opts.Policy == SharedHandle {
 		return c.acquireShared(f)
 	}
-	bs := &c.dev.blas
-	p := bs.pool(f, c.opts.UnsafeSharedWorkspace)
-	var waitStart time.Time
-	if !p.tryTake() {
-		waitStart = time.Now()
-		waited, err := p.take(bs.done)
-		if err != nil {
-			return nil, err
-		}
-		if waited {
-			c.waits.Add(1)
-		} else {
-			waitStart = time.Time{}
-		}
+	p, id := c.dev.blas.pool(f, c.opts.UnsafeSharedWorkspace), s.ID()
+	if sl := p.TryAcquire(id); sl != nil {
+		return sl, nil // steady state: a free handle already bound to s
 	}
-	// We hold a token: at most limit-1 other callers hold a slot, so a free
-	// slot exists or the pool may grow.
-	for {
-		if sl := p.pickBound(s); sl != nil {
-			c.noteWait(waitStart)
-			return sl, nil
-		}
-		p.mu.Lock()
-		if bs.isClosed() {
-			p.mu.Unlock()
-			p.give()
-			return nil, fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed)
-		}
-		if len(p.all())+p.creating < int(bs.maxSlots.Load()) {
-			// A new handle is better than a rebind while under the limit.
-			p.creating++
-			p.mu.Unlock()
-			sl, err := c.newSlot(f)
-			p.mu.Lock()
-			p.creating--
-			if err == nil && bs.isClosed() {
-				err = errors.Join(fmt.Errorf("gpuctx: BLAS callback: device: %w", ErrClosed), sl.destroy(c.dev))
-			}
-			if err != nil {
-				p.mu.Unlock()
-				p.give()
-				return nil, err
-			}
-			sl.mu.Lock() // new and unpublished: uncontended
-			old := p.all()
-			grown := append(old[:len(old):len(old)], sl)
-			p.slots.Store(&grown)
-			p.mu.Unlock()
-			c.noteWait(waitStart)
-			return sl, nil
-		}
-		p.mu.Unlock()
-		if sl := p.pickAny(); sl != nil {
-			c.noteWait(waitStart)
-			return sl, nil
-		}
-		// Another token holder's scan has the free slot locked for a moment.
-		runtime.Gosched()
+	sl, info, err := p.Acquire(id)
+	if info.Waited {
+		c.waits.Add(1)
 	}
+	if info.Wait != 0 {
+		c.waitNanos.Add(int64(info.Wait))
+	}
+	if err != nil {
+		return nil, fmt.Errorf("gpuctx: BLAS callback: %w", err)
+	}
+	if info.Created {
+		c.created.Add(1)
+	}
+	return sl, nil
 }
 
 // isClosed reports whether s has been closed.
@@ -930,61 +780,11 @@ func (s *Stream) isClosed() bool {
 	return s.closed
 }
 
-func (bs *blasState) isClosed() bool {
-	select {
-	case <-bs.done:
-		return true
-	default:
-		return false
-	}
-}
-
-func (bs *blasState) pool(f Flavour, unsafeWS bool) *pool {
+func (bs *blasState) pool(f Flavour, unsafeWS bool) *handlepool.Pool[binding] {
 	if unsafeWS {
 		return &bs.pools[1][f]
 	}
 	return &bs.pools[0][f]
-}
-
-func (c *Context) noteWait(start time.Time) {
-	if !start.IsZero() {
-		c.waitNanos.Add(int64(time.Since(start)))
-	}
-}
-
-// pickBound locks and returns a free slot bound to s, or nil.
-func (p *pool) pickBound(s *Stream) *slot {
-	id := s.ID()
-	for _, sl := range p.all() {
-		if sl.boundID.Load() == id && sl.mu.TryLock() {
-			if sl.boundID.Load() == id {
-				return sl
-			}
-			sl.mu.Unlock()
-		}
-	}
-	return nil
-}
-
-// pickAny locks and returns a free slot to rebind, or nil: first one bound to no
-// stream or to a closed one (rebinding it takes no live stream's handle), then
-// any.
-func (p *pool) pickAny() *slot {
-	all := p.all()
-	for _, sl := range all {
-		if sl.mu.TryLock() {
-			if sl.bound == nil || sl.bound.isClosed() {
-				return sl
-			}
-			sl.mu.Unlock()
-		}
-	}
-	for _, sl := range all {
-		if sl.mu.TryLock() {
-			return sl
-		}
-	}
-	return nil
 }
 
 func (c *Context) acquireShared(f Flavour) (*slot, error) {
@@ -996,23 +796,24 @@ func (c *Context) acquireShared(f Flavour) (*slot, error) {
 			return nil, fmt.Errorf("gpuctx: BLAS callback: context: %w", ErrClosed)
 		}
 		if sl = c.shared[f].Load(); sl == nil {
-			var err error
-			if sl, err = c.newSlot(f); err != nil {
+			sl = new(slot)
+			if err := c.dev.blas.newHandle(&sl.Handle, f, c.opts.UnsafeSharedWorkspace); err != nil {
 				c.mu.Unlock()
 				return nil, err
 			}
+			c.created.Add(1)
 			c.shared[f].Store(sl)
 		}
 		c.mu.Unlock()
 	}
-	if !sl.mu.TryLock() {
+	if !sl.TryLock() {
 		c.waits.Add(1)
 		t := time.Now()
-		sl.mu.Lock()
+		sl.Lock()
 		c.waitNanos.Add(int64(time.Since(t)))
 	}
-	if sl.blas == nil && sl.lt == nil { // destroyed by Close while we waited
-		sl.mu.Unlock()
+	if sl.Handle.blas == nil && sl.Handle.lt == nil { // destroyed by Close while we waited
+		sl.Unlock()
 		return nil, fmt.Errorf("gpuctx: BLAS callback: context: %w", ErrClosed)
 	}
 	return sl, nil
@@ -1020,11 +821,11 @@ func (c *Context) acquireShared(f Flavour) (*slot, error) {
 
 // release unlocks sl and returns the caller's token to its pool.
 func (c *Context) release(sl *slot) {
-	sl.mu.Unlock()
 	if c.opts.Policy == SharedHandle {
+		sl.Unlock()
 		return
 	}
-	c.dev.blas.pool(sl.flavour, sl.sharedWS).give()
+	c.dev.blas.pool(sl.Handle.flavour, sl.Handle.sharedWS).Release(sl)
 }
 
 // bind makes sl's handle run on s with s's workspace: cublasSetStream only when
@@ -1034,9 +835,10 @@ func (c *Context) release(sl *slot) {
 // capture begun or ended since) reads one atomic; otherwise bind read-locks s
 // for the bind, so that s cannot close meanwhile, and fails with ErrClosed if it
 // is closed: a closed stream never gets a handle or a fresh workspace.
-func (c *Context) bind(sl *slot, s *Stream) error {
+func (c *Context) bind(slt *slot, s *Stream) error {
 	bs := &c.dev.blas
 	epoch := bs.epoch.Load()
+	sl := &slt.Handle
 	if sl.blas != nil && sl.bound == s && sl.applied != nil && sl.ownWS == nil && sl.epoch == epoch {
 		return nil // fast path: bound to s with s's workspace applied
 	}
@@ -1050,7 +852,7 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 		// hands this slot to s again rather than making another.
 		if sl.bound != s {
 			sl.bound = s
-			sl.boundID.Store(s.ID())
+			slt.SetBoundID(s.ID())
 		}
 		return nil
 	}
@@ -1063,7 +865,7 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 	if sl.bound != s {
 		if err := sl.blas.SetStream(s.hs); err != nil {
 			sl.bound, sl.applied = nil, nil
-			sl.boundID.Store(0)
+			slt.SetBoundID(0)
 			return fmt.Errorf("gpuctx: binding a BLAS handle to stream %d: %w", s.ID(), err)
 		}
 		if sl.bound != nil {
@@ -1071,7 +873,7 @@ func (c *Context) bind(sl *slot, s *Stream) error {
 		}
 		c.binds.Add(1)
 		sl.bound, sl.applied = s, nil
-		sl.boundID.Store(s.ID())
+		slt.SetBoundID(s.ID())
 	}
 	if sl.applied != ws {
 		if err := sl.blas.SetWorkspace(ws.ptr, ws.size); err != nil {
@@ -1098,7 +900,7 @@ func (c *Context) Blas(fn func(h Blas) error) error { return c.BlasFlavour(Defau
 // BlasFlavour is Blas with a chosen math flavour (Default, TensorOp, TF32).
 func (c *Context) BlasFlavour(f Flavour, fn func(h Blas) error) (err error) {
 	if f < 0 || f >= numFlavours {
-		return fmt.Errorf("%w: gpuctx: Context.BlasFlavour: unknown flavour %d", ErrInvalid, f)
+		return fmt.Errorf("gpuctx: Context.BlasFlavour: unknown flavour %d: %w", f, ErrInvalid)
 	}
 	if f == TF32 && !c.opts.AllowTF32 {
 		f = Default
@@ -1115,8 +917,8 @@ func (c *Context) BlasFlavour(f Flavour, fn func(h Blas) error) (err error) {
 	if err := c.bind(sl, s); err != nil {
 		return err
 	}
-	gen := sl.lend(c, s)
-	defer sl.expire() // runs before release: no call through the handle can follow it
+	gen := sl.Handle.lend(c, s)
+	defer sl.Handle.expire() // runs before release: no call through the handle can follow it
 	return fn(Blas{sl: sl, gen: gen})
 }
 
@@ -1148,8 +950,8 @@ func (c *Context) BlasLt(fn func(lt BlasLt) error) (err error) {
 			err = e
 		}
 	}()
-	gen := sl.lend(c, s)
-	defer sl.expire()
+	gen := sl.Handle.lend(c, s)
+	defer sl.Handle.expire()
 	return fn(BlasLt{sl: sl, gen: gen})
 }
 

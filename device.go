@@ -141,7 +141,7 @@ type Buffer struct {
 // does not wait for any stream.
 func (d *Device) Alloc(n int) (*Buffer, error) {
 	if n <= 0 {
-		return nil, fmt.Errorf("%w: gpuctx: Device.Alloc: size %d bytes must be > 0", ErrSize, n)
+		return nil, fmt.Errorf("gpuctx: Device.Alloc: size %d bytes must be > 0: %w", n, ErrSize)
 	}
 	if err := d.check("Device.Alloc"); err != nil {
 		return nil, err
@@ -180,7 +180,7 @@ func (b *Buffer) Slice(off, n int) (*Buffer, error) {
 		return nil, err
 	}
 	if off < 0 || n < 0 || off+n > b.size {
-		return nil, fmt.Errorf("%w: gpuctx: Buffer.Slice(%d, %d) out of range of a %d-byte buffer", ErrSize, off, n, b.size)
+		return nil, fmt.Errorf("gpuctx: Buffer.Slice(%d, %d) out of range of a %d-byte buffer: %w", off, n, b.size, ErrSize)
 	}
 	return &Buffer{dev: b.dev, a: b.a, off: b.off + off, size: n, view: true}, nil
 }
@@ -198,7 +198,7 @@ func (b *Buffer) ptr() hal.Ptr { return b.a.ptr + hal.Ptr(b.off) }
 
 func (b *Buffer) valid(op string) error {
 	if b == nil {
-		return fmt.Errorf("%w: gpuctx: %s: nil buffer", ErrInvalid, op)
+		return fmt.Errorf("gpuctx: %s: nil buffer: %w", op, ErrInvalid)
 	}
 	if err := b.dev.check(op); err != nil { // a closed device freed everything: say so
 		return err
@@ -224,10 +224,10 @@ func (b *Buffer) onDevice(op string, d *Device) error {
 // synchronise them first. Freeing a view, or freeing twice, is an error.
 func (b *Buffer) Free() error {
 	if b == nil {
-		return fmt.Errorf("%w: gpuctx: Buffer.Free: nil buffer", ErrInvalid)
+		return fmt.Errorf("gpuctx: Buffer.Free: nil buffer: %w", ErrInvalid)
 	}
 	if b.view {
-		return fmt.Errorf("%w: gpuctx: Buffer.Free: b is a view made by Slice; free the buffer it came from", ErrInvalid)
+		return fmt.Errorf("gpuctx: Buffer.Free: b is a view made by Slice; free the buffer it came from: %w", ErrInvalid)
 	}
 	if !b.a.freed.CompareAndSwap(false, true) {
 		return fmt.Errorf("gpuctx: Buffer.Free: %w (double free)", ErrFreed)
@@ -250,7 +250,7 @@ func (b *Buffer) CopyFromHost(src []byte) error {
 		return err
 	}
 	if len(src) != b.size {
-		return fmt.Errorf("%w: gpuctx: Buffer.CopyFromHost: %d source bytes for a %d-byte buffer (use Slice for part of a buffer)", ErrSize, len(src), b.size)
+		return fmt.Errorf("gpuctx: Buffer.CopyFromHost: %d source bytes for a %d-byte buffer (use Slice for part of a buffer): %w", len(src), b.size, ErrSize)
 	}
 	if len(src) == 0 {
 		return nil
@@ -265,7 +265,7 @@ func (b *Buffer) CopyToHost(dst []byte) error {
 		return err
 	}
 	if len(dst) != b.size {
-		return fmt.Errorf("%w: gpuctx: Buffer.CopyToHost: %d destination bytes for a %d-byte buffer", ErrSize, len(dst), b.size)
+		return fmt.Errorf("gpuctx: Buffer.CopyToHost: %d destination bytes for a %d-byte buffer: %w", len(dst), b.size, ErrSize)
 	}
 	if len(dst) == 0 {
 		return nil
@@ -282,7 +282,7 @@ func (b *Buffer) CopyFrom(src *Buffer) error {
 		return err
 	}
 	if src.size != b.size {
-		return fmt.Errorf("%w: gpuctx: Buffer.CopyFrom: source has %d bytes, destination %d", ErrSize, src.size, b.size)
+		return fmt.Errorf("gpuctx: Buffer.CopyFrom: source has %d bytes, destination %d: %w", src.size, b.size, ErrSize)
 	}
 	return b.dev.hd.CopyDtoD(b.ptr(), src.ptr(), b.size)
 }
@@ -300,7 +300,7 @@ type HostBuffer struct {
 // AllocHost returns n bytes of page-locked host memory.
 func (d *Device) AllocHost(n int) (*HostBuffer, error) {
 	if n <= 0 {
-		return nil, fmt.Errorf("%w: gpuctx: Device.AllocHost: size %d bytes must be > 0", ErrSize, n)
+		return nil, fmt.Errorf("gpuctx: Device.AllocHost: size %d bytes must be > 0: %w", n, ErrSize)
 	}
 	if err := d.check("Device.AllocHost"); err != nil {
 		return nil, err
@@ -335,7 +335,7 @@ func (h *HostBuffer) Size() int {
 // Free releases h. Double free is an error.
 func (h *HostBuffer) Free() error {
 	if h == nil {
-		return fmt.Errorf("%w: gpuctx: HostBuffer.Free: nil host buffer", ErrInvalid)
+		return fmt.Errorf("gpuctx: HostBuffer.Free: nil host buffer: %w", ErrInvalid)
 	}
 	if err := h.dev.check("HostBuffer.Free"); err != nil {
 		return err
@@ -358,7 +358,7 @@ func (h *HostBuffer) free() error {
 
 func (h *HostBuffer) valid(op string, off, n int) error {
 	if h == nil {
-		return fmt.Errorf("%w: gpuctx: %s: nil host buffer", ErrInvalid, op)
+		return fmt.Errorf("gpuctx: %s: nil host buffer: %w", op, ErrInvalid)
 	}
 	if err := h.dev.check(op); err != nil {
 		return err
@@ -367,7 +367,7 @@ func (h *HostBuffer) valid(op string, off, n int) error {
 		return fmt.Errorf("gpuctx: %s: host buffer: %w", op, ErrFreed)
 	}
 	if off < 0 || n < 0 || off+n > h.size {
-		return fmt.Errorf("%w: gpuctx: %s: host range [%d, %d) outside a %d-byte host buffer", ErrSize, op, off, off+n, h.size)
+		return fmt.Errorf("gpuctx: %s: host range [%d, %d) outside a %d-byte host buffer: %w", op, off, off+n, h.size, ErrSize)
 	}
 	return nil
 }

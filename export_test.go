@@ -27,7 +27,7 @@ func StreamWorkspace(s *Stream) (uintptr, int) {
 // bound stream (0: none) and its workspace. ok is false when the backend cannot
 // tell (CUDA). Call it inside the callback.
 func HandleBinding(h Blas) (streamID uint64, ws uintptr, n int, ok bool) {
-	in, ok := h.sl.blas.(hal.BlasInspector)
+	in, ok := h.sl.Handle.blas.(hal.BlasInspector)
 	if !ok {
 		return 0, 0, 0, false
 	}

@@ -27,6 +27,20 @@
 // itself, once, after every goroutine using a view has returned, as the
 // example of Context.WithStream does.
 //
+// # Errors
+//
+// Every condition has one sentinel, defined once in internal/hal and
+// re-exported here (ErrClosed, ErrInvalid, ErrSize, ErrOutOfMemory, ...); the
+// backends wrap the same values, so errors.Is(err, gpuctx.ErrClosed) holds
+// whichever backend or layer reported it. Messages have one shape,
+//
+//	<pkg>: <Op>: <what went wrong>: <cause>
+//
+// for example "gpuctx: Buffer.CopyToHost: 8 destination bytes for a 16-byte
+// buffer: size mismatch": the package, the operation (Type.Method where there
+// is one), the detail, and last the wrapped cause (%w): a sentinel or the
+// lower layer's error, which has the same shape.
+//
 // Every method is safe for concurrent use by multiple goroutines unless its doc
 // says otherwise. Callers never need runtime.LockOSThread: the CUDA backend makes
 // the device's context current on whatever OS thread makes a driver call.
@@ -41,24 +55,23 @@ import (
 
 	"github.com/gpuctx/gpuctx/backend/cpu"
 	"github.com/gpuctx/gpuctx/backend/cuda"
-	"github.com/gpuctx/gpuctx/blas"
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
 // Errors returned (wrapped, with detail) by gpuctx. Test with errors.Is.
 var (
 	// ErrClosed: the object (runtime, device, stream, event, context) was closed.
-	ErrClosed = errors.New("use of closed object")
+	ErrClosed = hal.ErrClosed
 	// ErrFreed: the buffer was freed.
-	ErrFreed = errors.New("use of freed buffer")
+	ErrFreed = hal.ErrFreed
 	// ErrWrongDevice: an object of one device was used with another device.
-	ErrWrongDevice = errors.New("object belongs to another device")
+	ErrWrongDevice = hal.ErrWrongDevice
 	// ErrSize: a size, offset or length does not fit.
-	ErrSize = errors.New("size mismatch")
+	ErrSize = hal.ErrSize
 	// ErrInvalid: a bad argument (shape, dtype, kernel argument, option).
-	ErrInvalid = blas.ErrInvalid
+	ErrInvalid = hal.ErrInvalid
 	// ErrHandleExpired: a BLAS handle was used after its callback returned.
-	ErrHandleExpired = errors.New("BLAS handle used after its callback returned")
+	ErrHandleExpired = hal.ErrHandleExpired
 	// ErrUnavailable: the backend or library cannot be used on this machine.
 	ErrUnavailable = hal.ErrUnavailable
 	// ErrNoKernel: Device.Kernel was asked for a name no kernel source defines.
@@ -104,6 +117,7 @@ type Runtime struct {
 	mu      sync.Mutex
 	devices map[int]*Device
 	closed  bool
+	note    string // why auto selection did not pick CUDA ("" otherwise)
 }
 
 // BackendEnv is the environment variable that forces a backend.
@@ -120,9 +134,11 @@ func Open() (*Runtime, error) {
 func OpenBackend(name string) (*Runtime, error) {
 	var be hal.Backend
 	var err error
+	var note string
 	switch strings.ToLower(strings.TrimSpace(name)) {
 	case "", "auto":
 		if be, err = cuda.Open(); err != nil {
+			note = "auto selection fell back to the CPU backend because CUDA is unavailable: " + err.Error()
 			be, err = cpu.Open()
 		}
 	case "cuda":
@@ -132,13 +148,19 @@ func OpenBackend(name string) (*Runtime, error) {
 	case "cpu":
 		be, err = cpu.Open()
 	default:
-		return nil, fmt.Errorf("%w: gpuctx: unknown backend %q (want cuda, cpu or auto)", ErrInvalid, name)
+		return nil, fmt.Errorf("gpuctx: unknown backend %q (want cuda, cpu or auto): %w", name, ErrInvalid)
 	}
 	if err != nil {
 		return nil, err
 	}
-	return &Runtime{be: be, devices: map[int]*Device{}}, nil
+	return &Runtime{be: be, devices: map[int]*Device{}, note: note}, nil
 }
+
+// SelectionNote says why automatic backend selection (Open with
+// $GPUCTX_BACKEND unset, or OpenBackend("auto")) did not pick CUDA: the CUDA
+// backend's error, recorded when the Runtime was opened. It is "" when CUDA
+// was picked or a backend was named explicitly.
+func (r *Runtime) SelectionNote() string { return r.note }
 
 // Backend returns "cuda" or "cpu".
 func (r *Runtime) Backend() string { return r.be.Name() }
@@ -160,7 +182,7 @@ func (r *Runtime) Device(i int) (*Device, error) {
 		return d, nil
 	}
 	if i < 0 || i >= r.be.DeviceCount() {
-		return nil, fmt.Errorf("%w: gpuctx: device index %d out of range: the %s backend has %d device(s)", ErrInvalid, i, r.be.Name(), r.be.DeviceCount())
+		return nil, fmt.Errorf("gpuctx: device index %d out of range: the %s backend has %d device(s): %w", i, r.be.Name(), r.be.DeviceCount(), ErrInvalid)
 	}
 	hd, err := r.be.Device(i)
 	if err != nil {

@@ -157,7 +157,7 @@ func (s *Stream) BeginCapture() error {
 	bs.mu.Lock()
 	if bs.capt[s] != nil {
 		bs.mu.Unlock()
-		return fmt.Errorf("%w: gpuctx: %s: stream %d is already in a capture", ErrInvalid, op, s.ID())
+		return fmt.Errorf("gpuctx: %s: stream %d is already in a capture: %w", op, s.ID(), ErrInvalid)
 	}
 	bs.capt[s] = c
 	bs.ncapt.Add(1)
@@ -217,7 +217,7 @@ func (s *Stream) EndCapture() (*Graph, error) {
 func (g *Graph) Launch(s *Stream) error {
 	const op = "Graph.Launch"
 	if g == nil {
-		return fmt.Errorf("%w: gpuctx: %s: nil graph", ErrInvalid, op)
+		return fmt.Errorf("gpuctx: %s: nil graph: %w", op, ErrInvalid)
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -258,7 +258,7 @@ func (g *Graph) Launch(s *Stream) error {
 // the graph and its BLAS workspaces. Double Close is harmless.
 func (g *Graph) Close() error {
 	if g == nil {
-		return fmt.Errorf("%w: gpuctx: Graph.Close: nil graph", ErrInvalid)
+		return fmt.Errorf("gpuctx: Graph.Close: nil graph: %w", ErrInvalid)
 	}
 	g.dev.mu.Lock()
 	delete(g.dev.graphs, g)

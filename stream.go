@@ -52,7 +52,7 @@ func (d *Device) NewStream(o StreamOptions) (*Stream, error) {
 	}
 	least, greatest := d.hd.PriorityRange()
 	if o.Priority != 0 && (o.Priority > least || o.Priority < greatest) {
-		return nil, fmt.Errorf("%w: gpuctx: Device.NewStream: priority %d outside [%d (highest), %d (lowest)]", ErrInvalid, o.Priority, greatest, least)
+		return nil, fmt.Errorf("gpuctx: Device.NewStream: priority %d outside [%d (highest), %d (lowest)]: %w", o.Priority, greatest, least, ErrInvalid)
 	}
 	hs, err := d.hd.NewStream(hal.StreamOptions{NonBlocking: !o.Blocking, Priority: o.Priority})
 	if err != nil {
@@ -74,7 +74,7 @@ func (s *Stream) ID() uint64 { return s.hs.ID() }
 // use read-locks s for the duration of an enqueue; the returned func unlocks.
 func (s *Stream) use(op string) (func(), error) {
 	if s == nil {
-		return nil, fmt.Errorf("%w: gpuctx: %s: nil stream", ErrInvalid, op)
+		return nil, fmt.Errorf("gpuctx: %s: nil stream: %w", op, ErrInvalid)
 	}
 	s.mu.RLock()
 	if s.closed {
@@ -86,7 +86,7 @@ func (s *Stream) use(op string) (func(), error) {
 
 func rangeCheck(op string, b *Buffer, off, n int) error {
 	if off < 0 || n < 0 || off+n > b.size {
-		return fmt.Errorf("%w: gpuctx: %s: device range [%d, %d) outside a %d-byte buffer", ErrSize, op, off, off+n, b.size)
+		return fmt.Errorf("gpuctx: %s: device range [%d, %d) outside a %d-byte buffer: %w", op, off, off+n, b.size, ErrSize)
 	}
 	return nil
 }
@@ -216,14 +216,14 @@ func (s *Stream) Launch(k *Kernel, grid, block Dim3, sharedMem int, args ...any)
 	}
 	defer unlock()
 	if k == nil {
-		return fmt.Errorf("%w: gpuctx: %s: nil kernel", ErrInvalid, op)
+		return fmt.Errorf("gpuctx: %s: nil kernel: %w", op, ErrInvalid)
 	}
 	if k.dev != s.dev {
 		return fmt.Errorf("gpuctx: %s: kernel %s of device %d on a stream of device %d: %w", op, k.Name(), k.dev.info.Index, s.dev.info.Index, ErrWrongDevice)
 	}
 	for _, d := range []Dim3{grid, block} {
 		if d.X <= 0 || d.Y <= 0 || d.Z <= 0 {
-			return fmt.Errorf("%w: gpuctx: %s %s: grid %v and block %v must be positive in every dimension", ErrInvalid, op, k.Name(), grid, block)
+			return fmt.Errorf("gpuctx: %s %s: grid %v and block %v must be positive in every dimension: %w", op, k.Name(), grid, block, ErrInvalid)
 		}
 	}
 	conv := make([]any, len(args))
@@ -237,7 +237,7 @@ func (s *Stream) Launch(k *Kernel, grid, block Dim3, sharedMem int, args ...any)
 		case int32, uint32, int64, uint64, float32, float64, hal.Ptr:
 			conv[i] = v
 		default:
-			return fmt.Errorf("%w: gpuctx: %s %s: argument %d has Go type %T; use *Buffer, int32, uint32, int64, uint64, float32 or float64", ErrInvalid, op, k.Name(), i, a)
+			return fmt.Errorf("gpuctx: %s %s: argument %d has Go type %T; use *Buffer, int32, uint32, int64, uint64, float32 or float64: %w", op, k.Name(), i, a, ErrInvalid)
 		}
 	}
 	return s.hs.Launch(k.k, grid, block, sharedMem, conv...)
@@ -287,7 +287,7 @@ func (s *Stream) Query() (bool, error) {
 // destroys the stream. Later calls on s return ErrClosed. Double Close is harmless.
 func (s *Stream) Close() error {
 	if s == nil {
-		return fmt.Errorf("%w: gpuctx: Stream.Close: nil stream", ErrInvalid)
+		return fmt.Errorf("gpuctx: Stream.Close: nil stream: %w", ErrInvalid)
 	}
 	s.dev.mu.Lock()
 	delete(s.dev.streams, s)
@@ -344,7 +344,7 @@ func (d *Device) NewEvent(timing bool) (*Event, error) {
 
 func (e *Event) check(op string, d *Device) error {
 	if e == nil {
-		return fmt.Errorf("%w: gpuctx: %s: nil event", ErrInvalid, op)
+		return fmt.Errorf("gpuctx: %s: nil event: %w", op, ErrInvalid)
 	}
 	e.mu.RLock()
 	defer e.mu.RUnlock()
@@ -404,7 +404,7 @@ func (e *Event) Elapsed(start *Event) (time.Duration, error) {
 		return 0, err
 	}
 	if !e.timing || !start.timing {
-		return 0, fmt.Errorf("%w: gpuctx: %s: both events must be made with NewEvent(true)", ErrInvalid, op)
+		return 0, fmt.Errorf("gpuctx: %s: both events must be made with NewEvent(true): %w", op, ErrInvalid)
 	}
 	return e.he.Elapsed(start.he)
 }
@@ -412,7 +412,7 @@ func (e *Event) Elapsed(start *Event) (time.Duration, error) {
 // Close destroys e. Double Close is harmless.
 func (e *Event) Close() error {
 	if e == nil {
-		return fmt.Errorf("%w: gpuctx: Event.Close: nil event", ErrInvalid)
+		return fmt.Errorf("gpuctx: Event.Close: nil event: %w", ErrInvalid)
 	}
 	e.dev.mu.Lock()
 	delete(e.dev.events, e)

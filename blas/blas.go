@@ -7,7 +7,6 @@
 package blas
 
 import (
-	"errors"
 	"fmt"
 	"math"
 	"math/cmplx"
@@ -16,7 +15,7 @@ import (
 )
 
 // ErrInvalid is wrapped by every validation error of this package.
-var ErrInvalid = errors.New("invalid argument")
+var ErrInvalid = hal.ErrInvalid
 
 // Layout says how a matrix is laid out in memory.
 type Layout int
@@ -53,7 +52,7 @@ type GemmShape struct {
 }
 
 func bad(format string, args ...any) error {
-	return fmt.Errorf("%w: "+format, append([]any{ErrInvalid}, args...)...)
+	return fmt.Errorf("blas: "+format+": %w", append(args, ErrInvalid)...)
 }
 
 // stored returns rows and columns of A or B as stored (before op).

@@ -1,7 +1,6 @@
 package cpu
 
 import (
-	"errors"
 	"fmt"
 	"math"
 	"sync/atomic"
@@ -38,7 +37,7 @@ func (d *device) NewBlasHandle() (hal.BlasHandle, error) {
 
 func (h *blasHandle) live(call string) error {
 	if h.destroyed {
-		return fmt.Errorf("cpu: BlasHandle.%s: handle is destroyed; create a new one", call)
+		return fmt.Errorf("cpu: BlasHandle.%s: handle is destroyed (create a new one): %w", call, hal.ErrClosed)
 	}
 	return nil
 }
@@ -204,7 +203,7 @@ func (d *device) NewLtHandle() (hal.LtHandle, error) {
 // none). AB must be F32, F16 or BF16 and CType AB or F32; compute is f32.
 func (h *ltHandle) Matmul(s hal.Stream, g hal.GemmDesc, ws hal.Ptr, wsSize int) error {
 	if h.destroyed {
-		return errors.New("cpu: LtHandle.Matmul: handle is destroyed; create a new one")
+		return fmt.Errorf("cpu: LtHandle.Matmul: handle is destroyed (create a new one): %w", hal.ErrClosed)
 	}
 	st, ok := s.(*stream)
 	if !ok || st == nil || st.dev != h.dev {
@@ -227,7 +226,7 @@ func (h *ltHandle) Matmul(s hal.Stream, g hal.GemmDesc, ws hal.Ptr, wsSize int) 
 // Destroy releases the handle; work already queued still runs.
 func (h *ltHandle) Destroy() error {
 	if h.destroyed {
-		return errors.New("cpu: LtHandle.Destroy: handle is already destroyed")
+		return fmt.Errorf("cpu: LtHandle.Destroy: handle is already destroyed: %w", hal.ErrClosed)
 	}
 	h.destroyed = true
 	return nil

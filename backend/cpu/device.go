@@ -61,7 +61,7 @@ func (b *backend) Device(i int) (hal.Device, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return nil, errors.New("cpu: Device: backend is closed; open a new one with cpu.Open")
+		return nil, fmt.Errorf("cpu: Device: backend is closed (open a new one with cpu.Open): %w", hal.ErrClosed)
 	}
 	if i != 0 {
 		return nil, fmt.Errorf("cpu: Device(%d): the CPU backend has only device 0", i)
@@ -179,15 +179,15 @@ const bigAlloc = 64 << 20
 func (d *device) reserve(call string, n int) error {
 	un := uint64(n)
 	if d.limit != 0 && (un > d.limit || d.used > d.limit-un) {
-		return fmt.Errorf("cpu: %s(%d): %w: %d of the device's %d bytes are in use (limit: $%s or the host's MemTotal)",
-			call, n, hal.ErrOutOfMemory, d.used, d.limit, MemoryLimitEnv)
+		return fmt.Errorf("cpu: %s(%d): %d of the device's %d bytes are in use (limit: $%s or the host's MemTotal): %w",
+			call, n, d.used, d.limit, MemoryLimitEnv, hal.ErrOutOfMemory)
 	}
 	if n > math.MaxInt-256 {
-		return fmt.Errorf("cpu: %s(%d): %w: the request exceeds the address space", call, n, hal.ErrOutOfMemory)
+		return fmt.Errorf("cpu: %s(%d): the request exceeds the address space: %w", call, n, hal.ErrOutOfMemory)
 	}
 	if n >= bigAlloc {
 		if avail := sysmem.Field("MemAvailable"); avail != 0 && un > avail {
-			return fmt.Errorf("cpu: %s(%d): %w: the host has %d bytes available", call, n, hal.ErrOutOfMemory, avail)
+			return fmt.Errorf("cpu: %s(%d): the host has %d bytes available: %w", call, n, avail, hal.ErrOutOfMemory)
 		}
 	}
 	d.used += un
@@ -231,7 +231,7 @@ func (d *device) lostErr(call string) error {
 }
 
 func (d *device) errClosed(call string) error {
-	return fmt.Errorf("cpu: %s: device is closed; open a new backend with cpu.Open", call)
+	return fmt.Errorf("cpu: %s: device is closed (open a new backend with cpu.Open): %w", call, hal.ErrClosed)
 }
 
 // Info returns the device's static properties.
@@ -310,13 +310,13 @@ func (d *device) mem(call string, p hal.Ptr, n int, align int) ([]byte, error) {
 	defer d.mu.RUnlock()
 	i := sort.Search(len(d.sorted), func(i int) bool { return d.sorted[i] > p }) - 1
 	if i < 0 {
-		return nil, fmt.Errorf("cpu: %s: %w: %#x is not inside any live allocation", call, hal.ErrBadPointer, uintptr(p))
+		return nil, fmt.Errorf("cpu: %s: %#x is not inside any live allocation: %w", call, uintptr(p), hal.ErrBadPointer)
 	}
 	a := d.allocs[d.sorted[i]]
 	off := uint64(p - a.base)
 	if off >= uint64(len(a.buf)) || uint64(n) > uint64(len(a.buf))-off {
-		return nil, fmt.Errorf("cpu: %s: %w: [%#x, +%d) does not fit in the allocation [%#x, +%d)",
-			call, hal.ErrBadPointer, uintptr(p), n, uintptr(a.base), len(a.buf))
+		return nil, fmt.Errorf("cpu: %s: [%#x, +%d) does not fit in the allocation [%#x, +%d): %w",
+			call, uintptr(p), n, uintptr(a.base), len(a.buf), hal.ErrBadPointer)
 	}
 	return a.buf[off : off+uint64(n) : off+uint64(n)], nil
 }

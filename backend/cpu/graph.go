@@ -39,7 +39,7 @@ func (s *stream) BeginCapture() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.destroyed {
-		return fmt.Errorf("cpu: BeginCapture: stream %d is destroyed", s.id)
+		return fmt.Errorf("cpu: BeginCapture: stream %d is destroyed: %w", s.id, hal.ErrClosed)
 	}
 	if s.capt != nil {
 		return fmt.Errorf("cpu: BeginCapture: stream %d is already capturing", s.id)
@@ -93,7 +93,7 @@ func (g *graph) Launch(hs hal.Stream) error {
 		return fmt.Errorf("cpu: Graph.Launch: the stream must come from the graph's device")
 	}
 	if g.destroyed.Load() {
-		return fmt.Errorf("cpu: Graph.Launch: the graph is destroyed")
+		return fmt.Errorf("cpu: Graph.Launch: the graph is destroyed: %w", hal.ErrClosed)
 	}
 	return s.enqueueFn("Graph.Launch", func() error {
 		for i, op := range g.ops {

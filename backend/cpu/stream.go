@@ -103,7 +103,7 @@ func (s *stream) enqueue(call string, w work) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.destroyed {
-		return fmt.Errorf("cpu: %s: stream %d is destroyed; use a live stream", call, s.id)
+		return fmt.Errorf("cpu: %s: stream %d is destroyed (use a live stream): %w", call, s.id, hal.ErrClosed)
 	}
 	if s.err != nil {
 		return fmt.Errorf("cpu: %s: %w", call, s.err)
@@ -246,7 +246,7 @@ func (s *stream) Synchronize() error {
 	destroyed, capturing := s.destroyed, s.capt != nil
 	s.mu.Unlock()
 	if destroyed {
-		return fmt.Errorf("cpu: Synchronize: stream %d is destroyed", s.id)
+		return fmt.Errorf("cpu: Synchronize: stream %d is destroyed: %w", s.id, hal.ErrClosed)
 	}
 	if capturing {
 		return fmt.Errorf("cpu: Synchronize: stream %d is capturing: end the capture first", s.id)
@@ -259,7 +259,7 @@ func (s *stream) Query() (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.destroyed {
-		return false, fmt.Errorf("cpu: Query: stream %d is destroyed", s.id)
+		return false, fmt.Errorf("cpu: Query: stream %d is destroyed: %w", s.id, hal.ErrClosed)
 	}
 	if s.capt != nil {
 		return false, fmt.Errorf("cpu: Query: stream %d is capturing: end the capture first", s.id)
@@ -276,7 +276,7 @@ func (s *stream) Destroy() error {
 	s.mu.Lock()
 	if s.destroyed {
 		s.mu.Unlock()
-		return fmt.Errorf("cpu: Destroy: stream %d is already destroyed", s.id)
+		return fmt.Errorf("cpu: Destroy: stream %d is already destroyed: %w", s.id, hal.ErrClosed)
 	}
 	s.destroyed = true
 	s.cond.Broadcast()
@@ -319,7 +319,7 @@ func (e *event) state(call string) (*marker, *capture, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.destroyed {
-		return nil, nil, fmt.Errorf("cpu: %s: event is destroyed", call)
+		return nil, nil, fmt.Errorf("cpu: %s: event is destroyed: %w", call, hal.ErrClosed)
 	}
 	if e.capt != nil && e.capt.isEnded() {
 		e.capt = nil
@@ -337,7 +337,7 @@ func (e *event) Record(s hal.Stream) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.destroyed {
-		return errors.New("cpu: Event.Record: event is destroyed")
+		return fmt.Errorf("cpu: Event.Record: event is destroyed: %w", hal.ErrClosed)
 	}
 	st.mu.Lock()
 	capt := st.capt
@@ -391,7 +391,7 @@ func (e *event) Elapsed(start hal.Event) (time.Duration, error) {
 		return 0, fmt.Errorf("cpu: Elapsed: start event %v does not come from this device", start)
 	}
 	if !e.timing || !st.timing {
-		return 0, errors.New("cpu: Elapsed: both events must be made with NewEvent(true)")
+		return 0, fmt.Errorf("cpu: Elapsed: both events must be made with NewEvent(true): %w", hal.ErrInvalid)
 	}
 	var at [2]time.Time
 	for i, ev := range []*event{st, e} {
@@ -418,7 +418,7 @@ func (e *event) Destroy() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.destroyed {
-		return errors.New("cpu: Event.Destroy: event is already destroyed")
+		return fmt.Errorf("cpu: Event.Destroy: event is already destroyed: %w", hal.ErrClosed)
 	}
 	e.destroyed = true
 	return nil

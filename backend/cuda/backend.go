@@ -57,7 +57,7 @@ func loadDriver() (*driverAPI, error) {
 		}
 		if api.cuEventElapsedTimeV2 == nil && api.cuEventElapsedTime == nil {
 			lib.Close()
-			driver.err = fmt.Errorf("cuda: %w: %s has neither cuEventElapsedTime_v2 nor cuEventElapsedTime; update the NVIDIA driver", hal.ErrUnavailable, lib.Path())
+			driver.err = fmt.Errorf("cuda: %s has neither cuEventElapsedTime_v2 nor cuEventElapsedTime; update the NVIDIA driver: %w", lib.Path(), hal.ErrUnavailable)
 			return
 		}
 		if err := check(api, "cuInit", api.cuInit(0)); err != nil {
@@ -102,8 +102,8 @@ func Open() (hal.Backend, error) {
 		return nil, fmt.Errorf("cuda: %w", err)
 	}
 	if n == 0 {
-		return nil, fmt.Errorf("cuda: %w: no CUDA device visible (driver %s loaded from %s; check CUDA_VISIBLE_DEVICES and nvidia-smi)",
-			hal.ErrUnavailable, versionString(int(driver.version)), driver.lib.Path())
+		return nil, fmt.Errorf("cuda: no CUDA device visible (driver %s loaded from %s; check CUDA_VISIBLE_DEVICES and nvidia-smi): %w",
+			versionString(int(driver.version)), driver.lib.Path(), hal.ErrUnavailable)
 	}
 	return &backend{api: api, count: int(n), devices: map[int]*device{}}, nil
 }

@@ -184,9 +184,10 @@ var (
 	ErrNoDevice      = &Error{Code: cudaErrorNoDevice, Name: "CUDA_ERROR_NO_DEVICE"}
 )
 
-// ErrClosed is returned by every call on a closed backend, device, stream or
-// event.
-var ErrClosed = errors.New("cuda: use after Close/Destroy")
+// ErrClosed is returned (wrapped) by every call on a closed backend, device,
+// stream, event, module or graph. It is hal.ErrClosed, which package gpuctx
+// re-exports, so errors.Is matches it across backends.
+var ErrClosed = hal.ErrClosed
 
 // check turns a CUresult into nil or an *Error naming call. api may be nil or
 // partly bound; then the fallback name table is used.

@@ -45,6 +45,7 @@ line of the output; only a backend that cannot be opened fails the command.`,
 // infoReport is what info prints; its JSON form is the --json output.
 type infoReport struct {
 	Backend   string          `json:"backend"`
+	Selection string          `json:"selection_note,omitempty"` // why auto selection did not pick CUDA
 	Devices   []deviceReport  `json:"devices"`
 	Libraries []libraryReport `json:"libraries"`
 }
@@ -82,7 +83,7 @@ func (a *app) collectInfo() (*infoReport, error) {
 		return nil, err
 	}
 	defer rt.Close()
-	rep := &infoReport{Backend: rt.Backend(), Devices: []deviceReport{}, Libraries: []libraryReport{}}
+	rep := &infoReport{Backend: rt.Backend(), Selection: oneLine(rt.SelectionNote()), Devices: []deviceReport{}, Libraries: []libraryReport{}}
 	for i := range rt.DeviceCount() {
 		dr := deviceReport{Index: i, Checks: []checkReport{}}
 		dev, err := rt.Device(i)
@@ -157,6 +158,9 @@ func checkBlas(dev *gpuctx.Device) error {
 func (r *infoReport) writeText(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "backend:\t%s\n", r.Backend)
+	if r.Selection != "" {
+		fmt.Fprintf(tw, "  selection:\t%s\n", r.Selection)
+	}
 	fmt.Fprintf(tw, "devices:\t%d\n", len(r.Devices))
 	for _, d := range r.Devices {
 		fmt.Fprintf(tw, "device %d:\t%s\n", d.Index, orDash(d.Name))

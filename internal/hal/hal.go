@@ -358,11 +358,31 @@ type Graph interface {
 	Destroy() error
 }
 
-// Common errors backends return (wrapped with detail).
+// The error conditions of gpuctx and its backends, defined once: every package
+// wraps these (package gpuctx re-exports them), so errors.Is matches a
+// condition whichever backend or layer reported it.
 var (
+	// ErrClosed: the object (runtime, backend, device, stream, event, context,
+	// library handle) was closed or destroyed.
+	ErrClosed = errors.New("use of closed object")
+	// ErrFreed: the buffer was freed.
+	ErrFreed = errors.New("use of freed buffer")
+	// ErrWrongDevice: an object of one device was used with another device.
+	ErrWrongDevice = errors.New("object belongs to another device")
+	// ErrSize: a size, offset or length does not fit.
+	ErrSize = errors.New("size mismatch")
+	// ErrInvalid: a bad argument (shape, dtype, kernel argument, option).
+	ErrInvalid = errors.New("invalid argument")
+	// ErrHandleExpired: a BLAS handle was used after its callback returned.
+	ErrHandleExpired = errors.New("BLAS handle used after its callback returned")
+	// ErrUnavailable: the backend or library cannot be used on this machine.
 	ErrUnavailable = errors.New("backend unavailable")
-	ErrNoKernel    = errors.New("no such kernel")
-	ErrBadPointer  = errors.New("pointer not allocated on this device")
+	// ErrNoKernel: no kernel source defines the name asked for.
+	ErrNoKernel = errors.New("no such kernel")
+	// ErrBadPointer: a pointer that was not allocated on this device.
+	ErrBadPointer = errors.New("pointer not allocated on this device")
+	// ErrOutOfMemory: the device cannot hold an allocation of that size.
 	ErrOutOfMemory = errors.New("out of device memory")
-	ErrDeviceLost  = errors.New("device lost after a sticky error")
+	// ErrDeviceLost: an earlier asynchronous error left the device unusable.
+	ErrDeviceLost = errors.New("device lost after a sticky error")
 )

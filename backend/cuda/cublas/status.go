@@ -1,10 +1,10 @@
 package cublas
 
 import (
-	"errors"
 	"fmt"
 
 	"github.com/gpuctx/gpuctx/internal/dynload"
+	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
 // StatusError is a failed cuBLAS or cuBLASLt call. Its message names the call
@@ -39,8 +39,9 @@ func (e *DriverError) Error() string {
 }
 
 // ErrClosed is returned (wrapped) by every call on a closed Lib or a destroyed
-// handle.
-var ErrClosed = errors.New("cublas: use after Close/Destroy")
+// handle. It is hal.ErrClosed, which package gpuctx re-exports, so errors.Is
+// matches it across backends.
+var ErrClosed = hal.ErrClosed
 
 // statusNames are the cublasStatus_t names, used when the library does not
 // export cublasGetStatusName (or is a test fake).

@@ -1,0 +1,141 @@
+package gpuctx_test
+
+import (
+	"go/build"
+	"io/fs"
+	"path"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// layerRules is ARCHITECTURE.md's import rule as data: for each package of the
+// module (by path relative to the module root; a trailing "/..." matches the
+// subtree), the packages of the module it may import (same notation). Imports
+// outside the module are not checked. The first matching entry wins.
+var layerRules = []struct {
+	pkg   string
+	allow []string
+}{
+	{"cmd/...", []string{"..."}},
+	{"internal/cmd/...", nil},
+	{"internal/benchkit", []string{".", "half", "moe/...", "blas"}},
+	{"conformance", []string{".", "blas", "half"}},
+	{"moe/...", []string{".", "half", "kernels", "blas", "moe/..."}},
+	// The public API opens the backends (OpenBackend) and reaches them only
+	// through internal/hal.
+	{".", []string{"internal/handlepool", "internal/hal", "backend/...", "blas", "half"}},
+	{"internal/handlepool", []string{"internal/hal"}},
+	{"blas", []string{"internal/hal"}},
+	// backend/cpu -> kernels is the known violation (the CPU twins of the MoE
+	// kernels); backend/cuda loads kernel sources from kernels too. No backend
+	// imports moe, gpuctx or the handle pool.
+	{"backend/...", []string{"backend/...", "internal/hal", "internal/dynload", "internal/sysmem", "half", "kernels"}},
+	{"internal/hal", nil},
+	{"internal/dynload", nil},
+	{"internal/sysmem", nil},
+	{"kernels", nil},
+	{"half", nil},
+}
+
+const module = "github.com/gpuctx/gpuctx"
+
+func matchPkg(pattern, rel string) bool {
+	if pattern == "..." {
+		return true
+	}
+	if p, ok := strings.CutSuffix(pattern, "/..."); ok {
+		return rel == p || strings.HasPrefix(rel, p+"/")
+	}
+	return rel == pattern
+}
+
+// allowedImport reports whether the package rel may import dep (both relative
+// to the module root, "." for the root), and whether any rule names rel.
+func allowedImport(rel, dep string) (ok, known bool) {
+	for _, r := range layerRules {
+		if !matchPkg(r.pkg, rel) {
+			continue
+		}
+		for _, a := range r.allow {
+			if matchPkg(a, dep) {
+				return true, true
+			}
+		}
+		return false, true
+	}
+	return false, false
+}
+
+// TestImportLayers fails on an import that breaks ARCHITECTURE.md's layering
+// (non-test imports of every package in the module), and on a package that no
+// rule covers, so that a new package gets a place in the layers.
+func TestImportLayers(t *testing.T) {
+	err := filepath.WalkDir(".", func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if !d.IsDir() {
+			return nil
+		}
+		if name := d.Name(); p != "." && (strings.HasPrefix(name, ".") || strings.HasPrefix(name, "_") || name == "testdata") {
+			return filepath.SkipDir
+		}
+		bp, err := build.Default.ImportDir(p, 0)
+		if err != nil {
+			if _, ok := err.(*build.NoGoError); ok {
+				return nil
+			}
+			t.Errorf("%s: %v", p, err)
+			return nil
+		}
+		rel := filepath.ToSlash(p)
+		for _, imp := range bp.Imports {
+			if imp != module && !strings.HasPrefix(imp, module+"/") {
+				continue
+			}
+			dep := strings.TrimPrefix(strings.TrimPrefix(imp, module), "/")
+			if dep == "" {
+				dep = "."
+			}
+			ok, known := allowedImport(rel, dep)
+			if !known {
+				t.Errorf("package %s is in no layer of ARCHITECTURE.md: add it to layerRules", path.Join(module, rel))
+				break
+			}
+			if !ok {
+				t.Errorf("%s imports %s: not allowed by ARCHITECTURE.md", path.Join(module, rel), imp)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestImportLayersRule checks the rule itself on the imports it must refuse.
+func TestImportLayersRule(t *testing.T) {
+	for _, tc := range []struct {
+		pkg, dep string
+		ok       bool
+	}{
+		{"backend/cpu", "moe", false},
+		{"backend/cuda", "moe/safetensors", false},
+		{"backend/cpu", ".", false},
+		{"backend/cpu", "kernels", true},
+		{"backend/cuda/cublas", "internal/hal", true},
+		{"moe", "backend/cpu", false},
+		{"moe", "internal/hal", false},
+		{"moe", ".", true},
+		{"internal/handlepool", ".", false},
+		{"internal/hal", "internal/handlepool", false},
+		{".", "moe", false},
+		{".", "internal/handlepool", true},
+		{"cmd/gpuctx", "moe", true},
+	} {
+		if ok, _ := allowedImport(tc.pkg, tc.dep); ok != tc.ok {
+			t.Errorf("%s -> %s: allowed %v, want %v", tc.pkg, tc.dep, ok, tc.ok)
+		}
+	}
+}
