@@ -270,6 +270,9 @@ func ParseConfig(data []byte) (*Config, error) {
 		return nil, fmt.Errorf("num_experts_per_tok is absent and %s has no default (transformers treats the model as dense); set it", fam)
 	}
 	if fam == Mixtral {
+		if r.IntermediateSize != nil && *r.IntermediateSize > MaxIntermediate {
+			return nil, fmt.Errorf("intermediate_size = %d is out of range: it must be between 1 and %d for mixtral's experts (moe.MaxIntermediate)", *r.IntermediateSize, MaxIntermediate)
+		}
 		c.Intermediate = or(r.IntermediateSize, d.intermediate)
 	} else {
 		c.Intermediate = or(r.MoEIntermediateSize, d.intermediate)

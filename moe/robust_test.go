@@ -34,6 +34,7 @@ func TestConfigRanges(t *testing.T) {
 		{"hidden 1e9", `{"model_type":"qwen3_moe","hidden_size":1000000000}`, "hidden_size = 1000000000"},
 		{"intermediate 1e9", `{"model_type":"qwen3_moe","moe_intermediate_size":1000000000}`, "moe_intermediate_size = 1000000000"},
 		{"mixtral intermediate 1e9", `{"model_type":"mixtral","intermediate_size":1000000000}`, "intermediate_size = 1000000000"},
+		{"mixtral intermediate 200000", `{"model_type":"mixtral","intermediate_size":200000}`, "for mixtral's experts"},
 		{"shared 1e9", `{"model_type":"qwen2_moe","shared_expert_intermediate_size":1000000000}`, "shared_expert_intermediate_size = 1000000000"},
 		{"n_shared 1e6", `{"model_type":"deepseek_v3","n_shared_experts":1000000}`, "n_shared_experts = 1000000"},
 		{"layers 1e12", `{"model_type":"qwen3_moe","num_hidden_layers":1000000000000}`, "num_hidden_layers = 1000000000000"},
