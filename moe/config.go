@@ -5,9 +5,32 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
+	"strings"
+
+	"github.com/gpuctx/gpuctx/internal/regfile"
+)
+
+// Hard limits on the sizes a Config may describe. They are far above every
+// published MoE model and keep a corrupt or hostile config.json from making the
+// loader allocate or loop without bound; the expert and top-k limits are those
+// of the MoE kernels (MaxExperts, MaxTopK).
+const (
+	// MaxHiddenSize bounds hidden_size.
+	MaxHiddenSize = 1 << 16
+	// MaxIntermediate bounds the routed experts' width (moe_intermediate_size,
+	// Mixtral's intermediate_size) and the shared expert's total width.
+	MaxIntermediate = 1 << 17
+	// MaxSharedExperts bounds DeepSeek's n_shared_experts.
+	MaxSharedExperts = 64
+	// MaxLayers bounds num_hidden_layers and every layer index or period
+	// (first_k_dense_replace, moe_layer_freq, decoder_sparse_step,
+	// mlp_only_layers).
+	MaxLayers = 1 << 14
+	// MaxConfigBytes bounds the size of config.json.
+	MaxConfigBytes = 16 << 20
 )
 
 // Family is a Hugging Face model_type whose MoE block this package implements.
@@ -172,7 +195,7 @@ var familyDefaults = map[Family]defaults{
 // touches no device.
 func LoadConfig(dir string) (*Config, error) {
 	p := filepath.Join(dir, "config.json")
-	data, err := os.ReadFile(p)
+	data, err := regfile.ReadFile(p, MaxConfigBytes)
 	if err != nil {
 		return nil, fmt.Errorf("moe.LoadConfig: %w", err)
 	}
@@ -187,7 +210,10 @@ func LoadConfig(dir string) (*Config, error) {
 func ParseConfig(data []byte) (*Config, error) {
 	var r rawConfig
 	if err := json.Unmarshal(data, &r); err != nil {
-		return nil, fmt.Errorf("config.json is not valid JSON: %w", err)
+		return nil, jsonError(err)
+	}
+	if err := checkRawRanges(&r); err != nil {
+		return nil, err
 	}
 	if r.ModelType == nil {
 		return nil, errors.New("config.json has no model_type; want one of deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe, mixtral")
@@ -219,7 +245,7 @@ func ParseConfig(data []byte) (*Config, error) {
 	}
 	// Expert count: the family's own field first, then the aliases.
 	var experts *int
-	for _, p := range []*int{r.NRoutedExperts, r.NumExperts, r.NumLocalExperts} {
+	for _, p := range []*int{r.NRoutedExperts, r.NumExperts, r.NumLocalExperts} { // ranges checked by checkRawRanges
 		if p != nil {
 			experts = p
 			break
@@ -244,6 +270,9 @@ func ParseConfig(data []byte) (*Config, error) {
 		return nil, fmt.Errorf("num_experts_per_tok is absent and %s has no default (transformers treats the model as dense); set it", fam)
 	}
 	if fam == Mixtral {
+		if r.IntermediateSize != nil && *r.IntermediateSize > MaxIntermediate {
+			return nil, fmt.Errorf("intermediate_size = %d is out of range: it must be between 1 and %d for mixtral's experts (moe.MaxIntermediate)", *r.IntermediateSize, MaxIntermediate)
+		}
 		c.Intermediate = or(r.IntermediateSize, d.intermediate)
 	} else {
 		c.Intermediate = or(r.MoEIntermediateSize, d.intermediate)
@@ -335,7 +364,120 @@ func ParseConfig(data []byte) (*Config, error) {
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
+	if c.NumHiddenLayers > 0 {
+		if _, err := c.FirstMoELayer(); err != nil {
+			return nil, fmt.Errorf("%w; check num_hidden_layers, first_k_dense_replace, moe_layer_freq, decoder_sparse_step and mlp_only_layers", err)
+		}
+	}
 	return c, nil
+}
+
+// jsonError turns an encoding/json error on config.json into one that says
+// what is wrong: a syntax error (with its byte offset), or a field of the wrong
+// type (named, with the type expected).
+func jsonError(err error) error {
+	var te *json.UnmarshalTypeError
+	if errors.As(err, &te) {
+		got := te.Value
+		switch {
+		case strings.HasPrefix(got, "number "):
+			got = "the " + got
+		case got == "number":
+			got = "a number out of range"
+		case got == "string":
+			got = "a string"
+		case got == "bool":
+			got = "a boolean"
+		case got == "array":
+			got = "a list"
+		case got == "object":
+			got = "an object"
+		}
+		field := te.Field
+		if field == "" {
+			field = "the top level"
+		}
+		return fmt.Errorf("config.json field %s is %s, expected %s; fix the value in config.json", field, got, describeType(te.Type))
+	}
+	var se *json.SyntaxError
+	if errors.As(err, &se) {
+		return fmt.Errorf("config.json is not valid JSON: %v (at byte %d)", err, se.Offset)
+	}
+	return fmt.Errorf("config.json is not valid JSON: %w", err)
+}
+
+func describeType(t reflect.Type) string {
+	if t == nil {
+		return "another type"
+	}
+	for t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	switch t.Kind() {
+	case reflect.Int, reflect.Int64, reflect.Int32:
+		return "an integer"
+	case reflect.Float64, reflect.Float32:
+		return "a number"
+	case reflect.String:
+		return "a string"
+	case reflect.Bool:
+		return "true or false"
+	case reflect.Slice:
+		return "a list of " + strings.TrimPrefix(strings.TrimPrefix(describeType(t.Elem()), "an "), "a ") + "s"
+	case reflect.Struct, reflect.Map:
+		return "a JSON object"
+	}
+	return t.String()
+}
+
+// checkRawRanges checks every size and layer field of config.json against the
+// package's hard limits before anything is derived from them, naming the field
+// as the file spells it.
+func checkRawRanges(r *rawConfig) error {
+	check := func(name string, p *int, lo, hi int, why string) error {
+		if p == nil || (*p >= lo && *p <= hi) {
+			return nil
+		}
+		return fmt.Errorf("%s = %d is out of range: it must be between %d and %d (%s)", name, *p, lo, hi, why)
+	}
+	for _, f := range []struct {
+		name   string
+		p      *int
+		lo, hi int
+		why    string
+	}{
+		{"hidden_size", r.HiddenSize, 1, MaxHiddenSize, "moe.MaxHiddenSize"},
+		{"n_routed_experts", r.NRoutedExperts, 1, MaxExperts, fmt.Sprintf("the MoE kernels support at most %d routed experts, moe.MaxExperts", MaxExperts)},
+		{"num_experts", r.NumExperts, 1, MaxExperts, fmt.Sprintf("the MoE kernels support at most %d routed experts, moe.MaxExperts", MaxExperts)},
+		{"num_local_experts", r.NumLocalExperts, 1, MaxExperts, fmt.Sprintf("the MoE kernels support at most %d routed experts, moe.MaxExperts", MaxExperts)},
+		{"num_experts_per_tok", r.NumExpertsPerTok, 1, MaxTopK, fmt.Sprintf("the MoE kernels support at most top-%d, moe.MaxTopK", MaxTopK)},
+		{"moe_intermediate_size", r.MoEIntermediateSize, 1, MaxIntermediate, "moe.MaxIntermediate"},
+		{"intermediate_size", r.IntermediateSize, 1, 1 << 20, "an MLP wider than 1048576"},
+		{"n_shared_experts", r.NSharedExperts, 0, MaxSharedExperts, "moe.MaxSharedExperts"},
+		{"shared_expert_intermediate_size", r.SharedExpertIntermediateSize, 0, MaxIntermediate, "moe.MaxIntermediate"},
+		{"n_group", r.NGroup, 1, MaxExperts, "groups of experts, at most moe.MaxExperts"},
+		{"topk_group", r.TopKGroup, 1, MaxExperts, "groups of experts, at most moe.MaxExperts"},
+		{"num_hidden_layers", r.NumHiddenLayers, 0, MaxLayers, "moe.MaxLayers"},
+		{"first_k_dense_replace", r.FirstKDenseReplace, 0, MaxLayers, "a layer index, at most moe.MaxLayers"},
+		{"moe_layer_freq", r.MoELayerFreq, 1, MaxLayers, "a layer period, at most moe.MaxLayers"},
+		{"decoder_sparse_step", r.DecoderSparseStep, 1, MaxLayers, "a layer period, at most moe.MaxLayers"},
+	} {
+		if err := check(f.name, f.p, f.lo, f.hi, f.why); err != nil {
+			return err
+		}
+	}
+	if len(r.MLPOnlyLayers) > MaxLayers {
+		return fmt.Errorf("mlp_only_layers lists %d layers, more than moe.MaxLayers = %d", len(r.MLPOnlyLayers), MaxLayers)
+	}
+	for _, l := range r.MLPOnlyLayers {
+		if l < 0 || l >= MaxLayers {
+			return fmt.Errorf("mlp_only_layers holds layer %d: layer indices must be between 0 and %d", l, MaxLayers-1)
+		}
+	}
+	if f := r.RoutedScalingFactor; f != nil && !(*f > 0 && *f < 1e6) {
+		return fmt.Errorf("routed_scaling_factor = %v: must be a positive number below 1e6", *f)
+	}
+	return nil
 }
 
 // Validate checks that c describes a layer this package can run. It returns an
@@ -358,6 +500,31 @@ func (c *Config) Validate() error {
 	for _, f := range pos {
 		if f.v <= 0 {
 			return fmt.Errorf("%s = %d: must be positive", f.name, f.v)
+		}
+	}
+	caps := []struct {
+		name string
+		v    int
+		max  int
+	}{
+		// The expert count is bounded loosely here (RandomWeights and the CPU
+		// reference handle more); ParseConfig and NewLayer enforce the kernels'
+		// MaxExperts and MaxTopK.
+		{"hidden_size", c.HiddenSize, MaxHiddenSize}, {"num_experts", c.NumExperts, 8 * MaxExperts},
+		{"moe_intermediate_size", c.Intermediate, MaxIntermediate}, {"shared expert intermediate size", c.SharedIntermediate, MaxIntermediate},
+		{"n_group", c.NumGroups, MaxExperts}, {"topk_group", c.TopKGroups, MaxExperts},
+		{"num_hidden_layers", c.NumHiddenLayers, MaxLayers}, {"first_k_dense_replace", c.FirstKDenseReplace, MaxLayers},
+		{"moe_layer_freq", c.MoELayerFreq, MaxLayers}, {"decoder_sparse_step", c.DecoderSparseStep, MaxLayers},
+		{"len(mlp_only_layers)", len(c.MLPOnlyLayers), MaxLayers},
+	}
+	for _, f := range caps {
+		if f.v > f.max {
+			return fmt.Errorf("%s = %d is out of range: at most %d is supported", f.name, f.v, f.max)
+		}
+	}
+	for _, l := range c.MLPOnlyLayers {
+		if l < 0 || l >= MaxLayers {
+			return fmt.Errorf("mlp_only_layers holds layer %d: layer indices must be between 0 and %d", l, MaxLayers-1)
 		}
 	}
 	if c.HiddenAct != "silu" {
@@ -434,16 +601,59 @@ func (c *Config) CheckMoELayer(layer int) error {
 }
 
 // FirstMoELayer returns the lowest MoE layer index, or an error when the model
-// has none.
+// has none (below num_hidden_layers when it is known, else below MaxLayers). It
+// computes the answer from the family's rule instead of scanning layers, so it
+// ends at once for any Config, valid or not.
 func (c *Config) FirstMoELayer() (int, error) {
-	n := c.NumHiddenLayers
-	if n == 0 {
-		n = c.FirstKDenseReplace + c.MoELayerFreq*c.DecoderSparseStep + len(c.MLPOnlyLayers) + 1
+	limit := MaxLayers
+	if c.NumHiddenLayers > 0 {
+		limit = min(c.NumHiddenLayers, MaxLayers)
 	}
-	for l := 0; l < n; l++ {
-		if c.CheckMoELayer(l) == nil {
-			return l, nil
+	first := -1
+	switch c.Family {
+	case DeepseekV2, DeepseekV3:
+		k, f := c.FirstKDenseReplace, c.MoELayerFreq
+		if k >= 0 && k < limit && f > 0 && f <= MaxLayers {
+			first = (k + f - 1) / f * f // the first multiple of f >= k
 		}
+	case Qwen2MoE, Qwen3MoE:
+		if step := c.DecoderSparseStep; step > 0 && step <= MaxLayers {
+			dense := make(map[int]bool, len(c.MLPOnlyLayers))
+			for _, l := range c.MLPOnlyLayers {
+				dense[l] = true
+			}
+			// At most len(MLPOnlyLayers)+1 candidates: step-1, 2*step-1, ...
+			for l := step - 1; l < limit; l += step {
+				if !dense[l] {
+					first = l
+					break
+				}
+			}
+		}
+	default:
+		first = 0
 	}
-	return 0, fmt.Errorf("the model has no MoE layer among its %d layers", n)
+	if first < 0 || first >= limit || c.CheckMoELayer(first) != nil {
+		return 0, fmt.Errorf("the model has no MoE layer among its first %d layers", limit)
+	}
+	return first, nil
+}
+
+// CheckTokens checks that a batch of T tokens is one the layer can run: T >= 1,
+// and small enough for the MoE kernels' 32-bit index arithmetic (T*K and T times
+// the widest activation row must fit in an int32). Call it on the input's shape
+// before decoding or allocating it.
+func (c *Config) CheckTokens(T int) error {
+	if T <= 0 {
+		return fmt.Errorf("the input has no tokens (T = %d); pass activations shaped [tokens, %d] with at least one token", T, c.HiddenSize)
+	}
+	row := max(c.HiddenSize, 2*c.Intermediate, 2*c.SharedIntermediate, c.NumExperts, 1)
+	maxT := math.MaxInt32 / row
+	if c.TopK > 0 {
+		maxT = min(maxT, math.MaxInt32/c.TopK)
+	}
+	if T > maxT {
+		return fmt.Errorf("T = %d tokens is too many for the MoE kernels' 32-bit index arithmetic (at most %d tokens for this model); split the batch", T, maxT)
+	}
+	return nil
 }

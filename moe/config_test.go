@@ -130,7 +130,7 @@ func TestParseConfigErrors(t *testing.T) {
 		{"zero hidden", `{"model_type":"qwen3_moe","hidden_size":0}`, "hidden_size = 0"},
 		{"negative shared", `{"model_type":"deepseek_v3","n_shared_experts":-1}`, "n_shared_experts = -1"},
 		{"zero sparse step", `{"model_type":"qwen3_moe","decoder_sparse_step":0}`, "decoder_sparse_step = 0"},
-		{"wrong type", `{"model_type":"qwen3_moe","hidden_size":"big"}`, "not valid JSON"},
+		{"wrong type", `{"model_type":"qwen3_moe","hidden_size":"big"}`, "hidden_size is a string, expected an integer"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

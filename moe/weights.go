@@ -1,9 +1,12 @@
 package moe
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -11,8 +14,11 @@ import (
 	"runtime"
 	"slices"
 	"sort"
+	"strconv"
+	"strings"
 	"sync"
 
+	"github.com/gpuctx/gpuctx/internal/regfile"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
 
@@ -260,8 +266,14 @@ func LayerTensors(cfg *Config, w *Weights, layer int, layout Layout, dt DType) (
 	return out, nil
 }
 
+// MaxIndexBytes bounds the size of model.safetensors.index.json.
+const MaxIndexBytes = 64 << 20
+
+// indexName is the file name of a sharded checkpoint's index.
+const indexName = "model.safetensors.index.json"
+
 // checkpoint resolves tensor names to the shard files of a checkpoint directory
-// and keeps the files it opened mapped until close.
+// and keeps the files it opened until close.
 type checkpoint struct {
 	dir      string
 	weight   map[string]string // tensor -> file, from the index (nil: single file)
@@ -270,37 +282,112 @@ type checkpoint struct {
 	describe string
 }
 
+// validShardName reports whether f is a plain file name: not empty, not . or
+// .., no directory separator (either kind), no NUL, and local to the directory.
+func validShardName(f string) bool {
+	return f != "" && f != "." && f != ".." && len(f) <= 255 && !strings.ContainsAny(f, "/\\\x00") && filepath.IsLocal(f)
+}
+
+// parseIndex parses the contents of model.safetensors.index.json and returns its
+// weight_map (tensor name -> shard file name). Every shard must be a plain file
+// name inside the model directory, and a tensor listed twice is an error.
+func parseIndex(data []byte) (map[string]string, error) {
+	var ix struct {
+		WeightMap json.RawMessage `json:"weight_map"`
+	}
+	if err := json.Unmarshal(data, &ix); err != nil {
+		return nil, fmt.Errorf("not a valid index: %w", err)
+	}
+	if len(ix.WeightMap) == 0 || string(ix.WeightMap) == "null" {
+		return nil, errors.New("the index has no weight_map; want {\"weight_map\": {\"<tensor>\": \"<shard>.safetensors\", ...}}")
+	}
+	dec := json.NewDecoder(bytes.NewReader(ix.WeightMap))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return nil, errors.New("weight_map is not a JSON object mapping tensor names to shard file names")
+	}
+	wm := map[string]string{}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return nil, fmt.Errorf("weight_map: %w", err)
+		}
+		name, _ := tok.(string)
+		var f string
+		if err := dec.Decode(&f); err != nil {
+			return nil, fmt.Errorf("weight_map: tensor %q: the shard must be a file name (a string): %w", name, err)
+		}
+		if _, dup := wm[name]; dup {
+			return nil, fmt.Errorf("weight_map lists tensor %q twice", name)
+		}
+		if !validShardName(f) {
+			return nil, fmt.Errorf("weight_map: tensor %q maps to %q; a shard must be a plain file name inside the model directory", name, f)
+		}
+		wm[name] = f
+	}
+	if len(wm) == 0 {
+		return nil, errors.New("weight_map is empty")
+	}
+	return wm, nil
+}
+
 func openCheckpoint(dir string) (*checkpoint, error) {
 	c := &checkpoint{dir: dir, open: map[string]*safetensors.File{}}
-	idx := filepath.Join(dir, "model.safetensors.index.json")
-	if data, err := os.ReadFile(idx); err == nil {
-		var ix struct {
-			WeightMap map[string]string `json:"weight_map"`
+	idx := filepath.Join(dir, indexName)
+	if _, err := os.Lstat(idx); err == nil {
+		data, err := regfile.ReadFile(idx, MaxIndexBytes)
+		if err != nil {
+			return nil, err
 		}
-		if err := json.Unmarshal(data, &ix); err != nil {
+		wm, err := parseIndex(data)
+		if err != nil {
 			return nil, fmt.Errorf("%s: %w", idx, err)
 		}
-		if len(ix.WeightMap) == 0 {
-			return nil, fmt.Errorf("%s: weight_map is empty", idx)
-		}
-		for name, f := range ix.WeightMap {
-			if f == "" || filepath.Base(f) != f {
-				return nil, fmt.Errorf("%s: tensor %q maps to %q, want a file name in the same directory", idx, name, f)
-			}
-		}
-		c.weight, c.describe = ix.WeightMap, idx
+		c.weight, c.describe = wm, idx
 		return c, nil
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return nil, err
 	}
 	c.single = filepath.Join(dir, "model.safetensors")
 	if _, err := os.Stat(c.single); err != nil {
-		return nil, fmt.Errorf("no model.safetensors or model.safetensors.index.json in %s: %w", dir, err)
+		return nil, fmt.Errorf("no model.safetensors or %s in %s: %w", indexName, dir, err)
 	}
 	c.describe = c.single
 	return c, nil
 }
 
+// files returns the paths of the checkpoint's files: the index and its shards
+// (sorted), or model.safetensors.
+func (c *checkpoint) files() []string {
+	if c.weight == nil {
+		return []string{c.single}
+	}
+	set := map[string]bool{}
+	for _, f := range c.weight {
+		set[f] = true
+	}
+	out := []string{filepath.Join(c.dir, indexName)}
+	for _, f := range slices.Sorted(maps.Keys(set)) {
+		out = append(out, filepath.Join(c.dir, f))
+	}
+	return out
+}
+
+// CheckpointFiles returns the paths of the files of the checkpoint in dir that a
+// run may read: model.safetensors.index.json and every shard it names, or
+// model.safetensors (config.json is not included). Use it to refuse an output
+// path that would overwrite the model.
+func CheckpointFiles(dir string) ([]string, error) {
+	ck, err := openCheckpoint(dir)
+	if err != nil {
+		return nil, fmt.Errorf("moe.CheckpointFiles: %w", err)
+	}
+	defer ck.close()
+	return ck.files(), nil
+}
+
+// file returns the open file holding tensor name (nil, false when no file
+// lists it). A shard the index names but the directory lacks is an error naming
+// the shard.
 func (c *checkpoint) file(name string) (*safetensors.File, bool, error) {
 	path := c.single
 	if c.weight != nil {
@@ -316,6 +403,9 @@ func (c *checkpoint) file(name string) (*safetensors.File, bool, error) {
 	}
 	f, err := safetensors.Open(path)
 	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) && c.weight != nil {
+			return nil, false, fmt.Errorf("shard %s, which %s lists for tensor %s, does not exist in %s; download it, or fix the index", filepath.Base(path), indexName, name, c.dir)
+		}
 		return nil, false, err
 	}
 	c.open[path] = f
@@ -323,9 +413,9 @@ func (c *checkpoint) file(name string) (*safetensors.File, bool, error) {
 	return f, has, nil
 }
 
-func (c *checkpoint) has(name string) bool {
+func (c *checkpoint) has(name string) (bool, error) {
 	_, ok, err := c.file(name)
-	return err == nil && ok
+	return ok, err
 }
 
 func (c *checkpoint) close() {
@@ -334,37 +424,60 @@ func (c *checkpoint) close() {
 	}
 }
 
-// read loads tensor name, checking its shape; the error names the tensor and the
-// shape expected.
-func (c *checkpoint) read(name string, shape ...int) ([]float32, DType, error) {
+// names returns every tensor name of the checkpoint (from the index, or the
+// single file's header).
+func (c *checkpoint) names() ([]string, error) {
+	if c.weight != nil {
+		return slices.Sorted(maps.Keys(c.weight)), nil
+	}
+	f, _, err := c.file("")
+	if err != nil {
+		return nil, err
+	}
+	return f.Header.Names(), nil
+}
+
+// info returns tensor name's description after checking that it exists, has the
+// shape expected and a dtype that converts to float32; the error names the
+// tensor, the file and what was expected. Nothing is read but the header.
+func (c *checkpoint) info(name string, shape ...int) (*safetensors.File, safetensors.TensorInfo, error) {
 	f, ok, err := c.file(name)
 	if err != nil {
-		return nil, "", err
+		return nil, safetensors.TensorInfo{}, err
 	}
 	if !ok {
-		return nil, "", fmt.Errorf("tensor %s (shape %v expected) is missing from %s", name, shape, c.describe)
+		return nil, safetensors.TensorInfo{}, fmt.Errorf("tensor %s (shape %v expected) is missing from %s", name, shape, c.describe)
 	}
 	info, _ := f.Info(name)
 	if !slices.Equal(info.Shape, shape) {
-		return nil, "", fmt.Errorf("tensor %s has shape %v, expected %v (in %s)", name, info.Shape, shape, f.Path)
+		return nil, info, fmt.Errorf("tensor %s has shape %v, expected %v (in %s)", name, info.Shape, shape, f.Path)
 	}
-	switch info.DType {
-	case safetensors.F32, safetensors.BF16, safetensors.F16:
-	default:
-		return nil, "", fmt.Errorf("tensor %s has dtype %s; want F32, BF16 or F16 (in %s)", name, info.DType, f.Path)
+	if !info.DType.IsFloat() || info.DType == safetensors.F64 {
+		return nil, info, fmt.Errorf("tensor %s has dtype %s; want F32, BF16 or F16 (in %s)", name, info.DType, f.Path)
+	}
+	return f, info, nil
+}
+
+// read loads tensor name, checking its shape; the error names the tensor and the
+// shape expected.
+func (c *checkpoint) read(name string, shape ...int) ([]float32, DType, error) {
+	f, info, err := c.info(name, shape...)
+	if err != nil {
+		return nil, "", err
 	}
 	v, _, err := f.Float32(name)
 	return v, info.DType, err
 }
 
 // LoadWeights loads MoE layer `layer` of the checkpoint in dir (model.safetensors,
-// or model.safetensors.index.json and its shards) for cfg. It maps the files
-// read-only, converts only this layer's tensors to float32 and unmaps them before
-// returning. Experts may be stored per expert (experts.<e>.gate_proj.weight, ...),
-// fused (experts.gate_up_proj [E,2I,H], experts.down_proj [E,H,I]) or, for
-// Mixtral, under block_sparse_moe with w1/w3/w2. A dense layer, a missing or
-// misshaped tensor, or an unsupported dtype is an error naming it. It runs on the
-// calling goroutine and touches no device.
+// or model.safetensors.index.json and its shards) for cfg. It first checks that
+// every tensor the layer needs is present with the right shape and dtype (reading
+// headers only), then reads and converts only this layer's tensors to float32.
+// Experts may be stored per expert (experts.<e>.gate_proj.weight, ...), fused
+// (experts.gate_up_proj [E,2I,H], experts.down_proj [E,H,I]) or, for Mixtral,
+// under block_sparse_moe with w1/w3/w2. A dense layer, a missing or misshaped
+// tensor, a missing shard or an unsupported dtype is an error naming it. It runs
+// on the calling goroutine and touches no device.
 func LoadWeights(dir string, cfg *Config, layer int) (*Weights, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("moe.LoadWeights: %w", err)
@@ -384,69 +497,105 @@ func LoadWeights(dir string, cfg *Config, layer int) (*Weights, error) {
 	return w, nil
 }
 
+type tensorSpec struct {
+	name  string // relative to the layer prefix
+	shape []int
+}
+
 func loadLayer(ck *checkpoint, cfg *Config, layer int) (*Weights, error) {
 	H, E, I := cfg.HiddenSize, cfg.NumExperts, cfg.Intermediate
 	layout := PerExpert
 	p := LayerPrefix(layer, PerExpert)
-	if cfg.Family == Mixtral && ck.has(LayerPrefix(layer, MixtralHub)+"gate.weight") {
-		layout, p = MixtralHub, LayerPrefix(layer, MixtralHub)
-	} else if ck.has(p + "experts.gate_up_proj") {
-		layout = Fused
-	}
-	w := &Weights{DTypes: map[string]DType{}, Experts: make([]Expert, E)}
-	var err error
-	get := func(name string, shape ...int) []float32 {
+	if cfg.Family == Mixtral {
+		ok, err := ck.has(LayerPrefix(layer, MixtralHub) + "gate.weight")
 		if err != nil {
-			return nil
+			return nil, err
 		}
-		var v []float32
-		var dt DType
-		v, dt, err = ck.read(p+name, shape...)
-		w.DTypes[name] = dt
-		return v
+		if ok {
+			layout, p = MixtralHub, LayerPrefix(layer, MixtralHub)
+		}
 	}
-	w.Router = get("gate.weight", E, H)
+	if layout == PerExpert {
+		ok, err := ck.has(p + "experts.gate_up_proj")
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			layout = Fused
+		}
+	}
+	var specs []tensorSpec
+	add := func(name string, shape ...int) { specs = append(specs, tensorSpec{name, shape}) }
+	add("gate.weight", E, H)
 	if cfg.HasBias() {
-		w.Bias = get("gate.e_score_correction_bias", E)
+		add("gate.e_score_correction_bias", E)
+	}
+	g, u, d := "gate_proj", "up_proj", "down_proj"
+	if layout == MixtralHub {
+		g, u, d = "w1", "w3", "w2"
 	}
 	switch layout {
 	case Fused:
-		gu := get("experts.gate_up_proj", E, 2*I, H)
-		down := get("experts.down_proj", E, H, I)
-		if err == nil {
-			for e := range w.Experts {
-				blk := gu[e*2*I*H : (e+1)*2*I*H]
-				w.Experts[e] = Expert{Gate: blk[: I*H : I*H], Up: blk[I*H:], Down: down[e*H*I : (e+1)*H*I]}
-			}
-			w.DType = w.DTypes["experts.gate_up_proj"]
-		}
+		add("experts.gate_up_proj", E, 2*I, H)
+		add("experts.down_proj", E, H, I)
 	default:
-		g, u, d := "gate_proj", "up_proj", "down_proj"
-		if layout == MixtralHub {
-			g, u, d = "w1", "w3", "w2"
+		for e := 0; e < E; e++ {
+			add(fmt.Sprintf("experts.%d.%s.weight", e, g), I, H)
+			add(fmt.Sprintf("experts.%d.%s.weight", e, u), I, H)
+			add(fmt.Sprintf("experts.%d.%s.weight", e, d), H, I)
 		}
-		for e := 0; e < E && err == nil; e++ {
+	}
+	S := cfg.SharedIntermediate
+	if S > 0 {
+		s := sharedName(cfg.Family)
+		add(s+".gate_proj.weight", S, H)
+		add(s+".up_proj.weight", S, H)
+		add(s+".down_proj.weight", H, S)
+	}
+	if cfg.SharedGate {
+		add("shared_expert_gate.weight", 1, H)
+	}
+	// Check everything against the headers before allocating anything.
+	for _, sp := range specs {
+		if _, _, err := ck.info(p+sp.name, sp.shape...); err != nil {
+			return nil, err
+		}
+	}
+	w := &Weights{DTypes: map[string]DType{}, Experts: make([]Expert, E)}
+	vals := make(map[string][]float32, len(specs))
+	for _, sp := range specs {
+		v, dt, err := ck.read(p+sp.name, sp.shape...)
+		if err != nil {
+			return nil, err
+		}
+		vals[sp.name], w.DTypes[sp.name] = v, dt
+	}
+	w.Router = vals["gate.weight"]
+	w.Bias = vals["gate.e_score_correction_bias"]
+	switch layout {
+	case Fused:
+		gu, down := vals["experts.gate_up_proj"], vals["experts.down_proj"]
+		for e := range w.Experts {
+			blk := gu[e*2*I*H : (e+1)*2*I*H]
+			w.Experts[e] = Expert{Gate: blk[: I*H : I*H], Up: blk[I*H:], Down: down[e*H*I : (e+1)*H*I]}
+		}
+		w.DType = w.DTypes["experts.gate_up_proj"]
+	default:
+		for e := range w.Experts {
 			w.Experts[e] = Expert{
-				Gate: get(fmt.Sprintf("experts.%d.%s.weight", e, g), I, H),
-				Up:   get(fmt.Sprintf("experts.%d.%s.weight", e, u), I, H),
-				Down: get(fmt.Sprintf("experts.%d.%s.weight", e, d), H, I),
+				Gate: vals[fmt.Sprintf("experts.%d.%s.weight", e, g)],
+				Up:   vals[fmt.Sprintf("experts.%d.%s.weight", e, u)],
+				Down: vals[fmt.Sprintf("experts.%d.%s.weight", e, d)],
 			}
 		}
 		w.DType = w.DTypes[fmt.Sprintf("experts.0.%s.weight", g)]
 	}
-	if S := cfg.SharedIntermediate; S > 0 {
+	if S > 0 {
 		s := sharedName(cfg.Family)
-		w.Shared = &Expert{
-			Gate: get(s+".gate_proj.weight", S, H),
-			Up:   get(s+".up_proj.weight", S, H),
-			Down: get(s+".down_proj.weight", H, S),
-		}
+		w.Shared = &Expert{Gate: vals[s+".gate_proj.weight"], Up: vals[s+".up_proj.weight"], Down: vals[s+".down_proj.weight"]}
 	}
 	if cfg.SharedGate {
-		w.SharedGate = get("shared_expert_gate.weight", 1, H)
-	}
-	if err != nil {
-		return nil, err
+		w.SharedGate = vals["shared_expert_gate.weight"]
 	}
 	return w, nil
 }
@@ -459,34 +608,53 @@ func TensorNames(dir string, layer int) ([]string, error) {
 		return nil, fmt.Errorf("moe.TensorNames: %w", err)
 	}
 	defer ck.close()
+	all, err := ck.names()
+	if err != nil {
+		return nil, fmt.Errorf("moe.TensorNames: %w", err)
+	}
 	var names []string
 	prefixes := []string{LayerPrefix(layer, PerExpert), LayerPrefix(layer, MixtralHub)}
-	match := func(n string) bool {
-		for _, p := range prefixes {
-			if len(n) >= len(p) && n[:len(p)] == p {
-				return true
-			}
-		}
-		return false
-	}
-	if ck.weight != nil {
-		for n := range ck.weight {
-			if match(n) {
-				names = append(names, n)
-			}
-		}
-	} else {
-		f, err := safetensors.Open(ck.single)
-		if err != nil {
-			return nil, fmt.Errorf("moe.TensorNames: %w", err)
-		}
-		defer f.Close()
-		for n := range f.Header.Tensors {
-			if match(n) {
-				names = append(names, n)
-			}
+	for _, n := range all {
+		if strings.HasPrefix(n, prefixes[0]) || strings.HasPrefix(n, prefixes[1]) {
+			names = append(names, n)
 		}
 	}
 	sort.Strings(names)
 	return names, nil
+}
+
+// MoELayersInCheckpoint returns, sorted, the layers of the checkpoint in dir that
+// hold an MoE router (model.layers.<L>.mlp.gate.weight, or Mixtral's
+// block_sparse_moe.gate.weight) and that cfg says are MoE layers. It looks only
+// at the tensor names present, so its cost is bounded by the checkpoint, not by
+// num_hidden_layers.
+func MoELayersInCheckpoint(dir string, cfg *Config) ([]int, error) {
+	ck, err := openCheckpoint(dir)
+	if err != nil {
+		return nil, fmt.Errorf("moe.MoELayersInCheckpoint: %w", err)
+	}
+	defer ck.close()
+	all, err := ck.names()
+	if err != nil {
+		return nil, fmt.Errorf("moe.MoELayersInCheckpoint: %w", err)
+	}
+	set := map[int]bool{}
+	for _, n := range all {
+		rest, ok := strings.CutPrefix(n, "model.layers.")
+		if !ok {
+			continue
+		}
+		num, tail, ok := strings.Cut(rest, ".")
+		if !ok || (tail != "mlp.gate.weight" && tail != "block_sparse_moe.gate.weight") {
+			continue
+		}
+		l, err := strconv.Atoi(num)
+		if err != nil || l < 0 || strconv.Itoa(l) != num {
+			continue
+		}
+		if cfg.CheckMoELayer(l) == nil {
+			set[l] = true
+		}
+	}
+	return slices.Sorted(maps.Keys(set)), nil
 }

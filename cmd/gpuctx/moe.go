@@ -51,17 +51,22 @@ func parseLayerDType(s string) (gpuctx.DType, error) {
 func parseModeFlag(s string) (moe.Mode, error) {
 	m, err := moe.ParseMode(strings.ToLower(strings.TrimSpace(s)))
 	if err != nil {
-		return 0, fail(fmt.Sprintf("--mode %q is not a mode", s), "use single, dual or auto", nil)
+		return 0, fail(fmt.Sprintf("--mode %q is not a mode", s), "use single, dual, auto or fused", nil)
 	}
 	return m, nil
 }
 
 // resolveModel reads dir/config.json and checks or picks the MoE layer. With
-// layer < 0 it picks the first MoE layer whose tensors the checkpoint holds
-// (small test checkpoints often hold only one layer), else the first MoE layer.
+// layer == -1 (the default) it picks the first MoE layer whose router tensor the
+// checkpoint holds (small test checkpoints often hold only one layer); the
+// search looks only at the tensor names present, never at every layer the
+// config claims. Other negative layers are refused.
 func resolveModel(dir string, layer int) (*moe.Config, int, error) {
 	if dir == "" {
 		return nil, 0, fail("--model is required", "pass --model DIR, a directory holding config.json and model.safetensors (or its index and shards)", nil)
+	}
+	if layer < -1 {
+		return nil, 0, fail(fmt.Sprintf("--layer %d is negative", layer), "pass a decoder layer index >= 0, or leave --layer out to use the first MoE layer the checkpoint holds", nil)
 	}
 	st, err := os.Stat(dir)
 	if err != nil {
@@ -88,15 +93,29 @@ func resolveModel(dir string, layer int) (*moe.Config, int, error) {
 	if ferr != nil {
 		return nil, 0, fail("choosing a layer", "this config.json describes no MoE layer", ferr)
 	}
-	for l := first; l < max(cfg.NumHiddenLayers, first+1); l++ {
-		if cfg.CheckMoELayer(l) != nil {
-			continue
-		}
-		if names, err := moe.TensorNames(dir, l); err == nil && len(names) > 0 {
-			return cfg, l, nil
-		}
+	layers, err := moe.MoELayersInCheckpoint(dir, cfg)
+	if err != nil {
+		return nil, 0, fail(fmt.Sprintf("reading the checkpoint in %s", dir), "the directory must hold model.safetensors, or model.safetensors.index.json and its shards", err)
 	}
-	return cfg, first, nil
+	if len(layers) == 0 {
+		return nil, 0, fail(fmt.Sprintf("the checkpoint in %s holds no MoE layer that config.json allows (no model.layers.<L>.mlp.gate.weight for an MoE layer L; the first MoE layer by config.json is %d)", dir, first),
+			"check that config.json belongs to this checkpoint, or pass --layer", nil)
+	}
+	return cfg, layers[0], nil
+}
+
+// modelFiles lists the files of the model in dir that a run reads, for
+// checkOutput.
+func modelFiles(dir string) ([]readFile, error) {
+	files, err := moe.CheckpointFiles(dir)
+	if err != nil {
+		return nil, fail(fmt.Sprintf("reading the checkpoint in %s", dir), "the directory must hold model.safetensors, or model.safetensors.index.json and its shards", err)
+	}
+	out := []readFile{{"the model's config.json", filepath.Join(dir, "config.json")}}
+	for _, f := range files {
+		out = append(out, readFile{"the model's " + filepath.Base(f), f})
+	}
+	return out, nil
 }
 
 // loadLayerWeights loads layer's weights, turning the error into advice.
@@ -109,8 +128,10 @@ func loadLayerWeights(dir string, cfg *moe.Config, layer int) (*moe.Weights, err
 }
 
 // readInput reads the input activations from a safetensors file: the tensor
-// named x, or the only tensor; F32, BF16 or F16; shape [T, H].
-func readInput(path string, H int) (x []float32, T int, name string, err error) {
+// named x, or the only tensor; F32, BF16 or F16; shape [T, H] with T >= 1 and
+// within the kernels' limit, checked from the header before anything is decoded.
+func readInput(path string, cfg *moe.Config) (x []float32, T int, name string, err error) {
+	H := cfg.HiddenSize
 	f, err := safetensors.Open(path)
 	if err != nil {
 		return nil, 0, "", fail(fmt.Sprintf("reading --input %s", path), "pass a safetensors file holding x, shaped [tokens, hidden_size]", err)
@@ -132,28 +153,19 @@ func readInput(path string, H int) (x []float32, T int, name string, err error) 
 	default:
 		return nil, 0, "", fail(fmt.Sprintf("--input tensor %s has dtype %s", name, info.DType), "store it as F32, BF16 or F16", nil)
 	}
-	if len(info.Shape) != 2 || info.Shape[0] < 1 || info.Shape[1] != H {
+	if len(info.Shape) != 2 || info.Shape[1] != H {
 		return nil, 0, "", fail(fmt.Sprintf("--input tensor %s has shape %v, but the model's hidden_size is %d", name, info.Shape, H),
 			fmt.Sprintf("pass activations shaped [tokens, %d]", H), nil)
+	}
+	T = info.Shape[0]
+	if err := cfg.CheckTokens(T); err != nil {
+		return nil, 0, "", fail(fmt.Sprintf("--input tensor %s of %s (shape %v)", name, path, info.Shape), "", err)
 	}
 	x, _, err = f.Float32(name)
 	if err != nil {
 		return nil, 0, "", fail(fmt.Sprintf("reading --input tensor %s", name), "", err)
 	}
-	return x, info.Shape[0], name, nil
-}
-
-// samePath reports whether a and b name the same file (by path, or by identity
-// when both exist).
-func samePath(a, b string) bool {
-	aa, err1 := filepath.Abs(a)
-	bb, err2 := filepath.Abs(b)
-	if err1 == nil && err2 == nil && aa == bb {
-		return true
-	}
-	sa, err1 := os.Stat(a)
-	sb, err2 := os.Stat(b)
-	return err1 == nil && err2 == nil && os.SameFile(sa, sb)
+	return x, T, name, nil
 }
 
 type moeRunOpts struct {
@@ -192,7 +204,11 @@ of --input (or its only tensor; [tokens, hidden_size], F32, BF16 or F16) and
 writes the output as the tensor y (F32, [tokens, hidden_size]) to --output.
 
 The output is written atomically (a temporary file renamed into place), so it is
-never half-written, and --output may not name the --input file. The time
+never half-written; an existing output keeps its permissions, and a character
+device such as /dev/null is written through, never replaced. --output may not
+name any file the run reads (the --input file, config.json, the index or a
+shard), by any path, symbolic or hard link included. --input and the model files
+must be regular files. The time
 printed is the wall time of one synchronous forward (host in, host out),
 including any first-call setup.`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
@@ -202,11 +218,11 @@ including any first-call setup.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.model, "model", "", "checkpoint directory: config.json and model.safetensors (required)")
-	f.IntVar(&o.layer, "layer", -1, "decoder layer to run; -1: the first MoE layer")
+	f.IntVar(&o.layer, "layer", -1, "decoder layer to run, >= 0; -1: the first MoE layer the checkpoint holds")
 	f.StringVar(&o.input, "input", "", "safetensors file with x [tokens, hidden_size] (required)")
 	f.StringVar(&o.output, "output", "", "safetensors file to write y [tokens, hidden_size] to (required)")
 	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32 or bf16")
-	f.StringVar(&o.mode, "mode", "auto", "stream mode: single, dual (shared expert on a side stream) or auto")
+	f.StringVar(&o.mode, "mode", "auto", "mode: single, dual (shared expert on a side stream), fused (shared expert inside the fused kernels, bf16) or auto")
 	return cmd
 }
 
@@ -222,18 +238,25 @@ func (a *app) runMoe(o moeRunOpts) error {
 	if o.input == "" || o.output == "" {
 		return fail("--input and --output are required", "pass --input X.safetensors (holding x) and --output Y.safetensors", nil)
 	}
-	if samePath(o.input, o.output) {
+	if sameFile(o.input, o.output) {
 		return fail(fmt.Sprintf("--output %s is the --input file", o.output), "write the output to another file; the input is never overwritten", nil)
 	}
-	if st, err := os.Stat(filepath.Dir(o.output)); err != nil || !st.IsDir() {
-		return fail(fmt.Sprintf("--output %s: its directory does not exist", o.output), "create the directory first or choose another path", err)
+	if err := checkOutput("--output", o.output, nil); err != nil {
+		return err
 	}
 	start := time.Now()
 	cfg, layer, err := resolveModel(o.model, o.layer)
 	if err != nil {
 		return err
 	}
-	x, T, name, err := readInput(o.input, cfg.HiddenSize)
+	reads, err := modelFiles(o.model)
+	if err != nil {
+		return err
+	}
+	if err := checkOutput("--output", o.output, append(reads, readFile{"the --input file", o.input})); err != nil {
+		return err
+	}
+	x, T, name, err := readInput(o.input, cfg)
 	if err != nil {
 		return err
 	}
@@ -269,7 +292,15 @@ func (a *app) runMoe(o moeRunOpts) error {
 		"producer": "gpuctx moe run", "model": o.model, "model_type": string(cfg.Family), "layer": fmt.Sprint(layer),
 		"dtype": dt.String(), "mode": mode.String(), "backend": dev.Backend(),
 	}
-	if err := safetensors.Write(o.output, []safetensors.Tensor{yt}, meta); err != nil {
+	data, err := safetensors.Encode([]safetensors.Tensor{yt}, meta)
+	if err != nil {
+		return fail("encoding the output", "please report this with the command line", err)
+	}
+	// Check again: a path may have been linked to a model file meanwhile.
+	if err := checkOutput("--output", o.output, append(reads, readFile{"the --input file", o.input})); err != nil {
+		return err
+	}
+	if err := writeOutput(o.output, data); err != nil {
 		return fail(fmt.Sprintf("writing --output %s", o.output), "check that the directory is writable and has space", err)
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(cfg.Family), Layer: layer,

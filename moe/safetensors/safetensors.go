@@ -4,62 +4,98 @@
 // little-endian tensor data. Offsets are relative to the first byte after the
 // header.
 //
-// Parse validates everything it reads (header length, JSON, dtype, shape, offsets
-// and sizes, overlap) and returns an error, never panics, on a corrupt file. Open
-// maps the file read-only instead of reading it, so only the pages of the tensors
-// that are converted are read from disk.
+// Parse validates everything it reads (header length, JSON, duplicate names,
+// dtype, shape, offsets and sizes; the tensors must tile the data section with
+// no gap, overlap or trailing bytes, as the reference implementation requires)
+// and returns an error, never panics, on a corrupt file. Open reads only the
+// header; each tensor is read (pread) when it is converted, so only the bytes of
+// the tensors used are read from disk, and a file truncated or rewritten while
+// open gives an error, never a crash (no memory mapping is involved).
 //
 // Nothing here touches a device: every function runs on the calling goroutine.
 // A *File is safe for concurrent reads from many goroutines until Close.
 package safetensors
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"math/bits"
 	"os"
-	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 
 	"github.com/gpuctx/gpuctx/half"
+	"github.com/gpuctx/gpuctx/internal/atomicfile"
+	"github.com/gpuctx/gpuctx/internal/regfile"
 )
 
 // DType is a safetensors element type, spelled as in the file header.
 type DType string
 
-// The element types this package knows. Parse accepts all of them; conversion to
-// float32 supports F32, F16, BF16 and F64.
+// The element types of the safetensors format. Parse accepts all of them (a
+// file may hold tensors a caller never uses); conversion to float32 supports
+// F32, F16, BF16 and F64 only.
 const (
-	F64  DType = "F64"
-	F32  DType = "F32"
-	F16  DType = "F16"
-	BF16 DType = "BF16"
-	I64  DType = "I64"
-	I32  DType = "I32"
-	I16  DType = "I16"
-	I8   DType = "I8"
-	U8   DType = "U8"
-	Bool DType = "BOOL"
+	F64     DType = "F64"
+	F32     DType = "F32"
+	F16     DType = "F16"
+	BF16    DType = "BF16"
+	I64     DType = "I64"
+	I32     DType = "I32"
+	I16     DType = "I16"
+	I8      DType = "I8"
+	U64     DType = "U64"
+	U32     DType = "U32"
+	U16     DType = "U16"
+	U8      DType = "U8"
+	Bool    DType = "BOOL"
+	F8E4M3  DType = "F8_E4M3"
+	F8E5M2  DType = "F8_E5M2"
+	F8E8M0  DType = "F8_E8M0"
+	F6E2M3  DType = "F6_E2M3"
+	F6E3M2  DType = "F6_E3M2"
+	F4      DType = "F4"
+	C64     DType = "C64"
+	F8E4M3N DType = "F8_E4M3FNUZ"
+	F8E5M2N DType = "F8_E5M2FNUZ"
 )
 
-// Size returns the size in bytes of one element, or 0 for an unknown dtype.
-func (d DType) Size() int {
+// Bits returns the size of one element in bits, or 0 for an unknown dtype.
+func (d DType) Bits() int {
 	switch d {
-	case F64, I64:
+	case F64, I64, U64, C64:
+		return 64
+	case F32, I32, U32:
+		return 32
+	case F16, BF16, I16, U16:
+		return 16
+	case I8, U8, Bool, F8E4M3, F8E5M2, F8E8M0, F8E4M3N, F8E5M2N:
 		return 8
-	case F32, I32:
+	case F6E2M3, F6E3M2:
+		return 6
+	case F4:
 		return 4
-	case F16, BF16, I16:
-		return 2
-	case I8, U8, Bool:
-		return 1
 	}
 	return 0
 }
+
+// Size returns the size in bytes of one element, or 0 for an unknown dtype or
+// one narrower than a byte (F4, F6_*).
+func (d DType) Size() int {
+	if b := d.Bits(); b%8 == 0 {
+		return b / 8
+	}
+	return 0
+}
+
+// IsFloat reports whether Float32 can convert tensors of dtype d.
+func (d DType) IsFloat() bool { return d == F32 || d == F16 || d == BF16 || d == F64 }
 
 // MaxHeaderBytes bounds the JSON header so a corrupt length cannot make Parse
 // allocate or scan an absurd amount of memory (the Rust reference uses 100 MB).
@@ -107,11 +143,55 @@ type rawEntry struct {
 	DataOffsets []int64 `json:"data_offsets"`
 }
 
+// objectEntries decodes a JSON object into its members in file order, refusing
+// a key that appears twice (encoding/json would silently keep the last one) and
+// anything after the closing brace.
+func objectEntries(js []byte) ([]string, []json.RawMessage, error) {
+	dec := json.NewDecoder(bytes.NewReader(js))
+	tok, err := dec.Token()
+	if err != nil {
+		return nil, nil, err
+	}
+	if d, ok := tok.(json.Delim); !ok || d != '{' {
+		return nil, nil, errors.New("not a JSON object")
+	}
+	var keys []string
+	var vals []json.RawMessage
+	seen := map[string]bool{}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return nil, nil, err
+		}
+		k, ok := tok.(string)
+		if !ok {
+			return nil, nil, fmt.Errorf("object key is %v, not a string", tok)
+		}
+		if seen[k] {
+			return nil, nil, fmt.Errorf("%q appears twice", k)
+		}
+		seen[k] = true
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			return nil, nil, err
+		}
+		keys, vals = append(keys, k), append(vals, v)
+	}
+	if _, err := dec.Token(); err != nil { // the closing brace
+		return nil, nil, err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return nil, nil, errors.New("data after the closing brace of the header object")
+	}
+	return keys, vals, nil
+}
+
 // ParseHeader parses and validates the header of a safetensors file of fileSize
 // bytes whose first bytes are prefix (prefix must hold at least the 8-byte length
 // and the whole JSON header; a longer prefix, such as the whole file, is fine).
-// Every tensor's data must lie inside the file, match dtype size times element
-// count, and not overlap another tensor.
+// Tensor names must be unique, and the tensors' data must tile the data section
+// exactly (starting at 0, each where the previous one ends, the last at the end
+// of the file), each matching dtype size times element count.
 func ParseHeader(prefix []byte, fileSize int64) (*Header, error) {
 	if len(prefix) < 8 || fileSize < 8 {
 		return nil, fmt.Errorf("safetensors: file is %d bytes, shorter than the 8-byte header length", fileSize)
@@ -131,13 +211,14 @@ func ParseHeader(prefix []byte, fileSize int64) (*Header, error) {
 	if !strings.HasPrefix(trimmed, "{") {
 		return nil, errors.New("safetensors: header is not a JSON object")
 	}
-	var raw map[string]json.RawMessage
-	if err := json.Unmarshal(js, &raw); err != nil {
+	keys, vals, err := objectEntries(js)
+	if err != nil {
 		return nil, fmt.Errorf("safetensors: header JSON: %w", err)
 	}
-	h := &Header{DataOffset: 8 + int64(n), Tensors: make(map[string]TensorInfo, len(raw))}
+	h := &Header{DataOffset: 8 + int64(n), Tensors: make(map[string]TensorInfo, len(keys))}
 	dataSize := fileSize - h.DataOffset
-	for name, msg := range raw {
+	for i, name := range keys {
+		msg := vals[i]
 		if name == "__metadata__" {
 			if err := json.Unmarshal(msg, &h.Metadata); err != nil {
 				return nil, fmt.Errorf("safetensors: __metadata__ must map strings to strings: %w", err)
@@ -149,8 +230,8 @@ func ParseHeader(prefix []byte, fileSize int64) (*Header, error) {
 			return nil, fmt.Errorf("safetensors: tensor %q: %w", name, err)
 		}
 		dt := DType(e.DType)
-		if dt.Size() == 0 {
-			return nil, fmt.Errorf("safetensors: tensor %q has unsupported dtype %q", name, e.DType)
+		if dt.Bits() == 0 {
+			return nil, fmt.Errorf("safetensors: tensor %q has unsupported dtype %q (not a safetensors dtype)", name, e.DType)
 		}
 		if len(e.DataOffsets) != 2 {
 			return nil, fmt.Errorf("safetensors: tensor %q: data_offsets has %d entries, want 2", name, len(e.DataOffsets))
@@ -162,7 +243,7 @@ func ParseHeader(prefix []byte, fileSize int64) (*Header, error) {
 				return nil, fmt.Errorf("safetensors: tensor %q: dimension %d is %d", name, i, d)
 			}
 			hi, lo := bits.Mul64(numel, uint64(d))
-			if hi != 0 || lo > math.MaxInt64/8 {
+			if hi != 0 || lo > math.MaxInt64/64 {
 				return nil, fmt.Errorf("safetensors: tensor %q: shape %v overflows", name, e.Shape)
 			}
 			numel = lo
@@ -172,12 +253,17 @@ func ParseHeader(prefix []byte, fileSize int64) (*Header, error) {
 		if b < 0 || en < b || en > dataSize {
 			return nil, fmt.Errorf("safetensors: tensor %q: data_offsets [%d,%d] outside the %d-byte data section", name, b, en, dataSize)
 		}
-		if want := numel * uint64(dt.Size()); uint64(en-b) != want {
+		nbits := numel * uint64(dt.Bits())
+		if nbits%8 != 0 {
+			return nil, fmt.Errorf("safetensors: tensor %q: %s%v is %d bits, not a whole number of bytes", name, dt, shape, nbits)
+		}
+		if want := nbits / 8; uint64(en-b) != want {
 			return nil, fmt.Errorf("safetensors: tensor %q: %d data bytes, but %s%v needs %d", name, en-b, dt, shape, want)
 		}
 		h.Tensors[name] = TensorInfo{Name: name, DType: dt, Shape: shape, Begin: b, End: en}
 	}
-	// No two tensors may share bytes.
+	// The tensors must tile the data section: no overlap, no gap, no trailing
+	// bytes. Empty tensors sit anywhere inside it.
 	infos := make([]TensorInfo, 0, len(h.Tensors))
 	for _, t := range h.Tensors {
 		if t.End > t.Begin {
@@ -185,10 +271,19 @@ func ParseHeader(prefix []byte, fileSize int64) (*Header, error) {
 		}
 	}
 	sort.Slice(infos, func(i, j int) bool { return infos[i].Begin < infos[j].Begin })
-	for i := 1; i < len(infos); i++ {
-		if infos[i].Begin < infos[i-1].End {
-			return nil, fmt.Errorf("safetensors: tensors %q and %q overlap", infos[i-1].Name, infos[i].Name)
+	var next int64
+	prev := "the start of the data section"
+	for _, t := range infos {
+		switch {
+		case t.Begin < next:
+			return nil, fmt.Errorf("safetensors: tensors %s and %q overlap (bytes [%d,%d) of the data section)", prev, t.Name, t.Begin, next)
+		case t.Begin > next:
+			return nil, fmt.Errorf("safetensors: gap of %d unused bytes between %s and tensor %q (data_offsets must be contiguous)", t.Begin-next, prev, t.Name)
 		}
+		next, prev = t.End, fmt.Sprintf("%q", t.Name)
+	}
+	if next != dataSize {
+		return nil, fmt.Errorf("safetensors: %d unused bytes after the last tensor's data (the data section is %d bytes, the tensors cover %d)", dataSize-next, dataSize, next)
 	}
 	return h, nil
 }
@@ -198,37 +293,64 @@ func Parse(data []byte) (*Header, error) {
 	return ParseHeader(data, int64(len(data)))
 }
 
-// File is a safetensors file mapped read-only into memory.
+// File is an open safetensors file whose header has been read. Tensor data is
+// read from the file (pread) on demand.
 type File struct {
 	Path   string
 	Header *Header
-	data   []byte // the whole file (mapped, or read on systems without mmap)
-	unmap  func() error
+
+	mu sync.RWMutex
+	f  *os.File // nil once closed
 }
 
-// Open maps path read-only and parses its header. The caller must Close the File;
-// slices returned by Bytes are valid only until then.
+// Open opens path, which must be a regular file (a directory, FIFO or device is
+// refused without blocking), and reads and parses its header. The caller must
+// Close the File.
 func Open(path string) (*File, error) {
-	data, unmap, err := mapFile(path)
+	f, st, err := regfile.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("safetensors: open %s: %w", path, err)
 	}
-	h, err := Parse(data)
+	h, err := readHeader(f, st.Size())
 	if err != nil {
-		_ = unmap()
+		_ = f.Close()
 		return nil, fmt.Errorf("%w (file %s)", err, path)
 	}
-	return &File{Path: path, Header: h, data: data, unmap: unmap}, nil
+	return &File{Path: path, Header: h, f: f}, nil
 }
 
-// Close unmaps the file. Calling Close twice is harmless.
+func readHeader(f *os.File, size int64) (*Header, error) {
+	var lenb [8]byte
+	if size < 8 {
+		return nil, fmt.Errorf("safetensors: file is %d bytes, shorter than the 8-byte header length", size)
+	}
+	if _, err := f.ReadAt(lenb[:], 0); err != nil {
+		return nil, fmt.Errorf("safetensors: reading the header length: %w", err)
+	}
+	n := binary.LittleEndian.Uint64(lenb[:])
+	if n > MaxHeaderBytes || int64(n) > size-8 {
+		return ParseHeader(lenb[:], size) // the error
+	}
+	buf := make([]byte, 8+n)
+	if _, err := f.ReadAt(buf, 0); err != nil {
+		return nil, fmt.Errorf("safetensors: reading the %d-byte header: %w", n, err)
+	}
+	return ParseHeader(buf, size)
+}
+
+// Close closes the file. Calling Close twice is harmless.
 func (f *File) Close() error {
-	if f == nil || f.unmap == nil {
+	if f == nil {
 		return nil
 	}
-	u := f.unmap
-	f.unmap, f.data = nil, nil
-	return u()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.f == nil {
+		return nil
+	}
+	err := f.f.Close()
+	f.f = nil
+	return err
 }
 
 // Info returns the description of tensor name.
@@ -240,29 +362,67 @@ func (f *File) Info(name string) (TensorInfo, bool) {
 	return t, ok
 }
 
-// Bytes returns the raw little-endian bytes of tensor name. The slice aliases
-// the mapping: do not modify it or use it after Close.
+// readAt fills b from file offset off; a short read (the file shrank since Open)
+// is an error saying so.
+func (f *File) readAt(b []byte, off int64, name string) error {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if f.f == nil {
+		return errors.New("safetensors: read from a closed File")
+	}
+	n, err := f.f.ReadAt(b, off)
+	if n == len(b) {
+		return nil
+	}
+	if err == nil || errors.Is(err, io.EOF) {
+		return fmt.Errorf("safetensors: tensor %q: file %s ends at byte %d, before the tensor's data [%d,%d) ends: it was truncated or rewritten after it was opened; restore or re-download it", name, f.Path, off+int64(n), off, off+int64(len(b)))
+	}
+	return fmt.Errorf("safetensors: tensor %q: reading %s: %w", name, f.Path, err)
+}
+
+// Bytes returns the raw little-endian bytes of tensor name in a new slice.
 func (f *File) Bytes(name string) ([]byte, TensorInfo, error) {
-	if f == nil || f.data == nil {
-		return nil, TensorInfo{}, errors.New("safetensors: Bytes on a closed File")
+	if f == nil || f.Header == nil {
+		return nil, TensorInfo{}, errors.New("safetensors: Bytes on a nil File")
 	}
 	t, ok := f.Header.Tensors[name]
 	if !ok {
 		return nil, TensorInfo{}, fmt.Errorf("safetensors: tensor %q not found in %s", name, f.Path)
 	}
-	return f.data[f.Header.DataOffset+t.Begin : f.Header.DataOffset+t.End], t, nil
+	b := make([]byte, t.End-t.Begin)
+	if err := f.readAt(b, f.Header.DataOffset+t.Begin, name); err != nil {
+		return nil, t, err
+	}
+	return b, t, nil
 }
 
 // Float32 converts tensor name to a new float32 slice (F32, F16, BF16 or F64 on
-// disk; F16 and BF16 convert exactly, F64 rounds to nearest).
+// disk; F16 and BF16 convert exactly, F64 rounds to nearest). The data is read in
+// chunks, so the only large allocation is the result.
 func (f *File) Float32(name string) ([]float32, TensorInfo, error) {
-	b, t, err := f.Bytes(name)
-	if err != nil {
-		return nil, t, err
+	if f == nil || f.Header == nil {
+		return nil, TensorInfo{}, errors.New("safetensors: Float32 on a nil File")
 	}
+	t, ok := f.Header.Tensors[name]
+	if !ok {
+		return nil, TensorInfo{}, fmt.Errorf("safetensors: tensor %q not found in %s", name, f.Path)
+	}
+	if !t.DType.IsFloat() {
+		return nil, t, fmt.Errorf("safetensors: tensor %q has dtype %s, which is not a floating-point type Float32 converts (want F32, F16, BF16 or F64)", name, t.DType)
+	}
+	es := int64(t.DType.Size())
 	out := make([]float32, t.NumElements())
-	if err := DecodeFloat32(out, b, t.DType); err != nil {
-		return nil, t, fmt.Errorf("safetensors: tensor %q: %w", name, err)
+	const chunk = 1 << 20 // elements per read
+	buf := make([]byte, min(int64(len(out)), chunk)*es)
+	for i := int64(0); i < int64(len(out)); i += chunk {
+		m := min(int64(len(out))-i, chunk)
+		b := buf[:m*es]
+		if err := f.readAt(b, f.Header.DataOffset+t.Begin+i*es, name); err != nil {
+			return nil, t, err
+		}
+		if err := DecodeFloat32(out[i:i+m], b, t.DType); err != nil {
+			return nil, t, fmt.Errorf("safetensors: tensor %q: %w", name, err)
+		}
 	}
 	return out, t, nil
 }
@@ -427,34 +587,13 @@ func Write(path string, tensors []Tensor, metadata map[string]string) error {
 	return WriteFileAtomic(path, data)
 }
 
-// WriteFileAtomic writes data to a temporary file next to path and renames it
-// over path.
-func WriteFileAtomic(path string, data []byte) (err error) {
-	dir := filepath.Dir(path)
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
-	if err != nil {
-		return fmt.Errorf("safetensors: write %s: %w", path, err)
-	}
-	defer func() {
-		if err != nil {
-			_ = tmp.Close()
-			_ = os.Remove(tmp.Name())
-		}
-	}()
-	if _, err = tmp.Write(data); err != nil {
-		return fmt.Errorf("safetensors: write %s: %w", path, err)
-	}
-	if err = tmp.Sync(); err != nil {
-		return fmt.Errorf("safetensors: sync %s: %w", path, err)
-	}
-	if err = tmp.Close(); err != nil {
-		return fmt.Errorf("safetensors: close %s: %w", path, err)
-	}
-	if err = os.Chmod(tmp.Name(), 0o644); err != nil {
-		return fmt.Errorf("safetensors: chmod %s: %w", path, err)
-	}
-	if err = os.Rename(tmp.Name(), path); err != nil {
-		return fmt.Errorf("safetensors: rename onto %s: %w", path, err)
-	}
-	return nil
+// WriteFileAtomic writes data to path atomically; see
+// internal/atomicfile.WriteFile (it keeps an existing file's mode, writes a
+// character device such as /dev/null through and refuses other non-regular
+// targets).
+//
+// Deprecated: it writes any file, not only safetensors; new code should use
+// internal/atomicfile.WriteFile.
+func WriteFileAtomic(path string, data []byte) error {
+	return atomicfile.WriteFile(path, data)
 }

@@ -1,0 +1,7 @@
+//go:build unix
+
+package regfile
+
+import "syscall"
+
+const nonBlock = syscall.O_NONBLOCK
