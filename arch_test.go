@@ -21,7 +21,7 @@ var layerRules = []struct {
 	{"internal/cmd/...", nil},
 	{"internal/benchkit", []string{".", "half", "moe/...", "blas"}},
 	{"conformance", []string{".", "blas", "half"}},
-	{"moe/...", []string{".", "half", "kernels", "blas", "moe/..."}},
+	{"moe/...", []string{".", "half", "kernels", "blas", "moe/...", "internal/atomicfile", "internal/regfile"}},
 	// The public API opens the backends (OpenBackend) and reaches them only
 	// through internal/hal.
 	{".", []string{"internal/handlepool", "internal/hal", "backend/...", "blas", "half"}},
@@ -34,6 +34,8 @@ var layerRules = []struct {
 	{"internal/hal", nil},
 	{"internal/dynload", nil},
 	{"internal/sysmem", nil},
+	{"internal/atomicfile", []string{"internal/regfile"}},
+	{"internal/regfile", nil},
 	{"kernels", nil},
 	{"half", nil},
 }
