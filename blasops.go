@@ -374,11 +374,11 @@ func (lt BlasLt) Matmul(g Gemm) error {
 	if err != nil {
 		return err
 	}
-	ws, err := l.c.dev.blas.ltWorkspace(l.s, 0)
+	ws, err := l.c.dev.blas.spaces.Lt(l.s, 0)
 	if err != nil {
 		return err
 	}
-	return lt.sl.Handle.lt.Matmul(l.s.hs, desc, ws.ptr, ws.size)
+	return lt.sl.Handle.lt.Matmul(l.s.hs, desc, ws.Ptr, ws.Size)
 }
 
 // Reserve grows the stream's cuBLASLt workspace to at least n bytes. The old
@@ -389,6 +389,6 @@ func (lt BlasLt) Reserve(n int) error {
 		return err
 	}
 	defer unlock()
-	_, err = l.c.dev.blas.ltWorkspace(l.s, n)
+	_, err = l.c.dev.blas.spaces.Lt(l.s, n)
 	return err
 }

@@ -304,7 +304,7 @@ func (s *Stream) destroy() error {
 	s.closed = true
 	s.mu.Unlock()
 	err := s.hs.Synchronize()
-	err2 := s.dev.blas.streamClosed(s)
+	err2 := s.dev.blas.spaces.StreamClosed(s)
 	err3 := s.hs.Destroy()
 	if err != nil {
 		return err
