@@ -8,7 +8,6 @@ import (
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/blas"
 )
 
 func newBlasContext(t *testing.T, dev *gpuctx.Device, s *gpuctx.Stream) *gpuctx.Context {
@@ -19,26 +18,6 @@ func newBlasContext(t *testing.T, dev *gpuctx.Device, s *gpuctx.Stream) *gpuctx.
 	}
 	t.Cleanup(func() { _ = ctx.Close() })
 	return ctx
-}
-
-// stridedShape returns the normalized shape of one matrix of the batch, with
-// padded leading dimensions, and the elements each stored operand spans.
-func stridedShape(t *testing.T, layout gpuctx.Layout, ta, tb bool, m, n, k int) (blas.GemmShape, [3]int) {
-	t.Helper()
-	g := blas.GemmShape{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k, AB: gpuctx.F32, C: gpuctx.F32,
-		ALen: math.MaxInt, BLen: math.MaxInt, CLen: math.MaxInt}
-	must(t, "GemmShape.Normalize", g.Normalize())
-	g.LDA, g.LDB, g.LDC = g.LDA+1, g.LDB+2, g.LDC+3
-	span := func(trans bool, r, c, ld int) int {
-		if trans {
-			r, c = c, r
-		}
-		if layout == gpuctx.ColMajor {
-			return (c-1)*ld + r
-		}
-		return (r-1)*ld + c
-	}
-	return g, [3]int{span(ta, m, k, g.LDA), span(tb, k, n, g.LDB), span(false, m, n, g.LDC)}
 }
 
 // TestBlasStridedBatched runs f32 strided batched GEMMs whose A, B and C
@@ -55,11 +34,11 @@ func TestBlasStridedBatched(t *testing.T, dev *gpuctx.Device) {
 	for _, layout := range []gpuctx.Layout{gpuctx.RowMajor, gpuctx.ColMajor} {
 		for _, ta := range []bool{false, true} {
 			for _, tb := range []bool{false, true} {
-				g, sp := stridedShape(t, layout, ta, tb, m, n, k)
-				sa, sb, sc := sp[0]+3, sp[1]+8, sp[2]+1
-				a := randInts(r, blas.Span(count, sa, sp[0]), -3, 3)
-				b := randInts(r, blas.Span(count, sb, sp[1]), -3, 3)
-				c := randInts(r, blas.Span(count, sc, sp[2]), -3, 3)
+				am, bm, cm := gemmMats(layout, ta, tb, m, n, k, [3]int{1, 2, 3})
+				sa, sb, sc := am.span()+3, bm.span()+8, cm.span()+1
+				a := randInts(r, (count-1)*sa+am.span(), -3, 3)
+				b := randInts(r, (count-1)*sb+bm.span(), -3, 3)
+				c := randInts(r, (count-1)*sc+cm.span(), -3, 3)
 				A, B, C := upload(t, dev, f32Bytes(a)), upload(t, dev, f32Bytes(b)), upload(t, dev, f32Bytes(c))
 				const alpha, beta = 0.5, 0.25
 				want := make([]float64, len(c))
@@ -74,7 +53,7 @@ func TestBlasStridedBatched(t *testing.T, dev *gpuctx.Device) {
 					b64[i] = float64(v)
 				}
 				for i := range count {
-					blas.RefGemm(g, alpha, a64[i*sa:], b64[i*sb:], beta, want[i*sc:])
+					refGemm(ta, tb, m, n, k, alpha, am, a64[i*sa:], bm, b64[i*sb:], beta, cm, want[i*sc:])
 				}
 				wantF := make([]float32, len(want))
 				for i, v := range want {
@@ -83,7 +62,7 @@ func TestBlasStridedBatched(t *testing.T, dev *gpuctx.Device) {
 				what := fmt.Sprintf("%v ta=%v tb=%v strides A %d B %d C %d", layout, ta, tb, sa, sb, sc)
 				must(t, what, ctx.Blas(func(h gpuctx.Blas) error {
 					return h.GemmStridedBatched(gpuctx.Gemm{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k,
-						Alpha: alpha, Beta: beta, A: A, B: B, C: C, LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, AB: gpuctx.F32, CType: gpuctx.F32},
+						Alpha: alpha, Beta: beta, A: A, B: B, C: C, LDA: am.ld, LDB: bm.ld, LDC: cm.ld, AB: gpuctx.F32, CType: gpuctx.F32},
 						count, sa, sb, sc)
 				}))
 				sameF32(t, what+": C", bytesF32(download(t, dev, C)), wantF)
