@@ -43,7 +43,10 @@ func Cases() []Case {
 		{"StreamOrdering", TestStreamOrdering},
 		{"EventDependency", TestEventDependency},
 		{"EventElapsed", TestEventElapsed},
+		{"BlasGemm", TestBlasGemm},
 		{"BlasStridedBatched", TestBlasStridedBatched},
+		{"BlasGrouped", TestBlasGrouped},
+		{"BlasGeam", TestBlasGeam},
 		{"BlasExtents", TestBlasExtents},
 		{"Errors", TestErrors},
 	}

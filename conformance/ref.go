@@ -1,10 +1,14 @@
 package conformance
 
 import (
+	"encoding/binary"
 	"math"
 	"math/cmplx"
+	"math/rand/v2"
+	"testing"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/half"
 )
 
 // The float64 (complex128 for geam) reference the BLAS cases compare with. It
@@ -139,4 +143,145 @@ func relErrComplex(got, want []complex128) float64 {
 		return math.Sqrt(num)
 	}
 	return math.Sqrt(num / den)
+}
+
+// gemmType is a GEMM's input and output element types.
+type gemmType struct{ ab, c gpuctx.DType }
+
+func (g gemmType) String() string { return g.ab.String() + "->" + g.c.String() }
+
+// gemmTypes are every type pair gpuctx accepts: a backend must compute them
+// all, or fail with ErrUnavailable for those it cannot.
+var gemmTypes = []gemmType{
+	{gpuctx.F32, gpuctx.F32}, {gpuctx.F64, gpuctx.F64},
+	{gpuctx.F16, gpuctx.F16}, {gpuctx.F16, gpuctx.F32},
+	{gpuctx.BF16, gpuctx.BF16}, {gpuctx.BF16, gpuctx.F32},
+}
+
+// encode stores v as elements of type dt (real types only). The values the
+// cases use (small integers times powers of two) are exact in every type.
+func encode(dt gpuctx.DType, v []float64) []byte {
+	b := make([]byte, dt.Size()*len(v))
+	for i, x := range v {
+		switch dt {
+		case gpuctx.F32:
+			binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(float32(x)))
+		case gpuctx.F64:
+			binary.LittleEndian.PutUint64(b[8*i:], math.Float64bits(x))
+		case gpuctx.F16:
+			binary.LittleEndian.PutUint16(b[2*i:], half.F16(float32(x)))
+		case gpuctx.BF16:
+			binary.LittleEndian.PutUint16(b[2*i:], half.BF16(float32(x)))
+		default:
+			panic("conformance: encode: type " + dt.String())
+		}
+	}
+	return b
+}
+
+// decode reads elements of type dt (real types only).
+func decode(dt gpuctx.DType, b []byte) []float64 {
+	v := make([]float64, len(b)/dt.Size())
+	for i := range v {
+		switch dt {
+		case gpuctx.F32:
+			v[i] = float64(math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:])))
+		case gpuctx.F64:
+			v[i] = math.Float64frombits(binary.LittleEndian.Uint64(b[8*i:]))
+		case gpuctx.F16:
+			v[i] = float64(half.FromF16(binary.LittleEndian.Uint16(b[2*i:])))
+		case gpuctx.BF16:
+			v[i] = float64(half.FromBF16(binary.LittleEndian.Uint16(b[2*i:])))
+		default:
+			panic("conformance: decode: type " + dt.String())
+		}
+	}
+	return v
+}
+
+// encodeComplex stores v as elements of type dt: f32, f64 (real parts), c64 or
+// c128.
+func encodeComplex(dt gpuctx.DType, v []complex128) []byte {
+	switch dt {
+	case gpuctx.F32, gpuctx.F64:
+		re := make([]float64, len(v))
+		for i, x := range v {
+			re[i] = real(x)
+		}
+		return encode(dt, re)
+	case gpuctx.C64, gpuctx.C128:
+		parts := make([]float64, 2*len(v))
+		for i, x := range v {
+			parts[2*i], parts[2*i+1] = real(x), imag(x)
+		}
+		if dt == gpuctx.C64 {
+			return encode(gpuctx.F32, parts)
+		}
+		return encode(gpuctx.F64, parts)
+	}
+	panic("conformance: encodeComplex: type " + dt.String())
+}
+
+// intsF64 returns n small integers in [lo, hi] as float64.
+func intsF64(r *rand.Rand, n, lo, hi int) []float64 {
+	v := make([]float64, n)
+	for i := range v {
+		v[i] = float64(lo + r.IntN(hi-lo+1))
+	}
+	return v
+}
+
+// decodeComplex reads elements of type dt as encodeComplex stores them.
+func decodeComplex(dt gpuctx.DType, b []byte) []complex128 {
+	var parts []float64
+	switch dt {
+	case gpuctx.F32, gpuctx.F64:
+		re := decode(dt, b)
+		v := make([]complex128, len(re))
+		for i, x := range re {
+			v[i] = complex(x, 0)
+		}
+		return v
+	case gpuctx.C64:
+		parts = decode(gpuctx.F32, b)
+	case gpuctx.C128:
+		parts = decode(gpuctx.F64, b)
+	default:
+		panic("conformance: decodeComplex: type " + dt.String())
+	}
+	v := make([]complex128, len(parts)/2)
+	for i := range v {
+		v[i] = complex(parts[2*i], parts[2*i+1])
+	}
+	return v
+}
+
+// sameVals checks that got (elements of type dt) equals want exactly: the
+// cases' values are exact in every type, so only the sign of a zero may
+// differ (0*x and -0*x are both right).
+func sameVals(t *testing.T, what string, dt gpuctx.DType, got []byte, want []float64) {
+	t.Helper()
+	g := decode(dt, got)
+	if len(g) != len(want) {
+		t.Fatalf("%s: got %d elements, want %d", what, len(g), len(want))
+	}
+	for i := range g {
+		if g[i] != want[i] {
+			t.Fatalf("%s: element %d of %d: got %v, want %v (%v elements; relative error of the whole %.3g)", what, i, len(g), g[i], want[i], dt, relErr(g, want))
+		}
+	}
+}
+
+// sameComplex is sameVals for Geam's types.
+func sameComplex(t *testing.T, what string, dt gpuctx.DType, got []byte, want []complex128) {
+	t.Helper()
+	g := decodeComplex(dt, got)
+	if len(g) != len(want) {
+		t.Fatalf("%s: got %d elements, want %d", what, len(g), len(want))
+	}
+	for i := range g {
+		if g[i] != want[i] {
+			t.Fatalf("%s: element %d of %d: got %v, want %v (relative error of the whole %.3g)", what, i, len(g), g[i], want[i], relErrComplex(g, want))
+		}
+	}
 }
