@@ -6,18 +6,23 @@ import (
 	"runtime"
 	"sync/atomic"
 
-	"github.com/gpuctx/gpuctx/blas"
+	"github.com/gpuctx/gpuctx/internal/blas"
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
 // Layout says how matrices are laid out in memory.
-type Layout = blas.Layout
+type Layout int
 
 // Matrix layouts.
 const (
-	RowMajor = blas.RowMajor
-	ColMajor = blas.ColMajor
+	// RowMajor: element (i, j) of an r×c matrix is at i*ld + j, ld >= c.
+	RowMajor Layout = iota
+	// ColMajor: element (i, j) is at i + j*ld, ld >= r (cuBLAS's convention).
+	ColMajor
 )
+
+// String returns "row-major" or "col-major".
+func (l Layout) String() string { return blas.Layout(l).String() }
 
 // Gemm describes C = Alpha*op(A)*op(B) + Beta*C with C M×N, op(A) M×K and
 // op(B) K×N. A and B hold elements of type AB, C elements of type CType.
@@ -193,8 +198,8 @@ func checkExtents(op, detail string, ops ...operand) error {
 // is checked against its buffer after the mapping.
 func gemmDesc(d *Device, op string, g *Gemm, count, strideA, strideB, strideC int) (hal.GemmDesc, hal.StridedBatch, error) {
 	var err error
-	sh := blas.GemmShape{Layout: g.Layout, TransA: g.TransA, TransB: g.TransB, M: g.M, N: g.N, K: g.K,
-		LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, AB: g.AB, C: g.CType}
+	sh := blas.GemmShape{Layout: blas.Layout(g.Layout), TransA: g.TransA, TransB: g.TransB, M: g.M, N: g.N, K: g.K,
+		LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, AB: hal.DType(g.AB), C: hal.DType(g.CType)}
 	if sh.ALen, err = elems(op, "A", g.A, g.AB, d); err != nil {
 		return hal.GemmDesc{}, hal.StridedBatch{}, err
 	}
@@ -323,8 +328,8 @@ func (h Blas) Geam(g Geam) error {
 	}
 	defer unlock()
 	d := l.c.dev
-	sh := blas.GeamShape{Layout: g.Layout, TransA: g.TransA, TransB: g.TransB, M: g.M, N: g.N,
-		LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, Type: g.Type}
+	sh := blas.GeamShape{Layout: blas.Layout(g.Layout), TransA: g.TransA, TransB: g.TransB, M: g.M, N: g.N,
+		LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, Type: hal.DType(g.Type)}
 	if sh.ALen, err = elems(op, "A", g.A, g.Type, d); err != nil {
 		return err
 	}
@@ -374,11 +379,11 @@ func (lt BlasLt) Matmul(g Gemm) error {
 	if err != nil {
 		return err
 	}
-	ws, err := l.c.dev.blas.ltWorkspace(l.s, 0)
+	ws, err := l.c.dev.blas.spaces.Lt(l.s, 0)
 	if err != nil {
 		return err
 	}
-	return lt.sl.Handle.lt.Matmul(l.s.hs, desc, ws.ptr, ws.size)
+	return lt.sl.Handle.lt.Matmul(l.s.hs, desc, ws.Ptr, ws.Size)
 }
 
 // Reserve grows the stream's cuBLASLt workspace to at least n bytes. The old
@@ -389,6 +394,6 @@ func (lt BlasLt) Reserve(n int) error {
 		return err
 	}
 	defer unlock()
-	_, err = l.c.dev.blas.ltWorkspace(l.s, n)
+	_, err = l.c.dev.blas.spaces.Lt(l.s, n)
 	return err
 }

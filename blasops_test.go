@@ -11,8 +11,10 @@ import (
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/blas"
 	"github.com/gpuctx/gpuctx/half"
+	"github.com/gpuctx/gpuctx/internal/blas"
+	"github.com/gpuctx/gpuctx/internal/blastest"
+	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
 // cpuDevice opens the CPU backend's device, closed at the end of the test.
@@ -119,7 +121,7 @@ func TestGemmStridedBatchedDistinctStrides(t *testing.T) {
 func runStrided(t *testing.T, d *gpuctx.Device, ctx *gpuctx.Context, s *gpuctx.Stream, r *rand.Rand,
 	layout gpuctx.Layout, ab gpuctx.DType, ta, tb bool, m, n, k, count int) {
 	t.Helper()
-	g := blas.GemmShape{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k, AB: ab, C: gpuctx.F32,
+	g := blas.GemmShape{Layout: blas.Layout(layout), TransA: ta, TransB: tb, M: m, N: n, K: k, AB: hal.DType(ab), C: hal.F32,
 		ALen: math.MaxInt, BLen: math.MaxInt, CLen: math.MaxInt}
 	if err := g.Normalize(); err != nil {
 		t.Fatal(err)
@@ -144,7 +146,7 @@ func runStrided(t *testing.T, d *gpuctx.Device, ctx *gpuctx.Context, s *gpuctx.S
 	const alpha, beta = 0.75, 0.5
 	want := append([]float64(nil), cVals...)
 	for i := range count {
-		blas.RefGemm(g, alpha, aVals[i*strideA:], bVals[i*strideB:], beta, want[i*strideC:])
+		blastest.RefGemm(g, alpha, aVals[i*strideA:], bVals[i*strideB:], beta, want[i*strideC:])
 	}
 	err := ctx.Blas(func(h gpuctx.Blas) error {
 		return h.GemmStridedBatched(gpuctx.Gemm{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k,

@@ -281,10 +281,10 @@ type binding struct {
 	// sharedWS marks an UnsafeSharedWorkspace slot; pooled Contexts never mix them.
 	sharedWS bool
 
-	bound   *Stream    // stream the handle is bound to (nil: none yet)
-	applied *workspace // workspace applied since the last bind
-	epoch   uint64     // blasState.epoch when applied was checked
-	ownWS   *workspace // UnsafeSharedWorkspace only
+	bound   *Stream               // stream the handle is bound to (nil: none yet)
+	applied *handlepool.Workspace // workspace applied since the last bind
+	epoch   uint64                // workspaces' epoch when applied was checked
+	ownWS   *handlepool.Workspace // UnsafeSharedWorkspace only
 
 	lease lease // what the slot lends to the callback holding its lock
 }
@@ -314,60 +314,30 @@ func (sl *binding) destroy(d *Device) error {
 	if sl.lt != nil {
 		errs = append(errs, sl.lt.Destroy())
 	}
-	if sl.ownWS != nil {
-		errs = append(errs, sl.ownWS.free(d))
+	if w := sl.ownWS; w != nil && w.Ptr != 0 {
+		errs = append(errs, d.hd.Free(w.Ptr))
+		w.Ptr = 0
 	}
 	sl.blas, sl.lt = nil, nil
 	return errors.Join(errs...)
 }
 
-// workspace is device memory for one stream's BLAS calls.
-type workspace struct {
-	ptr  hal.Ptr
-	size int
-}
-
-func (w *workspace) free(d *Device) error {
-	if w.ptr == 0 {
-		return nil
-	}
-	p := w.ptr
-	w.ptr = 0
-	return d.hd.Free(p)
-}
-
-// blasState is a device's BLAS pools and per-stream workspaces.
+// blasState is a device's BLAS handle pools and workspaces.
 type blasState struct {
 	dev *Device
-	mu  sync.Mutex // guards the workspace maps and closed
+	mu  sync.Mutex // guards closed
 	// pools[u][f]: handles of flavour f (numFlavours: cuBLASLt); u == 1 holds the
 	// UnsafeSharedWorkspace handles, which never serve a safe Context.
-	pools   [2][numFlavours + 1]handlepool.Pool[binding]
-	done    chan struct{} // closed at device Close: wakes every waiter
-	wsSize  int
-	ws      map[*Stream]*workspace // one workspace per stream: never shared by two streams
-	lt      map[*Stream]*ltState   // grow-only cuBLASLt workspace per stream
-	retired []retiredWS            // grown-out Lt workspaces, freed once their stream passes ev
-	closed  bool
-	// capt maps each stream in a capture begun through Stream.BeginCapture to
-	// it; evCapt each event recorded in a capture. ncapt counts captures in
-	// progress so that Record and Wait skip the bookkeeping when there is none.
-	capt   map[*Stream]*capture
-	evCapt map[*Event]*capture
-	ncapt  atomic.Int32
-	// epoch changes when a stream closes or a capture begins or ends: a slot
-	// whose epoch differs re-checks its stream and workspace before use.
-	epoch  atomic.Uint64
+	pools  [2][numFlavours + 1]handlepool.Pool[binding]
+	done   chan struct{}                          // closed at device Close: wakes every waiter
+	spaces handlepool.Workspaces[*Stream, *Event] // per-stream and per-capture workspaces
+	closed bool
 	envErr error // an invalid $GPUCTX_MAX_BLAS_HANDLES or $GPUCTX_BLAS_WORKSPACE
 }
 
 func (bs *blasState) init(d *Device) {
 	bs.dev = d
 	bs.done = make(chan struct{})
-	bs.ws = map[*Stream]*workspace{}
-	bs.lt = map[*Stream]*ltState{}
-	bs.capt = map[*Stream]*capture{}
-	bs.evCapt = map[*Event]*capture{}
 	limit, err1 := envInt(MaxHandlesEnv, DefaultMaxHandles, 1, maxHandlesLimit)
 	for u := range bs.pools {
 		for f := range bs.pools[u] {
@@ -381,13 +351,43 @@ func (bs *blasState) init(d *Device) {
 			})
 		}
 	}
-	bs.wsSize = WorkspaceDefault
+	size := WorkspaceDefault
 	if d.info.ComputeMajor >= 9 {
-		bs.wsSize = WorkspaceHopper
+		size = WorkspaceHopper
 	}
-	var err2 error
-	bs.wsSize, err2 = envInt(WorkspaceEnv, bs.wsSize, 1, maxWorkspaceBytes)
+	size, err2 := envInt(WorkspaceEnv, size, 1, maxWorkspaceBytes)
 	bs.envErr = errors.Join(err1, err2)
+	bs.spaces.Init(handlepool.WorkspaceConfig[*Stream]{
+		Size: size,
+		Alloc: func(s *Stream, n int, what string) (hal.Ptr, error) {
+			p, err := d.hd.Alloc(n)
+			if err != nil {
+				return 0, fmt.Errorf("gpuctx: allocating a %d-byte %s workspace for stream %d (size from $%s or the device default): %w", n, what, s.ID(), WorkspaceEnv, err)
+			}
+			return p, nil
+		},
+		Free:   d.hd.Free,
+		Event:  eventOn,
+		Closed: (*Stream).isClosed,
+	})
+}
+
+// eventOn returns a new event recorded on s (failing when s is closed).
+func eventOn(s *Stream) (hal.Event, error) {
+	ev, err := s.dev.hd.NewEvent(false)
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := s.use("BlasLt")
+	if err == nil {
+		err = ev.Record(s.hs)
+		unlock()
+	}
+	if err != nil {
+		_ = ev.Destroy()
+		return nil, err
+	}
+	return ev, nil
 }
 
 // maxWorkspaceBytes is the largest accepted $GPUCTX_BLAS_WORKSPACE (4 GiB).
@@ -423,235 +423,7 @@ func (d *Device) SetBlasHandleLimit(n int) error {
 const maxHandlesLimit = 1 << 20
 
 // WorkspaceBytes is the size of each stream's BLAS workspace on d.
-func (d *Device) WorkspaceBytes() int { return d.blas.wsSize }
-
-// alignUp rounds n up to a multiple of 256 bytes.
-func alignUp(n int) int { return (n + 255) &^ 255 }
-
-// workspaceFor returns the workspace s uses (created on first use). Keyed by
-// stream: handles bound to the same stream share it safely because the stream
-// orders their kernels; two streams never share one. While s is in a capture
-// begun through gpuctx, it is the capture's own workspace for s, which the
-// Graph owns: replaying the graph never touches a stream's eager workspace.
-func (bs *blasState) workspaceFor(s *Stream) (*workspace, error) {
-	bs.mu.Lock()
-	defer bs.mu.Unlock()
-	if c := bs.capt[s]; c != nil {
-		return c.workspace(bs, s)
-	}
-	if w := bs.ws[s]; w != nil {
-		return w, nil
-	}
-	w, err := bs.alloc(bs.wsSize, "BLAS", s)
-	if err != nil {
-		return nil, err
-	}
-	bs.ws[s] = w
-	return w, nil
-}
-
-// alloc allocates an n-byte workspace (rounded up to 256 bytes) for s.
-func (bs *blasState) alloc(n int, what string, s *Stream) (*workspace, error) {
-	n = alignUp(n)
-	p, err := bs.dev.hd.Alloc(n)
-	if err != nil {
-		return nil, fmt.Errorf("gpuctx: allocating a %d-byte %s workspace for stream %d (size from $%s or the device default): %w", n, what, s.ID(), WorkspaceEnv, err)
-	}
-	return &workspace{ptr: p, size: n}, nil
-}
-
-// ltState is one stream's cuBLASLt workspace.
-type ltState struct {
-	cur    *workspace
-	active int // BlasLt callbacks on the stream in progress
-	// pending: grown out while callbacks were active; one of them may still
-	// queue work with it. Retired (with an event) when the last one returns.
-	pending []*workspace
-}
-
-// retiredWS is a grown-out cuBLASLt workspace: free once ev has completed.
-type retiredWS struct {
-	w  *workspace
-	s  *Stream
-	ev hal.Event
-}
-
-// ltWorkspace returns s's cuBLASLt workspace, grown to at least n bytes. It is
-// called only inside a BlasLt callback on s (between ltEnter and ltExit), with
-// s read-locked.
-func (bs *blasState) ltWorkspace(s *Stream, n int) (*workspace, error) {
-	bs.mu.Lock()
-	defer bs.mu.Unlock()
-	if c := bs.capt[s]; c != nil {
-		return c.ltWorkspace(bs, s, n)
-	}
-	st := bs.lt[s]
-	if st == nil {
-		st = &ltState{}
-		bs.lt[s] = st
-	}
-	if st.cur != nil && st.cur.size >= n {
-		return st.cur, nil
-	}
-	w, err := bs.alloc(max(n, bs.wsSize), "cuBLASLt", s)
-	if err != nil {
-		return nil, err
-	}
-	if st.cur != nil {
-		// Work queued on s, or about to be queued by a callback in progress,
-		// may still use the old one: retire it when the callbacks are done.
-		st.pending = append(st.pending, st.cur)
-	}
-	st.cur = w
-	return w, nil
-}
-
-// ltEnter notes a BlasLt callback on s starting.
-func (bs *blasState) ltEnter(s *Stream) {
-	bs.mu.Lock()
-	st := bs.lt[s]
-	if st == nil && s.isClosed() { // streamClosed may have run: keep no entry for s
-		bs.mu.Unlock()
-		return
-	}
-	if st == nil {
-		st = &ltState{}
-		bs.lt[s] = st
-	}
-	st.active++
-	bs.mu.Unlock()
-}
-
-// ltExit notes a BlasLt callback on s returning. When it was the last one, the
-// workspaces grown out meanwhile can be used by nothing queued after now: an
-// event recorded on s marks when they are free. It also frees retired
-// workspaces whose event has completed.
-func (bs *blasState) ltExit(s *Stream) error {
-	bs.mu.Lock()
-	st := bs.lt[s]
-	var pending []*workspace
-	if st != nil {
-		st.active--
-		if st.active == 0 && bs.capt[s] == nil { // an event recorded in a capture would not mark s's eager work
-			pending, st.pending = st.pending, nil
-		}
-	}
-	bs.mu.Unlock()
-	var errs []error
-	if len(pending) > 0 {
-		if err := bs.retire(s, pending); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(append(errs, bs.sweep(false))...)
-}
-
-// retire records an event on s after which ws are unused and queues them to be
-// freed when it completes.
-func (bs *blasState) retire(s *Stream, ws []*workspace) error {
-	ev, err := bs.dev.hd.NewEvent(false)
-	if err == nil {
-		var unlock func()
-		if unlock, err = s.use("BlasLt"); err == nil {
-			err = ev.Record(s.hs)
-			unlock()
-		}
-		if err != nil {
-			_ = ev.Destroy()
-		}
-	}
-	bs.mu.Lock()
-	defer bs.mu.Unlock()
-	if err != nil {
-		if st := bs.lt[s]; st != nil {
-			// s is closing (or the event failed): streamClosed frees them after
-			// synchronising s, or a later callback retires them again.
-			st.pending = append(st.pending, ws...)
-			return nil
-		}
-		// streamClosed already ran: s has no work left.
-		var errs []error
-		for _, w := range ws {
-			errs = append(errs, w.free(bs.dev))
-		}
-		return errors.Join(errs...)
-	}
-	for _, w := range ws {
-		bs.retired = append(bs.retired, retiredWS{w: w, s: s, ev: ev})
-	}
-	return nil
-}
-
-// sweep frees retired workspaces whose event has completed (all of them when
-// all is set: the device is idle).
-func (bs *blasState) sweep(all bool) error {
-	bs.mu.Lock()
-	defer bs.mu.Unlock()
-	if len(bs.retired) == 0 {
-		return nil
-	}
-	var errs []error
-	keep := bs.retired[:0]
-	done := map[hal.Event]bool{}
-	for _, r := range bs.retired {
-		ok, seen := done[r.ev]
-		if !seen {
-			ok = all
-			if !ok {
-				q, err := r.ev.Query()
-				ok = err == nil && q
-			}
-			done[r.ev] = ok
-		}
-		if ok {
-			errs = append(errs, r.w.free(bs.dev))
-		} else {
-			keep = append(keep, r)
-		}
-	}
-	for ev, ok := range done {
-		if ok {
-			errs = append(errs, ev.Destroy())
-		}
-	}
-	clear(bs.retired[len(keep):])
-	bs.retired = keep
-	return errors.Join(errs...)
-}
-
-// streamClosed frees s's workspaces; s's work has completed.
-func (bs *blasState) streamClosed(s *Stream) error {
-	bs.mu.Lock()
-	w, lt := bs.ws[s], bs.lt[s]
-	delete(bs.ws, s)
-	delete(bs.lt, s)
-	var capWS []*workspace
-	if c := bs.capt[s]; c != nil {
-		delete(bs.capt, s)
-		if c.origin == s { // the capture can never end: nothing will own its workspaces
-			capWS = c.takeAll(bs)
-		}
-	}
-	bs.epoch.Add(1)
-	bs.mu.Unlock()
-	var errs []error
-	if w != nil {
-		errs = append(errs, w.free(bs.dev))
-	}
-	if lt != nil {
-		if lt.cur != nil {
-			errs = append(errs, lt.cur.free(bs.dev))
-		}
-		for _, w := range lt.pending {
-			errs = append(errs, w.free(bs.dev))
-		}
-	}
-	for _, w := range capWS {
-		errs = append(errs, w.free(bs.dev))
-	}
-	// s has no work left: its retired workspaces' events have completed.
-	return errors.Join(append(errs, bs.sweep(false))...)
-}
+func (d *Device) WorkspaceBytes() int { return d.blas.spaces.Size() }
 
 func (bs *blasState) close() error {
 	bs.mu.Lock()
@@ -667,31 +439,16 @@ func (bs *blasState) close() error {
 			slots = append(slots, bs.pools[u][f].Drain()...)
 		}
 	}
-	var ws []*workspace
-	for _, w := range bs.ws {
-		ws = append(ws, w)
-	}
-	for _, st := range bs.lt {
-		if st.cur != nil {
-			ws = append(ws, st.cur)
-		}
-		ws = append(ws, st.pending...)
-	}
-	for _, c := range bs.capt {
-		ws = append(ws, c.takeAll(bs)...)
-	}
-	bs.ws, bs.lt, bs.capt, bs.evCapt = map[*Stream]*workspace{}, map[*Stream]*ltState{}, map[*Stream]*capture{}, map[*Event]*capture{}
 	bs.mu.Unlock()
-	errs := []error{bs.sweep(true)} // the device is idle (Device.Close synchronised it)
+	var errs []error
 	for _, sl := range slots {
 		sl.Lock()
 		errs = append(errs, sl.Handle.destroy(bs.dev))
 		sl.Unlock()
 	}
-	for _, w := range ws {
-		errs = append(errs, w.free(bs.dev))
-	}
-	return errors.Join(errs...)
+	// The device is idle (Device.Close synchronised it): every workspace,
+	// retired ones included, can go.
+	return errors.Join(append(errs, bs.spaces.Close())...)
 }
 
 // newHandle makes sl a handle of flavour f (f == numFlavours: cuBLASLt), with a
@@ -724,13 +481,13 @@ func (bs *blasState) newHandle(sl *binding, f Flavour, unsafeWS bool) error {
 		sl.blas = h
 	}
 	if unsafeWS && sl.blas != nil {
-		n := alignUp(bs.wsSize)
+		n := handlepool.AlignUp(bs.spaces.Size())
 		p, err := d.hd.Alloc(n)
 		if err != nil {
 			_ = sl.destroy(d)
 			return fmt.Errorf("gpuctx: allocating a %d-byte BLAS workspace (size from $%s or the device default): %w", n, WorkspaceEnv, err)
 		}
-		sl.ownWS = &workspace{ptr: p, size: n}
+		sl.ownWS = &handlepool.Workspace{Ptr: p, Size: n}
 		sl.sharedWS = true
 	}
 	return nil
@@ -837,7 +594,7 @@ func (c *Context) release(sl *slot) {
 // is closed: a closed stream never gets a handle or a fresh workspace.
 func (c *Context) bind(slt *slot, s *Stream) error {
 	bs := &c.dev.blas
-	epoch := bs.epoch.Load()
+	epoch := bs.spaces.Epoch()
 	sl := &slt.Handle
 	if sl.blas != nil && sl.bound == s && sl.applied != nil && sl.ownWS == nil && sl.epoch == epoch {
 		return nil // fast path: bound to s with s's workspace applied
@@ -858,7 +615,7 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 	}
 	ws := sl.ownWS
 	if ws == nil {
-		if ws, err = bs.workspaceFor(s); err != nil {
+		if ws, err = bs.spaces.For(s); err != nil {
 			return err
 		}
 	}
@@ -876,9 +633,9 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 		slt.SetBoundID(s.ID())
 	}
 	if sl.applied != ws {
-		if err := sl.blas.SetWorkspace(ws.ptr, ws.size); err != nil {
+		if err := sl.blas.SetWorkspace(ws.Ptr, ws.Size); err != nil {
 			sl.applied = nil
-			return fmt.Errorf("gpuctx: applying the %d-byte workspace of stream %d: %w", ws.size, s.ID(), err)
+			return fmt.Errorf("gpuctx: applying the %d-byte workspace of stream %d: %w", ws.Size, s.ID(), err)
 		}
 		c.applies.Add(1)
 		sl.applied = ws
@@ -943,10 +700,10 @@ func (c *Context) BlasLt(fn func(lt BlasLt) error) (err error) {
 	if err := c.bind(sl, s); err != nil {
 		return err
 	}
-	bs := &c.dev.blas
-	bs.ltEnter(s)
+	ws := &c.dev.blas.spaces
+	ws.LtEnter(s)
 	defer func() {
-		if e := bs.ltExit(s); err == nil && e != nil {
+		if e := ws.LtExit(s); err == nil && e != nil {
 			err = e
 		}
 	}()

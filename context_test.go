@@ -12,8 +12,10 @@ import (
 	"unsafe"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/blas"
 	"github.com/gpuctx/gpuctx/half"
+	"github.com/gpuctx/gpuctx/internal/blas"
+	"github.com/gpuctx/gpuctx/internal/blastest"
+	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
 // blasDevices returns the CPU device and, where one works, the first CUDA
@@ -95,19 +97,19 @@ func to64(x []float32) []float64 {
 
 // refGemm is the float64 reference of a packed f32 GEMM.
 func refGemm(layout gpuctx.Layout, ta, tb bool, m, n, k int, a, b []float32) []float64 {
-	sh := blas.GemmShape{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k, AB: gpuctx.F32, C: gpuctx.F32,
+	sh := blas.GemmShape{Layout: blas.Layout(layout), TransA: ta, TransB: tb, M: m, N: n, K: k, AB: hal.F32, C: hal.F32,
 		ALen: len(a), BLen: len(b), CLen: m * n}
 	if err := sh.Normalize(); err != nil {
 		panic(err)
 	}
 	c := make([]float64, m*n)
-	blas.RefGemm(sh, 1, to64(a), to64(b), 0, c)
+	blastest.RefGemm(sh, 1, to64(a), to64(b), 0, c)
 	return c
 }
 
 func checkClose(t *testing.T, what string, got []float32, want []float64, tol float64) {
 	t.Helper()
-	if e := blas.RelErr(to64(got), want); !(e <= tol) {
+	if e := blastest.RelErr(to64(got), want); !(e <= tol) {
 		t.Fatalf("%s: relative error %.3g > %.1g", what, e, tol)
 	}
 }
@@ -315,7 +317,7 @@ func concurrentGemms(t *testing.T, d *gpuctx.Device, goroutines, perG int, ctxFo
 	for g := range goroutines {
 		got := download(t, outs[g])
 		for i := range perG {
-			if e := blas.RelErr(to64(got[i*m*n:(i+1)*m*n]), ins[(g+i)%sets].want); !(e <= 1e-5) {
+			if e := blastest.RelErr(to64(got[i*m*n:(i+1)*m*n]), ins[(g+i)%sets].want); !(e <= 1e-5) {
 				bad++
 			}
 		}
@@ -1000,7 +1002,7 @@ func TestTF32FlavourResults(t *testing.T) {
 		if allow {
 			want, other = tf32, full
 		}
-		eWant, eOther := blas.RelErr(to64(got), want), blas.RelErr(to64(got), other)
+		eWant, eOther := blastest.RelErr(to64(got), want), blastest.RelErr(to64(got), other)
 		if !(eWant <= 1e-6) || !(eOther > 10*eWant) {
 			t.Errorf("AllowTF32=%v: relative error %.2g against the expected math, %.2g against the other; want the expected one exact and the other clearly off", allow, eWant, eOther)
 		}

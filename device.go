@@ -30,7 +30,7 @@ type Device struct {
 }
 
 func newDevice(r *Runtime, hd hal.Device) *Device {
-	d := &Device{rt: r, hd: hd, info: hd.Info(),
+	d := &Device{rt: r, hd: hd, info: DeviceInfo(hd.Info()),
 		allocs: map[*allocation]struct{}{}, hosts: map[*HostBuffer]struct{}{},
 		streams: map[*Stream]struct{}{}, events: map[*Event]struct{}{}, contexts: map[*ctxCore]struct{}{}, graphs: map[*Graph]struct{}{}}
 	d.blas.init(d)
@@ -187,11 +187,11 @@ func (b *Buffer) Slice(off, n int) (*Buffer, error) {
 
 // Ptr returns the device address of b's first byte, for kernel arguments and
 // interop. It is valid until b's allocation is freed.
-func (b *Buffer) Ptr() (hal.Ptr, error) {
+func (b *Buffer) Ptr() (Ptr, error) {
 	if err := b.valid("Buffer.Ptr"); err != nil {
 		return 0, err
 	}
-	return b.a.ptr + hal.Ptr(b.off), nil
+	return Ptr(b.a.ptr + hal.Ptr(b.off)), nil
 }
 
 func (b *Buffer) ptr() hal.Ptr { return b.a.ptr + hal.Ptr(b.off) }

@@ -9,7 +9,7 @@ import (
 	"github.com/gpuctx/gpuctx/backend/cpu"
 	"github.com/gpuctx/gpuctx/backend/cuda"
 	"github.com/gpuctx/gpuctx/backend/cuda/cublas"
-	"github.com/gpuctx/gpuctx/blas"
+	"github.com/gpuctx/gpuctx/internal/blas"
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
 

@@ -5,20 +5,14 @@ import "github.com/gpuctx/gpuctx/internal/hal"
 // WorkspaceCounts reports how many per-stream BLAS workspaces, cuBLASLt
 // workspaces and retired (grown-out, not yet freed) cuBLASLt workspaces d holds.
 func WorkspaceCounts(d *Device) (perStream, lt, retired int) {
-	bs := &d.blas
-	bs.mu.Lock()
-	defer bs.mu.Unlock()
-	return len(bs.ws), len(bs.lt), len(bs.retired)
+	return d.blas.spaces.Counts()
 }
 
 // StreamWorkspace returns the address and size of s's eager BLAS workspace
 // (0, 0: none yet).
 func StreamWorkspace(s *Stream) (uintptr, int) {
-	bs := &s.dev.blas
-	bs.mu.Lock()
-	defer bs.mu.Unlock()
-	if w := bs.ws[s]; w != nil {
-		return uintptr(w.ptr), w.size
+	if w := s.dev.blas.spaces.Eager(s); w != nil {
+		return uintptr(w.Ptr), w.Size
 	}
 	return 0, 0
 }

@@ -85,31 +85,57 @@ var (
 	ErrDeviceLost = hal.ErrDeviceLost
 )
 
-// DType is an element type. It is an alias so that values flow to the BLAS
-// descriptors unchanged.
-type DType = hal.DType
+// DType is an element type.
+type DType int
 
-// Element types.
+// Element types. The zero DType is no type: operations given it fail with
+// ErrInvalid.
 const (
-	F32  = hal.F32
-	F64  = hal.F64
-	F16  = hal.F16
-	BF16 = hal.BF16
-	C64  = hal.C64
-	C128 = hal.C128
-	I32  = hal.I32
-	I64  = hal.I64
-	U8   = hal.U8
+	F32  DType = iota + 1 // float32
+	F64                   // float64
+	F16                   // IEEE half precision (package half)
+	BF16                  // bfloat16 (package half)
+	C64                   // complex64
+	C128                  // complex128
+	I32                   // int32
+	I64                   // int64
+	U8                    // uint8
 )
 
-// Dim3 is a kernel launch grid or block shape.
-type Dim3 = hal.Dim3
+// Size is the element size in bytes (0 for an unknown type).
+func (t DType) Size() int { return hal.DType(t).Size() }
+
+// String returns the short name used in errors and on the command line: "f32",
+// "f64", "f16", "bf16", "c64", "c128", "i32", "i64" or "u8".
+func (t DType) String() string { return hal.DType(t).String() }
+
+// Dim3 is a kernel launch grid or block shape: X*Y*Z blocks, or threads per
+// block.
+type Dim3 struct{ X, Y, Z int }
 
 // Library describes a vendor library a backend loaded.
-type Library = hal.Library
+type Library struct {
+	Name    string // "driver", "cublas", "cublasLt", "nvrtc", "gonum"
+	Path    string // file that was loaded, or "" for built-in
+	Version string // human readable, e.g. "13.1.0"
+}
 
 // DeviceInfo holds a device's static properties.
-type DeviceInfo = hal.DeviceInfo
+type DeviceInfo struct {
+	Index        int    // the device's index in its Runtime (Runtime.Device)
+	Name         string // the vendor's device name, or the CPU model
+	ComputeMajor int    // CUDA compute capability; 0 on CPU
+	ComputeMinor int
+	SMCount      int    // streaming multiprocessors (CUDA) or logical CPUs (CPU)
+	TotalMemory  uint64 // bytes
+	L2Bytes      int    // L2 cache size in bytes
+	// DriverVersion is the CUDA driver API version (e.g. 13000) or 0.
+	DriverVersion int
+}
+
+// Ptr is a device address: a Buffer's bytes as kernels and vendor libraries
+// see them. Kernel launches accept it as an argument.
+type Ptr uintptr
 
 // Runtime is one opened backend and its devices.
 type Runtime struct {
@@ -169,7 +195,14 @@ func (r *Runtime) Backend() string { return r.be.Name() }
 func (r *Runtime) DeviceCount() int { return r.be.DeviceCount() }
 
 // Libraries lists the vendor libraries loaded so far with their paths and versions.
-func (r *Runtime) Libraries() []Library { return r.be.Libraries() }
+func (r *Runtime) Libraries() []Library {
+	libs := r.be.Libraries()
+	out := make([]Library, len(libs))
+	for i, l := range libs {
+		out[i] = Library(l)
+	}
+	return out
+}
 
 // Device opens device i. Calling it again returns the same *Device.
 func (r *Runtime) Device(i int) (*Device, error) {

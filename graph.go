@@ -6,6 +6,7 @@ import (
 	"sync"
 
 	"github.com/gpuctx/gpuctx/internal/hal"
+	"github.com/gpuctx/gpuctx/internal/handlepool"
 )
 
 // Graph is work recorded from streams by BeginCapture/EndCapture (a CUDA graph
@@ -27,7 +28,7 @@ import (
 type Graph struct {
 	dev *Device
 	g   hal.Graph
-	ws  []*workspace // BLAS workspaces of the capture, freed at Close
+	ws  []*handlepool.Workspace // BLAS workspaces of the capture, freed at Close
 
 	mu     sync.Mutex // held across a launch, so that launches are ordered
 	closed bool
@@ -35,103 +36,13 @@ type Graph struct {
 	lastS  *Stream   // the stream of the latest launch
 }
 
-// capture is one capture begun with Stream.BeginCapture: its origin stream and
-// the BLAS workspaces that calls recorded on each of its streams use (the
-// streams of one capture run concurrently in the graph, so each has its own).
-// Guarded by the device's blasState.mu.
-type capture struct {
-	origin *Stream
-	ws     map[*Stream]*workspace // cuBLAS workspace per stream of the capture
-	lt     map[*Stream]*workspace // cuBLASLt workspace per stream (grow-only)
-	all    []*workspace           // every workspace allocated for it, grown-out ones included
-}
-
-// workspace returns the capture's cuBLAS workspace for s (bs.mu held).
-func (c *capture) workspace(bs *blasState, s *Stream) (*workspace, error) {
-	if w := c.ws[s]; w != nil {
-		return w, nil
-	}
-	w, err := bs.alloc(bs.wsSize, "BLAS (graph capture)", s)
-	if err != nil {
-		return nil, err
-	}
-	c.ws[s] = w
-	c.all = append(c.all, w)
-	return w, nil
-}
-
-// ltWorkspace returns the capture's cuBLASLt workspace for s, at least n bytes
-// (bs.mu held). A grown-out one stays with the graph: recorded nodes use it.
-func (c *capture) ltWorkspace(bs *blasState, s *Stream, n int) (*workspace, error) {
-	if w := c.lt[s]; w != nil && w.size >= n {
-		return w, nil
-	}
-	w, err := bs.alloc(max(n, bs.wsSize), "cuBLASLt (graph capture)", s)
-	if err != nil {
-		return nil, err
-	}
-	c.lt[s] = w
-	c.all = append(c.all, w)
-	return w, nil
-}
-
-// takeAll hands over the capture's workspaces (bs.mu held); later calls get none.
-func (c *capture) takeAll(*blasState) []*workspace {
-	all := c.all
-	c.all, c.ws, c.lt = nil, map[*Stream]*workspace{}, map[*Stream]*workspace{}
-	return all
-}
-
 // noteRecord tracks events recorded on a stream of a capture: a stream that
 // waits on one joins the capture (as in CUDA), and its BLAS calls then use the
 // capture's workspaces too.
-func (d *Device) noteRecord(e *Event, s *Stream) {
-	bs := &d.blas
-	if bs.ncapt.Load() == 0 {
-		return
-	}
-	bs.mu.Lock()
-	if c := bs.capt[s]; c != nil {
-		bs.evCapt[e] = c
-	} else {
-		delete(bs.evCapt, e)
-	}
-	bs.mu.Unlock()
-}
+func (d *Device) noteRecord(e *Event, s *Stream) { d.blas.spaces.NoteRecord(e, s) }
 
 // noteWait makes s join the capture e was recorded in, if any.
-func (d *Device) noteWait(s *Stream, e *Event) {
-	bs := &d.blas
-	if bs.ncapt.Load() == 0 {
-		return
-	}
-	bs.mu.Lock()
-	if c := bs.evCapt[e]; c != nil && bs.capt[s] == nil {
-		bs.capt[s] = c
-		bs.epoch.Add(1)
-	}
-	bs.mu.Unlock()
-}
-
-// endCapture removes c's streams and events from the tracking and returns its
-// workspaces.
-func (bs *blasState) endCapture(c *capture) []*workspace {
-	bs.mu.Lock()
-	defer bs.mu.Unlock()
-	for s, sc := range bs.capt {
-		if sc == c {
-			delete(bs.capt, s)
-		}
-	}
-	for e, ec := range bs.evCapt {
-		if ec == c {
-			delete(bs.evCapt, e)
-		}
-	}
-	bs.ncapt.Add(-1)
-	bs.epoch.Add(1)
-	return c.takeAll(bs)
-}
+func (d *Device) noteWait(s *Stream, e *Event) { d.blas.spaces.NoteWait(s, e) }
 
 // BeginCapture starts recording the work queued on s into a graph instead of
 // running it. Until EndCapture, work queued on s is recorded; a stream that waits
@@ -152,21 +63,13 @@ func (s *Stream) BeginCapture() error {
 	if !ok {
 		return fmt.Errorf("gpuctx: %s: the %s backend cannot capture streams: %w", op, s.dev.Backend(), ErrUnavailable)
 	}
-	bs := &s.dev.blas
-	c := &capture{origin: s, ws: map[*Stream]*workspace{}, lt: map[*Stream]*workspace{}}
-	bs.mu.Lock()
-	if bs.capt[s] != nil {
-		bs.mu.Unlock()
+	ws := &s.dev.blas.spaces
+	// Handles bound to s leave the bind fast path: they re-check the workspace.
+	if !ws.BeginCapture(s) {
 		return fmt.Errorf("gpuctx: %s: stream %d is already in a capture: %w", op, s.ID(), ErrInvalid)
 	}
-	bs.capt[s] = c
-	bs.ncapt.Add(1)
-	bs.epoch.Add(1) // handles bound to s leave the fast path: they re-check the workspace
-	bs.mu.Unlock()
 	if err := hc.BeginCapture(); err != nil {
-		for _, w := range bs.endCapture(c) {
-			_ = w.free(s.dev)
-		}
+		_ = ws.Release(ws.EndCapture(s))
 		return err
 	}
 	return nil
@@ -185,22 +88,11 @@ func (s *Stream) EndCapture() (*Graph, error) {
 	if !ok {
 		return nil, fmt.Errorf("gpuctx: %s: the %s backend cannot capture streams: %w", op, s.dev.Backend(), ErrUnavailable)
 	}
-	bs := &s.dev.blas
-	bs.mu.Lock()
-	c := bs.capt[s]
-	if c != nil && c.origin != s {
-		c = nil // s joined a capture begun on another stream: the backend refuses
-	}
-	bs.mu.Unlock()
 	g, err := hc.EndCapture()
-	var ws []*workspace
-	if c != nil {
-		ws = bs.endCapture(c)
-	}
+	// nil when s joined a capture begun on another stream (the backend refuses).
+	ws := s.dev.blas.spaces.EndCapture(s)
 	if err != nil {
-		for _, w := range ws { // nothing recorded can run
-			_ = w.free(s.dev)
-		}
+		_ = s.dev.blas.spaces.Release(ws) // nothing recorded can run
 		return nil, fmt.Errorf("gpuctx: %s: %w", op, err)
 	}
 	gr := &Graph{dev: s.dev, g: g, ws: ws}
@@ -278,9 +170,7 @@ func (g *Graph) destroy() error {
 		errs = append(errs, g.last.Synchronize(), g.last.Destroy())
 	}
 	errs = append(errs, g.g.Destroy())
-	for _, w := range g.ws {
-		errs = append(errs, w.free(g.dev))
-	}
+	errs = append(errs, g.dev.blas.spaces.Release(g.ws))
 	g.ws = nil
 	return errors.Join(errs...)
 }

@@ -234,13 +234,15 @@ func (s *Stream) Launch(k *Kernel, grid, block Dim3, sharedMem int, args ...any)
 				return err
 			}
 			conv[i] = v.ptr()
+		case Ptr:
+			conv[i] = hal.Ptr(v)
 		case int32, uint32, int64, uint64, float32, float64, hal.Ptr:
 			conv[i] = v
 		default:
-			return fmt.Errorf("gpuctx: %s %s: argument %d has Go type %T; use *Buffer, int32, uint32, int64, uint64, float32 or float64: %w", op, k.Name(), i, a, ErrInvalid)
+			return fmt.Errorf("gpuctx: %s %s: argument %d has Go type %T; use *Buffer, Ptr, int32, uint32, int64, uint64, float32 or float64: %w", op, k.Name(), i, a, ErrInvalid)
 		}
 	}
-	return s.hs.Launch(k.k, grid, block, sharedMem, conv...)
+	return s.hs.Launch(k.k, hal.Dim3(grid), hal.Dim3(block), sharedMem, conv...)
 }
 
 // Wait makes work queued on s after this call wait until e has completed (the
@@ -304,7 +306,7 @@ func (s *Stream) destroy() error {
 	s.closed = true
 	s.mu.Unlock()
 	err := s.hs.Synchronize()
-	err2 := s.dev.blas.streamClosed(s)
+	err2 := s.dev.blas.spaces.StreamClosed(s)
 	err3 := s.hs.Destroy()
 	if err != nil {
 		return err

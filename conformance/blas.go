@@ -4,11 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"strings"
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/blas"
 )
 
 func newBlasContext(t *testing.T, dev *gpuctx.Device, s *gpuctx.Stream) *gpuctx.Context {
@@ -21,74 +21,224 @@ func newBlasContext(t *testing.T, dev *gpuctx.Device, s *gpuctx.Stream) *gpuctx.
 	return ctx
 }
 
-// stridedShape returns the normalized shape of one matrix of the batch, with
-// padded leading dimensions, and the elements each stored operand spans.
-func stridedShape(t *testing.T, layout gpuctx.Layout, ta, tb bool, m, n, k int) (blas.GemmShape, [3]int) {
+// unsupported reports whether err says the backend cannot run this type
+// combination (ErrUnavailable): the case is logged and skipped, not failed.
+func unsupported(t *testing.T, what string, err error) bool {
 	t.Helper()
-	g := blas.GemmShape{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k, AB: gpuctx.F32, C: gpuctx.F32,
-		ALen: math.MaxInt, BLen: math.MaxInt, CLen: math.MaxInt}
-	must(t, "GemmShape.Normalize", g.Normalize())
-	g.LDA, g.LDB, g.LDC = g.LDA+1, g.LDB+2, g.LDC+3
-	span := func(trans bool, r, c, ld int) int {
-		if trans {
-			r, c = c, r
-		}
-		if layout == gpuctx.ColMajor {
-			return (c-1)*ld + r
-		}
-		return (r-1)*ld + c
+	if errors.Is(err, gpuctx.ErrUnavailable) {
+		t.Logf("%s: not supported by this backend: %v", what, err)
+		return true
 	}
-	return g, [3]int{span(ta, m, k, g.LDA), span(tb, k, n, g.LDB), span(false, m, n, g.LDC)}
+	return false
 }
 
-// TestBlasStridedBatched runs f32 strided batched GEMMs whose A, B and C
-// strides all differ, in both layouts, with every transpose and padded leading
-// dimensions, on buffers sized exactly for the batch. Inputs are small
-// integers, so every result is exact: C (the gaps between its matrices
-// included) must equal the host reference bit for bit, and A and B must be
-// unchanged.
-func TestBlasStridedBatched(t *testing.T, dev *gpuctx.Device) {
-	s := newStream(t, dev)
-	ctx := newBlasContext(t, dev, s)
+// gemmCase is one GEMM (or a batch of count, with strides between matrices)
+// on buffers sized exactly for it, with padded leading dimensions.
+type gemmCase struct {
+	tp             gemmType
+	layout         gpuctx.Layout
+	ta, tb         bool
+	m, n, k, count int
+	gap            [3]int // extra elements between matrices of a batch (A, B, C)
+}
+
+func (c gemmCase) String() string {
+	return fmt.Sprintf("%v %v ta=%v tb=%v %dx%dx%d", c.tp, c.layout, c.ta, c.tb, c.m, c.n, c.k)
+}
+
+// run uploads random small-integer operands, runs call (which queues the
+// GEMM through h with the Gemm and strides it is given), and checks C exactly
+// (up to the sign of a zero) against the float64 reference (the gaps between C's matrices included:
+// they must be untouched) and that A and B are unchanged.
+func (c gemmCase) run(t *testing.T, dev *gpuctx.Device, ctx *gpuctx.Context, r *rand.Rand,
+	call func(h gpuctx.Blas, g gpuctx.Gemm, sa, sb, sc int) error) {
+	t.Helper()
+	am, bm, cm := gemmMats(c.layout, c.ta, c.tb, c.m, c.n, c.k, [3]int{1, 2, 3})
+	sa, sb, sc := am.span()+c.gap[0], bm.span()+c.gap[1], cm.span()+c.gap[2]
+	count := max(c.count, 1)
+	a := decode(c.tp.ab, encode(c.tp.ab, intsF64(r, (count-1)*sa+am.span(), -3, 3)))
+	b := decode(c.tp.ab, encode(c.tp.ab, intsF64(r, (count-1)*sb+bm.span(), -3, 3)))
+	cv := decode(c.tp.c, encode(c.tp.c, intsF64(r, (count-1)*sc+cm.span(), -3, 3)))
+	aBytes, bBytes := encode(c.tp.ab, a), encode(c.tp.ab, b)
+	A, B, C := upload(t, dev, aBytes), upload(t, dev, bBytes), upload(t, dev, encode(c.tp.c, cv))
+	const alpha, beta = 0.5, 0.25 // powers of two: every result is exact in every type
+	want := append([]float64(nil), cv...)
+	for i := range count {
+		refGemm(c.ta, c.tb, c.m, c.n, c.k, alpha, am, a[i*sa:], bm, b[i*sb:], beta, cm, want[i*sc:])
+	}
+	g := gpuctx.Gemm{Layout: c.layout, TransA: c.ta, TransB: c.tb, M: c.m, N: c.n, K: c.k, Alpha: alpha, Beta: beta,
+		A: A, B: B, C: C, LDA: am.ld, LDB: bm.ld, LDC: cm.ld, AB: c.tp.ab, CType: c.tp.c}
+	what := fmt.Sprintf("%v x%d strides %d %d %d", c, count, sa, sb, sc)
+	if err := ctx.Blas(func(h gpuctx.Blas) error { return call(h, g, sa, sb, sc) }); err != nil {
+		if unsupported(t, what, err) {
+			return
+		}
+		t.Fatalf("%s: %v", what, err)
+	}
+	sameVals(t, what+": C", c.tp.c, download(t, dev, C), want)
+	sameBytes(t, what+": A unchanged", download(t, dev, A), aBytes)
+	sameBytes(t, what+": B unchanged", download(t, dev, B), bBytes)
+}
+
+// forEachGemm calls f for every type pair, layout and transpose combination.
+func forEachGemm(f func(tp gemmType, layout gpuctx.Layout, ta, tb bool)) {
+	for _, tp := range gemmTypes {
+		for _, layout := range []gpuctx.Layout{gpuctx.RowMajor, gpuctx.ColMajor} {
+			for _, ta := range []bool{false, true} {
+				for _, tb := range []bool{false, true} {
+					f(tp, layout, ta, tb)
+				}
+			}
+		}
+	}
+}
+
+// TestBlasGemm runs Blas.Gemm for every supported type pair (f32, f64, f16 and
+// bf16 inputs; C of the input type or f32), in both layouts, with every
+// transpose, non-square shapes and padded leading dimensions. Inputs are small
+// integers and alpha, beta powers of two, so C must equal the float64
+// reference exactly (up to the sign of a zero); A and B must be unchanged.
+func TestBlasGemm(t *testing.T, dev *gpuctx.Device) {
+	ctx := newBlasContext(t, dev, newStream(t, dev))
 	r := newRand(t)
-	const m, n, k, count = 5, 3, 4, 3
-	for _, layout := range []gpuctx.Layout{gpuctx.RowMajor, gpuctx.ColMajor} {
-		for _, ta := range []bool{false, true} {
-			for _, tb := range []bool{false, true} {
-				g, sp := stridedShape(t, layout, ta, tb, m, n, k)
-				sa, sb, sc := sp[0]+3, sp[1]+8, sp[2]+1
-				a := randInts(r, blas.Span(count, sa, sp[0]), -3, 3)
-				b := randInts(r, blas.Span(count, sb, sp[1]), -3, 3)
-				c := randInts(r, blas.Span(count, sc, sp[2]), -3, 3)
-				A, B, C := upload(t, dev, f32Bytes(a)), upload(t, dev, f32Bytes(b)), upload(t, dev, f32Bytes(c))
-				const alpha, beta = 0.5, 0.25
-				want := make([]float64, len(c))
-				for i, v := range c {
-					want[i] = float64(v)
+	forEachGemm(func(tp gemmType, layout gpuctx.Layout, ta, tb bool) {
+		gemmCase{tp: tp, layout: layout, ta: ta, tb: tb, m: 5, n: 3, k: 4}.run(t, dev, ctx, r,
+			func(h gpuctx.Blas, g gpuctx.Gemm, _, _, _ int) error { return h.Gemm(g) })
+	})
+}
+
+// TestBlasStridedBatched runs strided batched GEMMs whose A, B and C strides
+// all differ (with gaps between the matrices), for every type pair, in both
+// layouts, with every transpose and padded leading dimensions, on buffers
+// sized exactly for the batch. C (the gaps included) must equal the host
+// reference exactly, and A and B must be unchanged.
+func TestBlasStridedBatched(t *testing.T, dev *gpuctx.Device) {
+	ctx := newBlasContext(t, dev, newStream(t, dev))
+	r := newRand(t)
+	forEachGemm(func(tp gemmType, layout gpuctx.Layout, ta, tb bool) {
+		gemmCase{tp: tp, layout: layout, ta: ta, tb: tb, m: 5, n: 3, k: 4, count: 3, gap: [3]int{3, 8, 1}}.run(t, dev, ctx, r,
+			func(h gpuctx.Blas, g gpuctx.Gemm, sa, sb, sc int) error {
+				return h.GemmStridedBatched(g, 3, sa, sb, sc)
+			})
+	})
+}
+
+// TestBlasGrouped runs GemmGrouped with groups of different shapes, among them
+// empty ones (M == 0, N == 0, which must touch nothing) and one with K == 0
+// (C = Beta*C), for every type pair and both layouts. Every group's C must
+// equal the reference exactly, the empty groups' C must be unchanged, and
+// no input may change. An empty list and a list of only empty groups succeed.
+func TestBlasGrouped(t *testing.T, dev *gpuctx.Device) {
+	ctx := newBlasContext(t, dev, newStream(t, dev))
+	r := newRand(t)
+	shapes := []struct{ m, n, k int }{{4, 3, 5}, {0, 3, 5}, {6, 2, 3}, {3, 0, 2}, {2, 5, 0}, {1, 1, 7}}
+	for _, tp := range gemmTypes {
+		for _, layout := range []gpuctx.Layout{gpuctx.RowMajor, gpuctx.ColMajor} {
+			const alpha, beta = 0.5, -0.25
+			type group struct {
+				am, bm, cm     mat
+				a, b, c, want  []float64
+				A, B, C        *gpuctx.Buffer
+				aBytes, bBytes []byte
+			}
+			var groups []group
+			var gs []gpuctx.Gemm
+			for i, sh := range shapes {
+				ta, tb := i%2 == 1, i%3 == 1
+				am, bm, cm := gemmMats(layout, ta, tb, sh.m, sh.n, sh.k, [3]int{i % 2, 1, 0})
+				// At least one element per operand: empty groups still need buffers.
+				g := group{am: am, bm: bm, cm: cm}
+				g.a = decode(tp.ab, encode(tp.ab, intsF64(r, max(am.span(), 1), -3, 3)))
+				g.b = decode(tp.ab, encode(tp.ab, intsF64(r, max(bm.span(), 1), -3, 3)))
+				g.c = decode(tp.c, encode(tp.c, intsF64(r, max(cm.span(), 1), -3, 3)))
+				g.want = append([]float64(nil), g.c...)
+				refGemm(ta, tb, sh.m, sh.n, sh.k, alpha, am, g.a, bm, g.b, beta, cm, g.want)
+				g.aBytes, g.bBytes = encode(tp.ab, g.a), encode(tp.ab, g.b)
+				g.A, g.B, g.C = upload(t, dev, g.aBytes), upload(t, dev, g.bBytes), upload(t, dev, encode(tp.c, g.c))
+				groups = append(groups, g)
+				gs = append(gs, gpuctx.Gemm{Layout: layout, TransA: ta, TransB: tb, M: sh.m, N: sh.n, K: sh.k,
+					Alpha: alpha, Beta: beta, A: g.A, B: g.B, C: g.C, LDA: am.ld, LDB: bm.ld, LDC: cm.ld, AB: tp.ab, CType: tp.c})
+			}
+			what := fmt.Sprintf("%v %v", tp, layout)
+			if err := ctx.Blas(func(h gpuctx.Blas) error { return h.GemmGrouped(gs) }); err != nil {
+				if unsupported(t, what, err) {
+					continue
 				}
-				a64, b64 := make([]float64, len(a)), make([]float64, len(b))
-				for i, v := range a {
-					a64[i] = float64(v)
+				t.Fatalf("%s: GemmGrouped: %v", what, err)
+			}
+			for i, g := range groups {
+				gw := fmt.Sprintf("%s group %d (%dx%dx%d)", what, i, shapes[i].m, shapes[i].n, shapes[i].k)
+				sameVals(t, gw+": C", tp.c, download(t, dev, g.C), g.want)
+				sameBytes(t, gw+": A unchanged", download(t, dev, g.A), g.aBytes)
+				sameBytes(t, gw+": B unchanged", download(t, dev, g.B), g.bBytes)
+			}
+		}
+	}
+	must(t, "GemmGrouped with no groups", ctx.Blas(func(h gpuctx.Blas) error { return h.GemmGrouped(nil) }))
+	one := upload(t, dev, encode(gpuctx.F32, []float64{7}))
+	empty := gpuctx.Gemm{M: 0, N: 1, K: 1, Alpha: 1, A: one, B: one, C: one, AB: gpuctx.F32, CType: gpuctx.F32}
+	must(t, "GemmGrouped with only empty groups", ctx.Blas(func(h gpuctx.Blas) error {
+		return h.GemmGrouped([]gpuctx.Gemm{empty, empty})
+	}))
+	sameBytes(t, "C of an all-empty grouped call", download(t, dev, one), encode(gpuctx.F32, []float64{7}))
+}
+
+// TestBlasGeam runs Geam (C = Alpha*op(A) + Beta*op(B), op the plain
+// transpose, never the conjugate) for f32, f64, c64 and c128, in both layouts,
+// with every transpose and padded leading dimensions. Real types use the real
+// parts of Alpha and Beta. Results must equal the complex128 reference
+// exactly; A and B must be unchanged.
+func TestBlasGeam(t *testing.T, dev *gpuctx.Device) {
+	ctx := newBlasContext(t, dev, newStream(t, dev))
+	r := newRand(t)
+	const m, n = 4, 3
+	for _, dt := range []gpuctx.DType{gpuctx.F32, gpuctx.F64, gpuctx.C64, gpuctx.C128} {
+		cplx := dt == gpuctx.C64 || dt == gpuctx.C128
+		alpha, beta := complex(0.5, 0), complex(-2, 0)
+		if cplx {
+			alpha, beta = complex(0.5, 0.25), complex(-2, 1)
+		}
+		vals := func(n int) []complex128 {
+			v := make([]complex128, n)
+			for i := range v {
+				v[i] = complex(float64(r.IntN(7)-3), 0)
+				if cplx {
+					v[i] += complex(0, float64(r.IntN(7)-3))
 				}
-				for i, v := range b {
-					b64[i] = float64(v)
+			}
+			return v
+		}
+		for _, layout := range []gpuctx.Layout{gpuctx.RowMajor, gpuctx.ColMajor} {
+			for _, ta := range []bool{false, true} {
+				for _, tb := range []bool{false, true} {
+					stored := func(trans bool, pad int) mat {
+						rows, cols := m, n
+						if trans {
+							rows, cols = n, m
+						}
+						return mat{layout, rows, cols, packedLD(layout, rows, cols) + pad}
+					}
+					am, bm, cm := stored(ta, 2), stored(tb, 1), stored(false, 3)
+					a, b, c := vals(am.span()), vals(bm.span()), vals(cm.span())
+					want := append([]complex128(nil), c...)
+					refGeam(ta, tb, m, n, alpha, am, a, beta, bm, b, cm, want)
+					aBytes, bBytes := encodeComplex(dt, a), encodeComplex(dt, b)
+					A, B, C := upload(t, dev, aBytes), upload(t, dev, bBytes), upload(t, dev, encodeComplex(dt, c))
+					what := fmt.Sprintf("%v %v ta=%v tb=%v", dt, layout, ta, tb)
+					err := ctx.Blas(func(h gpuctx.Blas) error {
+						return h.Geam(gpuctx.Geam{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, Alpha: alpha, Beta: beta,
+							A: A, B: B, C: C, LDA: am.ld, LDB: bm.ld, LDC: cm.ld, Type: dt})
+					})
+					if err != nil {
+						if unsupported(t, what, err) {
+							continue
+						}
+						t.Fatalf("%s: Geam: %v", what, err)
+					}
+					sameComplex(t, what+": C", dt, download(t, dev, C), want)
+					sameBytes(t, what+": A unchanged", download(t, dev, A), aBytes)
+					sameBytes(t, what+": B unchanged", download(t, dev, B), bBytes)
 				}
-				for i := range count {
-					blas.RefGemm(g, alpha, a64[i*sa:], b64[i*sb:], beta, want[i*sc:])
-				}
-				wantF := make([]float32, len(want))
-				for i, v := range want {
-					wantF[i] = float32(v)
-				}
-				what := fmt.Sprintf("%v ta=%v tb=%v strides A %d B %d C %d", layout, ta, tb, sa, sb, sc)
-				must(t, what, ctx.Blas(func(h gpuctx.Blas) error {
-					return h.GemmStridedBatched(gpuctx.Gemm{Layout: layout, TransA: ta, TransB: tb, M: m, N: n, K: k,
-						Alpha: alpha, Beta: beta, A: A, B: B, C: C, LDA: g.LDA, LDB: g.LDB, LDC: g.LDC, AB: gpuctx.F32, CType: gpuctx.F32},
-						count, sa, sb, sc)
-				}))
-				sameF32(t, what+": C", bytesF32(download(t, dev, C)), wantF)
-				sameBytes(t, what+": A unchanged", download(t, dev, A), f32Bytes(a))
-				sameBytes(t, what+": B unchanged", download(t, dev, B), f32Bytes(b))
 			}
 		}
 	}

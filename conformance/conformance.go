@@ -3,6 +3,21 @@
 // functions take a *testing.T and a *gpuctx.Device, so that every backend (the
 // CPU backend in CI, CUDA on the GPU machine) runs exactly the same cases.
 //
+// It is what a new backend must pass: memory and copies, kernels, stream
+// ordering and events, BLAS operations (Gemm, strided batched with distinct
+// strides, grouped with empty groups, Geam; every type pair gpuctx accepts,
+// both layouts, every transpose, padded leading dimensions), Context binding
+// (one Context switched back and forth between two streams under both handle
+// policies; concurrent views on their own streams), per-stream workspaces (no
+// two streams on one workspace, checked by the backend's detector where it has
+// one, by exact results everywhere), graph capture and replay (on another
+// stream, after the capturing stream closed, beside eager work) and the error
+// sentinels. Every BLAS answer is exact (small integers, alpha and beta powers
+// of two) and checked against a float64 reference of this package's own or a
+// hand-computed value, and every case checks that its inputs are unchanged. A
+// type combination, BlasLt or graph capture that the backend reports as
+// ErrUnavailable is logged and skipped, not failed.
+//
 // Run runs every case as a subtest; the individual TestX functions can be run on
 // their own. Each case makes its own streams, events and buffers, releases them
 // with t.Cleanup, and checks every result against a host computation; random
@@ -43,8 +58,14 @@ func Cases() []Case {
 		{"StreamOrdering", TestStreamOrdering},
 		{"EventDependency", TestEventDependency},
 		{"EventElapsed", TestEventElapsed},
+		{"BlasGemm", TestBlasGemm},
 		{"BlasStridedBatched", TestBlasStridedBatched},
+		{"BlasGrouped", TestBlasGrouped},
+		{"BlasGeam", TestBlasGeam},
 		{"BlasExtents", TestBlasExtents},
+		{"ContextStreamSwitching", TestContextStreamSwitching},
+		{"ContextConcurrentViews", TestContextConcurrentViews},
+		{"GraphReplay", TestGraphReplay},
 		{"Errors", TestErrors},
 	}
 }

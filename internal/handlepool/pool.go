@@ -3,12 +3,19 @@
 //
 // A Pool is a bounded set of handles of one kind, each with its own lock,
 // handed to callers that prefer the handle already bound to their stream. The
-// package knows nothing about how a handle is bound to a stream or which
-// workspace it uses: the caller (package gpuctx) binds the handle it was lent
-// while holding its lock, and keeps the per-stream workspaces.
+// package knows nothing about how a handle is bound to a stream: the caller
+// (package gpuctx) binds the handle it was lent while holding its lock, and
+// applies the workspace that Workspaces gives the stream.
 //
-// Nothing here queues device work or waits for it; Pool.Acquire may wait on the
-// host for a free handle.
+// Workspaces is the device memory those handles use, keyed by stream (as
+// PyTorch keys its workspaces by handle and stream) so that no two streams
+// share one: per-stream cuBLAS workspaces, grow-only cuBLASLt workspaces whose
+// grown-out predecessors are freed once their stream has passed them, and the
+// workspaces of graph captures, which the graph owns.
+//
+// Nothing here queues device work or waits for it, except the events that
+// WorkspaceConfig.Event records; Pool.Acquire may wait on the host for a free
+// handle.
 package handlepool
 
 import (

@@ -1,6 +1,7 @@
 // Package blas holds backend-neutral BLAS operation descriptors, their shape
 // validation, the row-major to column-major mapping every backend relies on, and
-// a float64 reference implementation used by tests and by the CLI's checks.
+// the operand spans that bounds checks need. The float64 reference that tests
+// check results against is in internal/blastest.
 //
 // Nothing here touches a device. Package gpuctx validates every operation with
 // this package before it reaches a backend, so backends never see a bad shape.
@@ -9,7 +10,6 @@ package blas
 import (
 	"fmt"
 	"math"
-	"math/cmplx"
 
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
@@ -302,101 +302,4 @@ func (g *GeamShape) ColMajorDesc(a, b, c hal.Ptr, alpha, beta complex128) hal.Ge
 		d.M, d.N = g.N, g.M
 	}
 	return d
-}
-
-// RefGemm computes C = alpha*op(A)*op(B) + beta*C in float64 on host slices laid
-// out as g says (g must be normalized).
-func RefGemm(g GemmShape, alpha float64, a, b []float64, beta float64, c []float64) {
-	at := func(l Layout, x []float64, ld, i, j int) float64 {
-		if l == ColMajor {
-			return x[i+j*ld]
-		}
-		return x[i*ld+j]
-	}
-	for i := 0; i < g.M; i++ {
-		for j := 0; j < g.N; j++ {
-			var s float64
-			for p := 0; p < g.K; p++ {
-				var av, bv float64
-				if g.TransA {
-					av = at(g.Layout, a, g.LDA, p, i)
-				} else {
-					av = at(g.Layout, a, g.LDA, i, p)
-				}
-				if g.TransB {
-					bv = at(g.Layout, b, g.LDB, j, p)
-				} else {
-					bv = at(g.Layout, b, g.LDB, p, j)
-				}
-				s += av * bv
-			}
-			idx := i*g.LDC + j
-			if g.Layout == ColMajor {
-				idx = i + j*g.LDC
-			}
-			if beta == 0 {
-				c[idx] = alpha * s
-			} else {
-				c[idx] = alpha*s + beta*c[idx]
-			}
-		}
-	}
-}
-
-// RefGeam computes C = alpha*op(A) + beta*op(B) in complex128 (g normalized).
-func RefGeam(g GeamShape, alpha complex128, a []complex128, beta complex128, b []complex128, c []complex128) {
-	at := func(x []complex128, ld int, trans bool, i, j int) complex128 {
-		if trans {
-			i, j = j, i
-		}
-		if g.Layout == ColMajor {
-			return x[i+j*ld]
-		}
-		return x[i*ld+j]
-	}
-	for i := 0; i < g.M; i++ {
-		for j := 0; j < g.N; j++ {
-			idx := i*g.LDC + j
-			if g.Layout == ColMajor {
-				idx = i + j*g.LDC
-			}
-			c[idx] = alpha*at(a, g.LDA, g.TransA, i, j) + beta*at(b, g.LDB, g.TransB, i, j)
-		}
-	}
-}
-
-// RelErr returns ||got-want||_F / ||want||_F (or ||got-want|| when want is 0).
-// NaN in got gives +Inf so that it never passes a tolerance.
-func RelErr(got, want []float64) float64 {
-	var num, den float64
-	for i := range want {
-		if math.IsNaN(got[i]) || math.IsInf(got[i], 0) {
-			return math.Inf(1)
-		}
-		d := got[i] - want[i]
-		num += d * d
-		den += want[i] * want[i]
-	}
-	if den == 0 {
-		return math.Sqrt(num)
-	}
-	return math.Sqrt(num / den)
-}
-
-// RelErrComplex is RelErr for complex values.
-func RelErrComplex(got, want []complex128) float64 {
-	var num, den float64
-	for i := range want {
-		if cmplx.IsNaN(got[i]) || cmplx.IsInf(got[i]) {
-			return math.Inf(1)
-		}
-		d := cmplx.Abs(got[i] - want[i])
-		num += d * d
-		w := cmplx.Abs(want[i])
-		den += w * w
-	}
-	if den == 0 {
-		return math.Sqrt(num)
-	}
-	return math.Sqrt(num / den)
 }
