@@ -55,8 +55,11 @@ func (h *cublasLike) GemmStridedBatched(d hal.GemmDesc, b hal.StridedBatch) erro
 	h.use()
 	return h.BlasHandle.GemmStridedBatched(d, b)
 }
-func (h *cublasLike) GemmGrouped(ds []hal.GemmDesc) error { h.use(); return h.BlasHandle.GemmGrouped(ds) }
-func (h *cublasLike) Geam(d hal.GeamDesc) error            { h.use(); return h.BlasHandle.Geam(d) }
+func (h *cublasLike) GemmGrouped(ds []hal.GemmDesc) error {
+	h.use()
+	return h.BlasHandle.GemmGrouped(ds)
+}
+func (h *cublasLike) Geam(d hal.GeamDesc) error { h.use(); return h.BlasHandle.Geam(d) }
 
 // cublasDevice is a CPU device whose BLAS handles behave as cuBLAS's.
 type cublasDevice struct {

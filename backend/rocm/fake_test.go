@@ -96,7 +96,7 @@ type fakeROCm struct {
 	mods    map[uintptr]string
 	funcs   map[uintptr]string
 
-	created    []uintptr // stream handles in creation order
+	created    []uintptr    // stream handles in creation order
 	violations atomic.Int64 // handle moved while its old stream still ran its work
 	conflicts  atomic.Int64 // one workspace used by two streams at once
 	wsBusy     sync.Map     // workspace -> *atomic.Int64 (stream using it, 0: none)
