@@ -77,10 +77,10 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 		SilenceErrors: true,
 		PersistentPreRunE: func(*cobra.Command, []string) error {
 			switch strings.ToLower(strings.TrimSpace(a.backend)) {
-			case "", "auto", "cuda", "cpu":
+			case "", "auto", "cuda", "rocm", "cpu":
 				return nil
 			}
-			return fail(fmt.Sprintf("--backend %q is not a backend", a.backend), "use auto, cuda or cpu", nil)
+			return fail(fmt.Sprintf("--backend %q is not a backend", a.backend), "use auto, cuda, rocm or cpu", nil)
 		},
 	}
 	root.SetVersionTemplate("gpuctx {{.Version}}\n")
@@ -158,7 +158,7 @@ func errorLine(err error) string {
 // dedupe drops the repeats that wrapping adds to an unavailable backend's
 // message ("... is unavailable: cuda: backend unavailable: ...").
 func dedupe(s string) string {
-	for _, b := range []string{"cuda", "cpu"} {
+	for _, b := range []string{"cuda", "rocm", "cpu"} {
 		s = strings.ReplaceAll(s, "unavailable: "+b+": backend unavailable: ", "unavailable: ")
 	}
 	return s
