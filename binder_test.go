@@ -93,7 +93,8 @@ func TestBindRuleCublasReappliesWorkspace(t *testing.T) {
 	const n = 8
 	a, _ := d.Alloc(4 * n * n)
 	b, _ := d.Alloc(4 * n * n)
-	c, _ := d.Alloc(4 * n * n)
+	cA, _ := d.Alloc(4 * n * n) // one output per stream: the streams run at once
+	cB, _ := d.Alloc(4 * n * n)
 	sA, _ := d.NewStream(StreamOptions{})
 	sB, _ := d.NewStream(StreamOptions{})
 	// With per-stream workspaces every rebind changes the workspace anyway;
@@ -121,9 +122,9 @@ func TestBindRuleCublasReappliesWorkspace(t *testing.T) {
 				}
 			}
 			for i := range 20 {
-				s := sA
+				s, c := sA, cA
 				if i%2 == 1 {
-					s = sB
+					s, c = sB, cB
 				}
 				if _, err := ctx.SetStream(s); err != nil {
 					t.Fatal(err)

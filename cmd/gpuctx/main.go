@@ -32,7 +32,7 @@ import (
 
 // app is the state shared by every command of one invocation.
 type app struct {
-	backend string // --backend: "", auto, cuda or cpu
+	backend string // --backend: "", auto, cuda, rocm or cpu
 	json    bool   // --json
 	out     io.Writer
 	errOut  io.Writer
@@ -87,7 +87,7 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.PersistentFlags().StringVar(&a.backend, "backend", "",
-		"backend to use: auto, cuda or cpu; unset: $GPUCTX_BACKEND, else auto")
+		"backend to use: auto, cuda, rocm or cpu; unset: $GPUCTX_BACKEND, else auto")
 	root.PersistentFlags().BoolVar(&a.json, "json", false, "print machine-readable JSON instead of text")
 	for _, f := range commands {
 		root.AddCommand(f(a))
@@ -228,7 +228,7 @@ func (a *app) openRuntime() (*gpuctx.Runtime, error) {
 	}
 	rt, err := gpuctx.OpenBackend(name)
 	if err != nil {
-		fix := "set " + gpuctx.BackendEnv + " or --backend to auto, cuda or cpu"
+		fix := "set " + gpuctx.BackendEnv + " or --backend to auto, cuda, rocm or cpu"
 		if errors.Is(err, gpuctx.ErrUnavailable) {
 			fix = "to run without a GPU, use --backend cpu"
 		}
