@@ -585,9 +585,11 @@ func (c *Context) release(sl *slot) {
 	c.dev.blas.pool(sl.Handle.flavour, sl.Handle.sharedWS).Release(sl)
 }
 
-// bind makes sl's handle run on s with s's workspace: cublasSetStream only when
+// bind makes sl's handle run on s with s's workspace: SetStream only when
 // the bound stream differs (lazy), then the workspace again after every bind
-// because cublasSetStream resets it. s is passed in, read once by the caller.
+// when the library drops it there (cuBLAS; rocBLAS keeps it), and, where the
+// library asks (rocBLAS with a user-owned workspace), s ordered after the work
+// the handle queued on its old stream. s is passed in, read once by the caller.
 // The fast path (bound to s, s's workspace applied, and no stream closed or
 // capture begun or ended since) reads one atomic; otherwise bind read-locks s
 // for the bind, so that s cannot close meanwhile, and fails with ErrClosed if it
@@ -596,8 +598,25 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 	bs := &c.dev.blas
 	epoch := bs.spaces.Epoch()
 	sl := &slt.Handle
+	var err error
 	if sl.blas != nil && sl.bound == s && sl.applied != nil && sl.ownWS == nil && sl.epoch == epoch {
 		return nil // fast path: bound to s with s's workspace applied
+	}
+	// The vendor rule (hal.StreamBinder): cuBLAS drops the workspace on a
+	// rebind; rocBLAS keeps it but wants the old stream's work finished first
+	// when it is user-owned, which an event orders without blocking the host.
+	keepsWS, needsIdle := false, false
+	if b, ok := sl.blas.(hal.StreamBinder); ok {
+		keepsWS, needsIdle = b.SetStreamKeepsWorkspace(), b.NeedsOldStreamIdle()
+	}
+	var after hal.Event // recorded on the old stream; s waits on it before the move
+	if needsIdle && sl.bound != nil && sl.bound != s && sl.applied != nil {
+		if after, err = c.markOldStream(sl.bound); err != nil {
+			return err
+		}
+		if after != nil {
+			defer func() { _ = after.Destroy() }()
+		}
 	}
 	unlock, err := s.use("Context BLAS callback")
 	if err != nil {
@@ -620,6 +639,11 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 		}
 	}
 	if sl.bound != s {
+		if after != nil {
+			if err := s.hs.Wait(after); err != nil {
+				return fmt.Errorf("gpuctx: ordering stream %d after the BLAS handle's old stream: %w", s.ID(), err)
+			}
+		}
 		if err := sl.blas.SetStream(s.hs); err != nil {
 			sl.bound, sl.applied = nil, nil
 			slt.SetBoundID(0)
@@ -629,7 +653,10 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 			c.rebinds.Add(1)
 		}
 		c.binds.Add(1)
-		sl.bound, sl.applied = s, nil
+		sl.bound = s
+		if !keepsWS {
+			sl.applied = nil
+		}
 		slt.SetBoundID(s.ID())
 	}
 	if sl.applied != ws {
@@ -642,6 +669,42 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 	}
 	sl.epoch = epoch
 	return nil
+}
+
+// markOldStream records an event on old, the stream a handle is about to
+// leave, so that the new stream can wait for the work the handle queued there
+// (hal.StreamBinder.NeedsOldStreamIdle). It returns nil when there is nothing
+// to wait for: old is capturing (its work runs later, from a graph with the
+// graph's own workspace). When old is closing, its queued work may still run
+// and its stream handle may be gone, so markOldStream waits for the whole
+// device instead. It takes only old's lock, never two streams' locks at once.
+func (c *Context) markOldStream(old *Stream) (hal.Event, error) {
+	bs := &c.dev.blas
+	if bs.ncapt.Load() > 0 {
+		bs.mu.Lock()
+		capturing := bs.capt[old] != nil
+		bs.mu.Unlock()
+		if capturing {
+			return nil, nil
+		}
+	}
+	unlock, err := old.use("Context BLAS callback")
+	if err != nil {
+		if err := c.dev.hd.Synchronize(); err != nil {
+			return nil, fmt.Errorf("gpuctx: waiting for the BLAS handle's closed stream %d: %w", old.ID(), err)
+		}
+		return nil, nil
+	}
+	defer unlock()
+	ev, err := c.dev.hd.NewEvent(false)
+	if err != nil {
+		return nil, fmt.Errorf("gpuctx: an event to order a BLAS handle's move from stream %d: %w", old.ID(), err)
+	}
+	if err := ev.Record(old.hs); err != nil {
+		_ = ev.Destroy()
+		return nil, fmt.Errorf("gpuctx: recording the end of stream %d's BLAS work: %w", old.ID(), err)
+	}
+	return ev, nil
 }
 
 // Blas runs fn with a default-math BLAS handle bound to the Context's current

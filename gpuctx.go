@@ -55,6 +55,7 @@ import (
 
 	"github.com/gpuctx/gpuctx/backend/cpu"
 	"github.com/gpuctx/gpuctx/backend/cuda"
+	"github.com/gpuctx/gpuctx/backend/rocm"
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
@@ -149,13 +150,14 @@ type Runtime struct {
 // BackendEnv is the environment variable that forces a backend.
 const BackendEnv = "GPUCTX_BACKEND"
 
-// Open opens the backend named by $GPUCTX_BACKEND ("cuda", "cpu", or "auto"
-// when unset). Auto picks CUDA when libcuda loads and a device exists, else CPU.
+// Open opens the backend named by $GPUCTX_BACKEND ("cuda", "rocm", "cpu", or
+// "auto" when unset). Auto picks CUDA when libcuda loads and a device exists,
+// else ROCm when libamdhip64 loads and a device exists, else CPU.
 func Open() (*Runtime, error) {
 	return OpenBackend(os.Getenv(BackendEnv))
 }
 
-// OpenBackend opens the named backend: "cuda", "cpu", or "auto"/"" (see Open).
+// OpenBackend opens the named backend: "cuda", "rocm", "cpu", or "auto"/"" (see Open).
 // A forced backend that is unavailable returns its diagnosis as the error.
 func OpenBackend(name string) (*Runtime, error) {
 	var be hal.Backend
@@ -164,17 +166,27 @@ func OpenBackend(name string) (*Runtime, error) {
 	switch strings.ToLower(strings.TrimSpace(name)) {
 	case "", "auto":
 		if be, err = cuda.Open(); err != nil {
-			note = "auto selection fell back to the CPU backend because CUDA is unavailable: " + err.Error()
-			be, err = cpu.Open()
+			cudaErr := err
+			if be, err = rocm.Open(); err != nil {
+				note = "auto selection fell back to the CPU backend because CUDA is unavailable: " + cudaErr.Error() +
+					"\nand ROCm is unavailable: " + err.Error()
+				be, err = cpu.Open()
+			} else {
+				note = "auto selection picked ROCm because CUDA is unavailable: " + cudaErr.Error()
+			}
 		}
 	case "cuda":
 		if be, err = cuda.Open(); err != nil {
 			return nil, fmt.Errorf("gpuctx: backend cuda was requested but is unavailable: %w", err)
 		}
+	case "rocm":
+		if be, err = rocm.Open(); err != nil {
+			return nil, fmt.Errorf("gpuctx: backend rocm was requested but is unavailable: %w", err)
+		}
 	case "cpu":
 		be, err = cpu.Open()
 	default:
-		return nil, fmt.Errorf("gpuctx: unknown backend %q (want cuda, cpu or auto): %w", name, ErrInvalid)
+		return nil, fmt.Errorf("gpuctx: unknown backend %q (want cuda, rocm, cpu or auto): %w", name, ErrInvalid)
 	}
 	if err != nil {
 		return nil, err
@@ -188,7 +200,7 @@ func OpenBackend(name string) (*Runtime, error) {
 // was picked or a backend was named explicitly.
 func (r *Runtime) SelectionNote() string { return r.note }
 
-// Backend returns "cuda" or "cpu".
+// Backend returns "cuda", "rocm" or "cpu".
 func (r *Runtime) Backend() string { return r.be.Name() }
 
 // DeviceCount reports how many devices the backend sees.

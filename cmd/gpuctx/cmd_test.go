@@ -119,9 +119,9 @@ func TestFailures(t *testing.T) {
 		skip func() bool
 	}{
 		{name: "unknown backend flag", args: []string{"info", "--backend", "tpu"},
-			want: []string{`--backend "tpu" is not a backend`, "auto, cuda or cpu"}},
+			want: []string{`--backend "tpu" is not a backend`, "auto, cuda, rocm or cpu"}},
 		{name: "unknown backend env", env: "tpu", args: []string{"info"},
-			want: []string{`"tpu"`, "GPUCTX_BACKEND", "auto, cuda or cpu"}},
+			want: []string{`"tpu"`, "GPUCTX_BACKEND", "auto, cuda, rocm or cpu"}},
 		{name: "unknown command", args: []string{"infox"}, want: []string{`unknown command "infox"`, "--help"}},
 		{name: "unknown flag", args: []string{"info", "--frobnicate"}, want: []string{"unknown flag: --frobnicate", "--help"}},
 		{name: "extra argument", args: []string{"info", "extra"}, want: []string{`"extra"`}},

@@ -32,7 +32,7 @@ import (
 
 // app is the state shared by every command of one invocation.
 type app struct {
-	backend string // --backend: "", auto, cuda or cpu
+	backend string // --backend: "", auto, cuda, rocm or cpu
 	json    bool   // --json
 	out     io.Writer
 	errOut  io.Writer
@@ -77,17 +77,17 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 		SilenceErrors: true,
 		PersistentPreRunE: func(*cobra.Command, []string) error {
 			switch strings.ToLower(strings.TrimSpace(a.backend)) {
-			case "", "auto", "cuda", "cpu":
+			case "", "auto", "cuda", "rocm", "cpu":
 				return nil
 			}
-			return fail(fmt.Sprintf("--backend %q is not a backend", a.backend), "use auto, cuda or cpu", nil)
+			return fail(fmt.Sprintf("--backend %q is not a backend", a.backend), "use auto, cuda, rocm or cpu", nil)
 		},
 	}
 	root.SetVersionTemplate("gpuctx {{.Version}}\n")
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.PersistentFlags().StringVar(&a.backend, "backend", "",
-		"backend to use: auto, cuda or cpu; unset: $GPUCTX_BACKEND, else auto")
+		"backend to use: auto, cuda, rocm or cpu; unset: $GPUCTX_BACKEND, else auto")
 	root.PersistentFlags().BoolVar(&a.json, "json", false, "print machine-readable JSON instead of text")
 	for _, f := range commands {
 		root.AddCommand(f(a))
@@ -158,7 +158,7 @@ func errorLine(err error) string {
 // dedupe drops the repeats that wrapping adds to an unavailable backend's
 // message ("... is unavailable: cuda: backend unavailable: ...").
 func dedupe(s string) string {
-	for _, b := range []string{"cuda", "cpu"} {
+	for _, b := range []string{"cuda", "rocm", "cpu"} {
 		s = strings.ReplaceAll(s, "unavailable: "+b+": backend unavailable: ", "unavailable: ")
 	}
 	return s
@@ -228,7 +228,7 @@ func (a *app) openRuntime() (*gpuctx.Runtime, error) {
 	}
 	rt, err := gpuctx.OpenBackend(name)
 	if err != nil {
-		fix := "set " + gpuctx.BackendEnv + " or --backend to auto, cuda or cpu"
+		fix := "set " + gpuctx.BackendEnv + " or --backend to auto, cuda, rocm or cpu"
 		if errors.Is(err, gpuctx.ErrUnavailable) {
 			fix = "to run without a GPU, use --backend cpu"
 		}

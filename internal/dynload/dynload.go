@@ -46,6 +46,9 @@ type Spec struct {
 	// wheels put the library, e.g. "nvidia/cublas/lib", "nvidia/cu13/lib".
 	// Entries may be glob patterns ("nvidia/*/lib").
 	Pip []string
+	// Dirs, when set, are the vendor directories tried after the loader's own
+	// search instead of the CUDA ones (e.g. /opt/rocm/lib for ROCm).
+	Dirs []string
 	// Install tells the user what to install when nothing is found, e.g.
 	// "the NVIDIA driver" or "pip install nvidia-cublas".
 	Install string
@@ -352,6 +355,11 @@ func candidates(spec Spec) []string {
 	}
 	add(splitList(os.Getenv(EnvLibraryPath)))
 	out = append(out, spec.Sonames...)
+	if spec.Dirs != nil {
+		add(spec.Dirs)
+		add(pipDirs(spec.Pip))
+		return out
+	}
 	var cuda []string
 	if h := os.Getenv("CUDA_HOME"); h != "" {
 		cuda = append(cuda, filepath.Join(h, "lib64"))

@@ -1,5 +1,5 @@
 // Package hal is the hardware abstraction layer: the interface that every gpuctx
-// backend (backend/cuda, backend/cpu, later backend/rocm) implements.
+// backend (backend/cuda, backend/rocm, backend/cpu) implements.
 //
 // hal is internal. The public API lives in the root package gpuctx, which wraps
 // these interfaces, adds validation, closed-object checks and the stream-safe BLAS
@@ -46,7 +46,7 @@ type DeviceInfo struct {
 
 // Backend is one loaded backend.
 type Backend interface {
-	// Name is "cuda" or "cpu".
+	// Name is "cuda", "rocm" or "cpu".
 	Name() string
 	// DeviceCount reports how many devices the backend sees.
 	DeviceCount() int
@@ -277,8 +277,9 @@ type GeamDesc struct {
 // root package's Context serialises access and binds it to a stream. Every
 // operation is queued on the stream of the last SetStream.
 type BlasHandle interface {
-	// SetStream binds the handle to s (cublasSetStream_v2). On CUDA it resets the
-	// handle's workspace to the library default: call SetWorkspace right after.
+	// SetStream binds the handle to s (cublasSetStream_v2, rocblas_set_stream).
+	// On CUDA it resets the handle's workspace to the library default: call
+	// SetWorkspace right after. See StreamBinder for how a handle says so.
 	SetStream(s Stream) error
 	// SetWorkspace makes [p, p+n) the handle's workspace (cublasSetWorkspace_v2).
 	SetWorkspace(p Ptr, n int) error
@@ -295,6 +296,25 @@ type BlasHandle interface {
 	// GroupedNative reports whether GemmGrouped uses the library's grouped call.
 	GroupedNative() bool
 	Destroy() error
+}
+
+// StreamBinder is implemented by BLAS handles that say how their library
+// treats a handle moving between streams; the root package's bind consults it
+// so that callers never see the vendor difference. A handle that does not
+// implement it is treated as cuBLAS: the workspace is lost on SetStream and
+// the old stream need not be idle.
+type StreamBinder interface {
+	// SetStreamKeepsWorkspace reports whether SetStream leaves the handle's
+	// workspace in place (rocblas_set_stream). False (cublasSetStream_v2):
+	// SetStream resets it to the library default and SetWorkspace must be
+	// called again after every SetStream.
+	SetStreamKeepsWorkspace() bool
+	// NeedsOldStreamIdle reports whether, when the handle holds a user-owned
+	// workspace, the work it queued on its old stream must be finished, or
+	// ordered before the new stream's work (an event recorded on the old stream
+	// that the new stream waits on), before SetStream moves it (rocBLAS:
+	// "synchronize the old stream before setting the new stream").
+	NeedsOldStreamIdle() bool
 }
 
 // LtHandle is a cuBLASLt handle. Unlike BlasHandle it is not bound to a stream:
