@@ -679,14 +679,8 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 // and its stream handle may be gone, so markOldStream waits for the whole
 // device instead. It takes only old's lock, never two streams' locks at once.
 func (c *Context) markOldStream(old *Stream) (hal.Event, error) {
-	bs := &c.dev.blas
-	if bs.ncapt.Load() > 0 {
-		bs.mu.Lock()
-		capturing := bs.capt[old] != nil
-		bs.mu.Unlock()
-		if capturing {
-			return nil, nil
-		}
+	if c.dev.blas.spaces.Capturing(old) {
+		return nil, nil
 	}
 	unlock, err := old.use("Context BLAS callback")
 	if err != nil {

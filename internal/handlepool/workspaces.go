@@ -165,6 +165,17 @@ func (w *Workspaces[S, E]) For(s S) (*Workspace, error) {
 	return x, nil
 }
 
+// Capturing reports whether s is in a graph capture now (one atomic load when
+// no capture is under way).
+func (w *Workspaces[S, E]) Capturing(s S) bool {
+	if w.ncapt.Load() == 0 {
+		return false
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.capt[s] != nil
+}
+
 // Lt returns s's cuBLASLt workspace, grown to at least n bytes (and at least
 // Size). Call it only between LtEnter(s) and LtExit(s), with s kept open. A
 // grown-out workspace is retired by the LtExit that ends the last callback on
