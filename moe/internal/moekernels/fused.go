@@ -1,50 +1,51 @@
-package cpu
+package moekernels
 
 import (
 	"fmt"
 
-	"github.com/gpuctx/gpuctx/internal/hal"
 	"github.com/gpuctx/gpuctx/kernels"
 )
 
-// The fused, graph-capturable routed-expert path: gpuctx_moe_align (a
-// block-aligned stable sort of the assignments by expert, kernels/moe.cu), the
-// grouped expert GEMMs of kernels/moe_gemm.cu (gpuctx_moe_up_<tag>,
-// gpuctx_moe_down_<tag>, one per tile config of kernels.MoEGemms) and
+// The Go twins of the fused, graph-capturable routed-expert path:
+// gpuctx_moe_align (a block-aligned stable sort of the assignments by expert,
+// moe.cu), the grouped expert GEMMs of moe_gemm.cu (gpuctx_moe_up_<tag>,
+// gpuctx_moe_down_<tag>, one per tile config of MoEGemms) and
 // gpuctx_moe_combine_rows (gpuctx_moe_combine with the routed rows in
 // assignment order). Same arithmetic as the CUDA kernels: f32 dot products in
 // ascending order, gate and up rounded to bf16 before SwiGLU, bf16 stores
 // rounded to nearest even. The tile shape changes no result, so every config
 // shares one Go body parameterised by its BM.
 
-func init() {
-	// gpuctx_moe_align(const int* topk_idx, int* sorted, int* block_expert,
-	// int* npost, int TK, int E, int BM, int cap).
-	registerKernel("gpuctx_moe_align", []argKind{argPtr, argPtr, argPtr, argPtr,
-		argI32, argI32, argI32, argI32}, moeAlign)
+// alignArgs are the parameters of gpuctx_moe_align.
+type alignArgs struct {
+	TopkIdx, Sorted, BlockExpert, Npost Ptr
+	TK, E, BM, Cap                      int32
+}
 
-	for _, c := range kernels.MoEGemms {
-		bm := c.BM
-		// (x, gu, sorted, block_expert, npost, act, TK, K, H, I).
-		registerKernel(c.UpName(), []argKind{argPtr, argPtr, argPtr, argPtr, argPtr, argPtr,
-			argI32, argI32, argI32, argI32}, func(d *device, a []any) error { return moeFusedUp(d, a, bm) })
-		// (act, down, sorted, block_expert, npost, out, TK, H, I).
-		registerKernel(c.DownName(), []argKind{argPtr, argPtr, argPtr, argPtr, argPtr, argPtr,
-			argI32, argI32, argI32}, func(d *device, a []any) error { return moeFusedDown(d, a, bm) })
-	}
+// upArgs are the parameters of gpuctx_moe_up_<tag>.
+type upArgs struct {
+	X, Gu, Sorted, BlockExpert, Npost, Act Ptr
+	TK, K, H, I                            int32
+}
 
-	// gpuctx_moe_route_align(x, router, bias, logits, topk_idx, topk_w, sorted,
-	// block_expert, npost, T, H, E, K, scoring, method, groups, topk_groups,
-	// has_bias, norm, norm_eps, scale, ks, ns, BM, cap).
-	registerKernel("gpuctx_moe_route_align", []argKind{argPtr, argPtr, argPtr, argPtr, argPtr, argPtr, argPtr, argPtr, argPtr,
-		argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argF32, argF32,
-		argI32, argI32, argI32, argI32}, moeRouteAlign)
+// downArgs are the parameters of gpuctx_moe_down_<tag>.
+type downArgs struct {
+	Act, Down, Sorted, BlockExpert, Npost, Out Ptr
+	TK, H, I                                   int32
+}
 
-	// gpuctx_moe_combine_rows(const void* out, const float* w, const void* shared,
-	// const float* gate, void* y, int T, int K, int H, int has_routed,
-	// int has_shared, int has_gate, int bf16).
-	registerKernel("gpuctx_moe_combine_rows", []argKind{argPtr, argPtr, argPtr, argPtr, argPtr,
-		argI32, argI32, argI32, argI32, argI32, argI32, argI32}, moeCombineRows)
+// routeAlignArgs are the parameters of gpuctx_moe_route_align.
+type routeAlignArgs struct {
+	X, Router, Bias, Logits, TopkIdx, TopkW, Sorted, BlockExpert, Npost Ptr
+	T, H, E, K, Scoring, Method, Groups, TopkGroups, HasBias, Norm      int32
+	NormEps, Scale                                                      float32
+	Ks, Ns, BM, Cap                                                     int32
+}
+
+// combineRowsArgs are the parameters of gpuctx_moe_combine_rows.
+type combineRowsArgs struct {
+	Out, W, Shared, Gate, Y                      Ptr
+	T, K, H, HasRouted, HasShared, HasGate, BF16 int32
 }
 
 func roundUp(n, m int) int { return (n + m - 1) / m * m }
@@ -52,21 +53,21 @@ func roundUp(n, m int) int { return (n + m - 1) / m * m }
 // moeRouteAlign is gpuctx_moe_route_align: the router logits (bf16 x [T,H]
 // times bf16 router [E,H], f32 sums in ascending h), then the route and the
 // align twins on them, with the arguments the CUDA kernel passes them.
-func moeRouteAlign(d *device, a []any) error {
-	T, H, E := a[9].(int32), a[10].(int32), a[11].(int32)
-	ks, ns, bm, cp := a[21].(int32), a[22].(int32), a[23].(int32), a[24].(int32)
-	if T < 0 || H <= 0 || H%8 != 0 || E <= 0 || E > moeMaxE {
-		return fmt.Errorf("route_align: T=%d H=%d E=%d: want T >= 0, H > 0 a multiple of 8, 0 < E <= %d", T, H, E, moeMaxE)
+func moeRouteAlign(m kernels.Memory, a *routeAlignArgs) error {
+	T, H, E := a.T, a.H, a.E
+	ks, ns := a.Ks, a.Ns
+	if T < 0 || H <= 0 || H%8 != 0 || E <= 0 || E > MaxExperts {
+		return fmt.Errorf("route_align: T=%d H=%d E=%d: want T >= 0, H > 0 a multiple of 8, 0 < E <= %d", T, H, E, MaxExperts)
 	}
-	x, err := deviceSlice[uint16](d, "x", a[0].(hal.Ptr), int64(T)*int64(H))
+	x, err := kernels.Slice[uint16](m, "x", a.X, int64(T)*int64(H))
 	if err != nil {
 		return err
 	}
-	router, err := deviceSlice[uint16](d, "router", a[1].(hal.Ptr), int64(E)*int64(H))
+	router, err := kernels.Slice[uint16](m, "router", a.Router, int64(E)*int64(H))
 	if err != nil {
 		return err
 	}
-	logits, err := deviceSlice[float32](d, "logits", a[3].(hal.Ptr), int64(T)*int64(E))
+	logits, err := kernels.Slice[float32](m, "logits", a.Logits, int64(T)*int64(E))
 	if err != nil {
 		return err
 	}
@@ -81,22 +82,26 @@ func moeRouteAlign(d *device, a []any) error {
 			logits[t*int(E)+e] = acc
 		}
 	}
-	route := []any{a[3], a[2], a[4], a[5], T, E}
-	route = append(route, a[12:21]...) // K, scoring, method, groups, topk_groups, has_bias, norm, norm_eps, scale
-	route = append(route, ks, ns)
-	if err := moeRoute(d, route); err != nil {
+	if err := moeRoute(m, &routeArgs{
+		Logits: a.Logits, Bias: a.Bias, TopkIdx: a.TopkIdx, TopkW: a.TopkW, T: T, E: E,
+		K: a.K, Scoring: a.Scoring, Method: a.Method, Groups: a.Groups, TopkGroups: a.TopkGroups,
+		HasBias: a.HasBias, Norm: a.Norm, NormEps: a.NormEps, Scale: a.Scale, Ks: ks, Ns: ns,
+	}); err != nil {
 		return err
 	}
-	return moeAlign(d, []any{a[4], a[6], a[7], a[8], T * ks, E + ns, bm, cp})
+	return moeAlign(m, &alignArgs{
+		TopkIdx: a.TopkIdx, Sorted: a.Sorted, BlockExpert: a.BlockExpert, Npost: a.Npost,
+		TK: T * ks, E: E + ns, BM: a.BM, Cap: a.Cap,
+	})
 }
 
-func moeAlign(d *device, a []any) error {
-	TK, E, BM, cp := int(a[4].(int32)), int(a[5].(int32)), int(a[6].(int32)), int(a[7].(int32))
-	if TK < 0 || E <= 0 || E > moeMaxE || BM <= 0 || cp < 0 || cp%BM != 0 {
+func moeAlign(m kernels.Memory, a *alignArgs) error {
+	TK, E, BM, cp := int(a.TK), int(a.E), int(a.BM), int(a.Cap)
+	if TK < 0 || E <= 0 || E > MaxExperts || BM <= 0 || cp < 0 || cp%BM != 0 {
 		return fmt.Errorf("align: TK=%d E=%d BM=%d cap=%d: want TK >= 0, 0 < E <= %d, BM > 0 and cap >= 0 a multiple of BM",
-			TK, E, BM, cp, moeMaxE)
+			TK, E, BM, cp, MaxExperts)
 	}
-	idx, err := deviceSlice[int32](d, "topk_idx", a[0].(hal.Ptr), int64(TK))
+	idx, err := kernels.Slice[int32](m, "topk_idx", a.TopkIdx, int64(TK))
 	if err != nil {
 		return err
 	}
@@ -115,15 +120,15 @@ func moeAlign(d *device, a []any) error {
 	if cp < npost {
 		return fmt.Errorf("align: cap=%d < %d, the padded rows of %d assignments in blocks of BM=%d", cp, npost, TK, BM)
 	}
-	sorted, err := deviceSlice[int32](d, "sorted", a[1].(hal.Ptr), int64(cp))
+	sorted, err := kernels.Slice[int32](m, "sorted", a.Sorted, int64(cp))
 	if err != nil {
 		return err
 	}
-	blockExpert, err := deviceSlice[int32](d, "block_expert", a[2].(hal.Ptr), int64(cp/BM))
+	blockExpert, err := kernels.Slice[int32](m, "block_expert", a.BlockExpert, int64(cp/BM))
 	if err != nil {
 		return err
 	}
-	np, err := deviceSlice[int32](d, "npost", a[3].(hal.Ptr), 1)
+	np, err := kernels.Slice[int32](m, "npost", a.Npost, 1)
 	if err != nil {
 		return err
 	}
@@ -152,8 +157,8 @@ func moeAlign(d *device, a []any) error {
 // sorted rows and block experts of the blocks below npost[0]. It checks that
 // the rows of the blocks with an expert hold assignments in [0, TK] (TK is
 // padding) and returns the largest expert seen (-1 if none).
-func fusedPlan(d *device, a []any, BM, TK int) (sorted, blockExpert []int32, rows, maxE int, err error) {
-	np, err := deviceSlice[int32](d, "npost", a[4].(hal.Ptr), 1)
+func fusedPlan(m kernels.Memory, sp, bp, npp Ptr, BM, TK int) (sorted, blockExpert []int32, rows, maxE int, err error) {
+	np, err := kernels.Slice[int32](m, "npost", npp, 1)
 	if err != nil {
 		return nil, nil, 0, 0, err
 	}
@@ -162,10 +167,10 @@ func fusedPlan(d *device, a []any, BM, TK int) (sorted, blockExpert []int32, row
 	}
 	nb := (int(np[0]) + BM - 1) / BM
 	rows = nb * BM
-	if sorted, err = deviceSlice[int32](d, "sorted", a[2].(hal.Ptr), int64(rows)); err != nil {
+	if sorted, err = kernels.Slice[int32](m, "sorted", sp, int64(rows)); err != nil {
 		return nil, nil, 0, 0, err
 	}
-	if blockExpert, err = deviceSlice[int32](d, "block_expert", a[3].(hal.Ptr), int64(nb)); err != nil {
+	if blockExpert, err = kernels.Slice[int32](m, "block_expert", bp, int64(nb)); err != nil {
 		return nil, nil, 0, 0, err
 	}
 	maxE = -1
@@ -183,25 +188,25 @@ func fusedPlan(d *device, a []any, BM, TK int) (sorted, blockExpert []int32, row
 	return sorted, blockExpert, rows, maxE, nil
 }
 
-func moeFusedUp(d *device, a []any, BM int) error {
-	TK, K, H, I := int(a[6].(int32)), int(a[7].(int32)), int(a[8].(int32)), int(a[9].(int32))
+func moeFusedUp(m kernels.Memory, a *upArgs, BM int) error {
+	TK, K, H, I := int(a.TK), int(a.K), int(a.H), int(a.I)
 	if TK < 0 || K <= 0 || H <= 0 || I <= 0 || H%8 != 0 || I%8 != 0 {
 		return fmt.Errorf("moe_up: TK=%d K=%d H=%d I=%d: want TK >= 0, K > 0 and H, I positive multiples of 8", TK, K, H, I)
 	}
-	sorted, blockExpert, rows, maxE, err := fusedPlan(d, a, BM, TK)
+	sorted, blockExpert, rows, maxE, err := fusedPlan(m, a.Sorted, a.BlockExpert, a.Npost, BM, TK)
 	if err != nil {
 		return err
 	}
 	T := (TK + K - 1) / K
-	x, err := deviceSlice[uint16](d, "x", a[0].(hal.Ptr), int64(T)*int64(H))
+	x, err := kernels.Slice[uint16](m, "x", a.X, int64(T)*int64(H))
 	if err != nil {
 		return err
 	}
-	gu, err := deviceSlice[uint16](d, "gu", a[1].(hal.Ptr), int64(maxE+1)*2*int64(I)*int64(H))
+	gu, err := kernels.Slice[uint16](m, "gu", a.Gu, int64(maxE+1)*2*int64(I)*int64(H))
 	if err != nil {
 		return err
 	}
-	act, err := deviceSlice[uint16](d, "act", a[5].(hal.Ptr), int64(rows)*int64(I))
+	act, err := kernels.Slice[uint16](m, "act", a.Act, int64(rows)*int64(I))
 	if err != nil {
 		return err
 	}
@@ -234,24 +239,24 @@ func moeFusedUp(d *device, a []any, BM int) error {
 	return nil
 }
 
-func moeFusedDown(d *device, a []any, BM int) error {
-	TK, H, I := int(a[6].(int32)), int(a[7].(int32)), int(a[8].(int32))
+func moeFusedDown(m kernels.Memory, a *downArgs, BM int) error {
+	TK, H, I := int(a.TK), int(a.H), int(a.I)
 	if TK < 0 || H <= 0 || I <= 0 || H%8 != 0 || I%8 != 0 {
 		return fmt.Errorf("moe_down: TK=%d H=%d I=%d: want TK >= 0 and H, I positive multiples of 8", TK, H, I)
 	}
-	sorted, blockExpert, rows, maxE, err := fusedPlan(d, a, BM, TK)
+	sorted, blockExpert, rows, maxE, err := fusedPlan(m, a.Sorted, a.BlockExpert, a.Npost, BM, TK)
 	if err != nil {
 		return err
 	}
-	act, err := deviceSlice[uint16](d, "act", a[0].(hal.Ptr), int64(rows)*int64(I))
+	act, err := kernels.Slice[uint16](m, "act", a.Act, int64(rows)*int64(I))
 	if err != nil {
 		return err
 	}
-	down, err := deviceSlice[uint16](d, "down", a[1].(hal.Ptr), int64(maxE+1)*int64(H)*int64(I))
+	down, err := kernels.Slice[uint16](m, "down", a.Down, int64(maxE+1)*int64(H)*int64(I))
 	if err != nil {
 		return err
 	}
-	out, err := deviceSlice[uint16](d, "out", a[5].(hal.Ptr), int64(TK)*int64(H))
+	out, err := kernels.Slice[uint16](m, "out", a.Out, int64(TK)*int64(H))
 	if err != nil {
 		return err
 	}
@@ -279,11 +284,11 @@ func moeFusedDown(d *device, a []any, BM int) error {
 	return nil
 }
 
-func moeCombineRows(d *device, a []any) error {
-	return combine(d, combineArgs{
-		out: a[0].(hal.Ptr), w: a[1].(hal.Ptr), shared: a[2].(hal.Ptr), gate: a[3].(hal.Ptr), y: a[4].(hal.Ptr),
-		T: int(a[5].(int32)), K: int(a[6].(int32)), H: int(a[7].(int32)),
-		hasRouted: a[8].(int32) != 0, hasShared: a[9].(int32) != 0, hasGate: a[10].(int32) != 0, bf: a[11].(int32),
+func moeCombineRows(m kernels.Memory, a *combineRowsArgs) error {
+	return combine(m, combineOp{
+		out: a.Out, w: a.W, shared: a.Shared, gate: a.Gate, y: a.Y,
+		T: int(a.T), K: int(a.K), H: int(a.H),
+		hasRouted: a.HasRouted != 0, hasShared: a.HasShared != 0, hasGate: a.HasGate != 0, bf: a.BF16,
 		identity: true,
 	})
 }
