@@ -56,7 +56,7 @@ func TestSources(t *testing.T) {
 		t.Errorf("%s does not start with the limits' prelude:\n%.200s", RouteFile, route)
 	}
 	for _, lim := range []string{"MOE_MAX_E", "MOE_MAX_K"} {
-		if n := len(regexp.MustCompile(`(?m)^#define\s+` + lim + `\b`).FindAllString(route, -1)); n != 1 {
+		if n := len(regexp.MustCompile(`(?m)^#define\s+`+lim+`\b`).FindAllString(route, -1)); n != 1 {
 			t.Errorf("%s: %d definitions of %s, want 1 (the prelude's)", RouteFile, n, lim)
 		}
 		if n := strings.Count(gemm, lim); n != 0 {
