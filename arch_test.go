@@ -3,6 +3,7 @@ package gpuctx_test
 import (
 	"go/build"
 	"io/fs"
+	"os"
 	"path"
 	"path/filepath"
 	"strings"
@@ -28,16 +29,18 @@ var layerRules = []struct {
 	{"internal/handlepool", []string{"internal/hal"}},
 	{"internal/blas", []string{"internal/hal"}},
 	{"internal/blastest", []string{"internal/blas"}},
-	// backend/cpu -> kernels is the known violation (the CPU twins of the MoE
-	// kernels); backend/cuda loads kernel sources from kernels too. No backend
-	// imports moe, gpuctx or the handle pool.
+	// The backends are generic: they reach kernels only through the registry
+	// of package kernels (CUDA compiles the registered sources, the CPU backend
+	// runs the registered Go bodies). No backend imports moe (nor the MoE
+	// kernels of moe/internal/moekernels), gpuctx or the handle pool.
 	{"backend/...", []string{"backend/...", "internal/hal", "internal/dynload", "internal/sysmem", "half", "kernels"}},
 	{"internal/hal", nil},
 	{"internal/dynload", nil},
 	{"internal/sysmem", nil},
 	{"internal/atomicfile", []string{"internal/regfile"}},
 	{"internal/regfile", nil},
-	{"kernels", nil},
+	// The registry and the basic kernels: no MoE code, nothing above hal.
+	{"kernels", []string{"internal/hal"}},
 	{"half", nil},
 }
 
@@ -127,6 +130,17 @@ func TestImportLayersRule(t *testing.T) {
 		{"backend/cuda", "moe/safetensors", false},
 		{"backend/cpu", ".", false},
 		{"backend/cpu", "kernels", true},
+		{"backend/cpu", "moe/internal/moekernels", false},
+		{"backend/cuda", "moe/internal/moekernels", false},
+		{"backend/cpu", "moe/safetensors", false},
+		{"kernels", "moe/internal/moekernels", false},
+		{"kernels", "moe", false},
+		{"kernels", "internal/hal", true},
+		{"kernels", ".", false},
+		{"moe/internal/moekernels", "kernels", true},
+		{"moe/internal/moekernels", ".", true},
+		{"moe/internal/moekernels", "internal/hal", false},
+		{"moe/internal/moekernels", "backend/cpu", false},
 		{"backend/cuda/cublas", "internal/hal", true},
 		{"moe", "backend/cpu", false},
 		{"moe", "internal/hal", false},
@@ -139,6 +153,35 @@ func TestImportLayersRule(t *testing.T) {
 	} {
 		if ok, _ := allowedImport(tc.pkg, tc.dep); ok != tc.ok {
 			t.Errorf("%s -> %s: allowed %v, want %v", tc.pkg, tc.dep, ok, tc.ok)
+		}
+	}
+}
+
+// TestBackendsHoldNoMoECode fails when a non-test file of a backend or of the
+// generic kernel registry names a MoE kernel or limit: the MoE kernels (CUDA
+// source, Go twins, limits) belong to moe/internal/moekernels, which registers
+// them; the imports rule alone would not catch a copy.
+func TestBackendsHoldNoMoECode(t *testing.T) {
+	banned := []string{"gpuctx_moe", "MOE_MAX", "MaxExperts", "MaxTopK", "MoEGemm"}
+	for _, root := range []string{"backend", "kernels"} {
+		err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+			if err != nil || d.IsDir() || strings.HasSuffix(p, "_test.go") ||
+				!(strings.HasSuffix(p, ".go") || strings.HasSuffix(p, ".cu") || strings.HasSuffix(p, ".cuh")) {
+				return err
+			}
+			b, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			for _, w := range banned {
+				if strings.Contains(string(b), w) {
+					t.Errorf("%s mentions %s: MoE kernels and limits live in moe/internal/moekernels", filepath.ToSlash(p), w)
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
 		}
 	}
 }

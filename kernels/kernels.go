@@ -1,12 +1,18 @@
-// Package kernels holds the CUDA C sources of gpuctx's own device kernels. They
-// are embedded in the binary and compiled at run time (NVRTC on CUDA, once per
-// process per compute capability), so no CUDA toolkit is needed at build time.
-// The CPU backend implements the same kernel names in Go.
+// Package kernels is the registry of gpuctx's device kernels and holds the
+// basic ones (basic.cu). A package registers its kernels once, from an init
+// function, with Register: the CUDA C source file that defines them and, for
+// every kernel, its parameter kinds and its Go body (the CPU twin). The
+// backends stay generic: the CUDA backend compiles whatever sources are
+// registered (NVRTC at run time, once per process per compute capability, so
+// no CUDA toolkit is needed at build time) and the CPU backend runs the Go
+// bodies. Package moe registers the Mixture-of-Experts kernels this way
+// (moe/internal/moekernels).
 //
-// Every kernel is extern "C" (its name is not mangled), uses a 1-D grid-stride
-// loop (any grid and block size covers all n elements), and takes element
-// counts as a 64-bit integer (int64 on the Go side). Launch arguments are
-// passed in the order listed:
+// Every kernel is extern "C" (its name is not mangled) and its name starts
+// with Prefix. The basic kernels use a 1-D grid-stride loop (any grid and
+// block size covers all n elements) and take element counts as a 64-bit
+// integer (int64 on the Go side). Launch arguments are passed in the order
+// listed:
 //
 //	Kernel            Parameters (Go types)                              Effect
 //	gpuctx_empty      ()                                                 nothing; for launch-overhead benchmarks
@@ -14,94 +20,141 @@
 //	gpuctx_axpby_f32  (y hal.Ptr, x hal.Ptr, a, b float32, n int64)      y[i] = a*x[i] + b*y[i]
 //	gpuctx_add_i32    (y hal.Ptr, v int32, n int64)                      y[i] += v
 //
-// The Mixture-of-Experts kernels of moe.cu (driven by package moe) take int32
-// dimensions and flags (0/1) instead, and some need a fixed launch shape.
-// "act" pointers hold f32, or bf16 bits when bf16 = 1 (elem_bytes 4 or 2);
-// all math is f32 with a fixed summation order, bf16 stores round to nearest
-// even. E <= 512 experts, K <= 16 per token.
+// A Go body (Kernel.CPU) runs on the CPU stream's goroutine after Launch has
+// checked the argument count and types against Kernel.Params; it computes the
+// whole result (grid and block are only validated) and returns errors (bad
+// pointers, bad sizes) that become the stream's sticky error. Twin builds a
+// Kernel whose parameters are the fields of a struct, so the body reads named
+// fields.
 //
-//	gpuctx_moe_route    (logits, bias, topk_idx, topk_w hal.Ptr, T, E, K, scoring, method,
-//	                     groups, topk_groups, has_bias, norm int32, norm_eps, scale float32,
-//	                     ks, ns int32)
-//	    per token: scores = softmax (scoring 0) or sigmoid (1) of logits [T,E] f32;
-//	    choice = scores + bias[E] f32 if has_bias; method 1 (group_limited_greedy):
-//	    group score = max choice, method 2 (noaux_tc): sum of the top 2; keep
-//	    topk_groups groups, other choices = 0; top-K of choice (ties: lower index)
-//	    -> topk_idx [T,K] i32; weight = score (method 2) or choice, / (sum+norm_eps)
-//	    if norm, * scale -> topk_w [T,K] f32. Rows have stride ks >= K+ns; slots
-//	    K..K+ns-1 get the shared experts E..E+ns-1 with weight 1. Block (32,1,1), any grid.
-//	gpuctx_moe_plan     (topk_idx, counts, offsets, pos hal.Ptr, TK, E int32)
-//	    stable counting sort of TK assignments by expert: counts [E], offsets
-//	    [E+1] (exclusive prefix), pos [TK] = row of assignment t*K+k (-1 if its
-//	    expert is out of range). Grid (1,1,1), block (256,1,1).
-//	gpuctx_moe_gather   (x, pos, xp hal.Ptr, TK, K, H, elem_bytes int32)
-//	    xp[pos[a], :] = x[a/K, :] for rows of H elements. Any grid and block.
-//	gpuctx_moe_swiglu   (h, act hal.Ptr, rows, I, bf16 int32)
-//	    act[r,i] = silu(h[r,i]) * h[r,I+i], h [rows,2I] -> act [rows,I]. Any shape.
-//	gpuctx_moe_combine  (out, pos, w, shared, gate, y hal.Ptr, T, K, H, has_routed,
-//	                     has_shared, has_gate, bf16 int32)
-//	    y[t,:] = sum_k w[t,k]*out[pos[t,k],:] (k ascending, pos -1 skipped) +
-//	    sigmoid(gate[t]) (or 1 without has_gate) * shared[t,:]; gate f32 [T].
-//	    Pointers of absent parts are not read. Any grid and block.
-//	gpuctx_moe_expert_up   (xp, gu, counts, offsets, act hal.Ptr, E, H, I, bf16 int32)
-//	    for each expert e and row r of its plan rows: act[r,i] = silu(g)*u with
-//	    g = xp[r,:].gu[e,i,:], u = xp[r,:].gu[e,I+i,:], both rounded to the dtype.
-//	    H, I multiples of 8. Grid (ceil(I/8), E), block 256.
-//	gpuctx_moe_expert_down (act, down, counts, offsets, out hal.Ptr, E, H, I, bf16 int32)
-//	    out[r,h] = act[r,:].down[e,h,:] for each expert's plan rows. Grid
-//	    (ceil(H/8), E), block 256.
-//
-// The fused routed path (graph-capturable: no host round trip) sorts the
-// assignments into blocks of BM rows per expert, runs the grouped expert GEMMs
-// of moe_gemm.cu on them (gpuctx_moe_up_<tag>, gpuctx_moe_down_<tag>, one pair
-// per tile config; see MoEGemm) and combines the rows in assignment order:
-//
-//	gpuctx_moe_align    (topk_idx, sorted, block_expert, npost hal.Ptr, TK, E, BM, cap int32)
-//	    stable sort of the TK assignments (topk_idx [TK] i32; out-of-range experts
-//	    skipped) into per-expert segments, experts in order, each padded to a
-//	    multiple of BM rows (empty experts get none): sorted [cap] = assignment
-//	    of each row, TK for padding and for every row from npost to cap;
-//	    block_expert [cap/BM] = expert of each block, -1 from npost/BM on;
-//	    npost [1] = padded row count. E <= 512, cap a multiple of BM and at
-//	    least npost; size it roundup(TK + min(E,TK)*(BM-1), BM). Grid (1,1,1),
-//	    block (512,1,1).
-//	gpuctx_moe_combine_rows (out, w, shared, gate, y hal.Ptr, T, K, H, has_routed,
-//	                     has_shared, has_gate, bf16 int32)
-//	    gpuctx_moe_combine with pos[t,k] = t*K+k: y[t,:] = sum_k w[t,k]*out[t*K+k,:]
-//	    + sigmoid(gate[t]) (or 1) * shared[t,:]. Any grid and block.
-//
-// Everything here is read-only data and safe to use from any goroutine.
+// Register must be called from init functions only: the registry is read
+// (Sources, Lookup, ...) without further synchronisation by the backends, and
+// Register panics once it has been read. Everything else here is safe to use
+// from any goroutine.
 package kernels
 
 import (
-	"embed"
+	"fmt"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
+	"sync"
 )
 
-//go:embed *.cu
-var files embed.FS
+// Prefix is the prefix every gpuctx kernel name starts with.
+const Prefix = "gpuctx_"
 
-// Sources returns a fresh map from file name (e.g. "basic.cu") to its CUDA C
-// source text.
-func Sources() map[string]string {
-	ents, err := files.ReadDir(".")
-	if err != nil {
-		return map[string]string{}
+// Source is one CUDA C source file and the kernels it defines.
+type Source struct {
+	// File names the source (unique across the registry), e.g. "moe.cu"; the
+	// CUDA backend compiles and loads each file as one module and names it in
+	// compiler errors.
+	File string
+	// Text is the CUDA C source exactly as NVRTC compiles it: generated
+	// preludes (limits as #define) and appended instances included.
+	Text string
+	// Kernels lists every extern "C" kernel of Text with its Go body, with the
+	// parameter kinds of its C parameter list (CheckSignatures verifies both).
+	Kernels []Kernel
+}
+
+// Kernel is one kernel: its name, its parameter kinds in order and its Go body.
+type Kernel struct {
+	Name   string
+	Params []ArgKind
+	CPU    Func
+}
+
+// Func is the Go body of a kernel. args have been checked against the
+// kernel's Params, so a body may type-assert them (Twin does it for you).
+type Func func(m Memory, args []any) error
+
+// registry holds registered sources and kernels.
+type registry struct {
+	mu      sync.Mutex
+	read    bool              // set by the first reader; Register panics after
+	sources map[string]string // file -> text
+	kernels map[string]entry  // kernel name -> kernel and file
+}
+
+type entry struct {
+	k    Kernel
+	file string
+}
+
+// std is the process-wide registry.
+var std registry
+
+// Register adds a source file and its kernels. Call it from init functions
+// only. It panics on a repeated file or kernel name, a name without Prefix, a
+// kernel without a Go body, or a call after the registry has been read: all
+// programming errors that any test of the registering package catches.
+func Register(s Source) { std.register(s) }
+
+func (r *registry) register(s Source) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.read {
+		panic("kernels: Register(" + s.File + ") after the registry was read: register from an init function")
 	}
-	out := make(map[string]string, len(ents))
-	for _, e := range ents {
-		b, err := files.ReadFile(e.Name())
-		if err != nil {
-			continue
+	if s.File == "" {
+		panic("kernels: Register: empty file name")
+	}
+	if _, dup := r.sources[s.File]; dup {
+		panic("kernels: source " + s.File + " registered twice")
+	}
+	for i, k := range s.Kernels {
+		switch {
+		case !strings.HasPrefix(k.Name, Prefix):
+			panic(fmt.Sprintf("kernels: %s: kernel %q lacks the %q prefix", s.File, k.Name, Prefix))
+		case k.CPU == nil:
+			panic(fmt.Sprintf("kernels: %s: kernel %s has no Go body", s.File, k.Name))
 		}
-		out[e.Name()] = string(b)
+		if e, dup := r.kernels[k.Name]; dup {
+			panic(fmt.Sprintf("kernels: kernel %s registered by both %s and %s", k.Name, e.file, s.File))
+		}
+		for _, o := range s.Kernels[:i] {
+			if o.Name == k.Name {
+				panic(fmt.Sprintf("kernels: kernel %s listed twice in %s", k.Name, s.File))
+			}
+		}
 	}
-	if src, ok := out[MoEGemmFile]; ok {
-		out[MoEGemmFile] = src + moeGemmInstances()
+	if r.sources == nil {
+		r.sources, r.kernels = map[string]string{}, map[string]entry{}
+	}
+	r.sources[s.File] = s.Text
+	for _, k := range s.Kernels {
+		k.Params = append([]ArgKind(nil), k.Params...)
+		r.kernels[k.Name] = entry{k: k, file: s.File}
+	}
+}
+
+// snapshot marks the registry read and returns its maps (never modified
+// afterwards).
+func (r *registry) snapshot() (map[string]string, map[string]entry) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.read = true
+	return r.sources, r.kernels
+}
+
+// Sources returns a fresh map from file name (e.g. "basic.cu") to the CUDA C
+// text of every registered source.
+func Sources() map[string]string {
+	srcs, _ := std.snapshot()
+	out := make(map[string]string, len(srcs))
+	for f, t := range srcs {
+		out[f] = t
 	}
 	return out
+}
+
+// Lookup returns the registered kernel name and the file that defines it.
+func Lookup(name string) (k Kernel, file string, ok bool) {
+	_, ks := std.snapshot()
+	e, ok := ks[name]
+	return e.k, e.file, ok
 }
 
 // kernelDecl matches an extern "C" __global__ kernel definition and captures its name.
@@ -117,37 +170,66 @@ func Index(src string) []string {
 	return names
 }
 
+// paramLists returns, for every kernel defined in src, the text of its
+// parameter list (between the parentheses).
+func paramLists(src string) map[string]string {
+	out := map[string]string{}
+	for _, m := range kernelDecl.FindAllStringSubmatchIndex(src, -1) {
+		name := src[m[2]:m[3]]
+		depth, end := 1, len(src)
+		for i, r := range src[m[1]:] {
+			if r == '(' {
+				depth++
+			} else if r == ')' {
+				if depth--; depth == 0 {
+					end = m[1] + i
+					break
+				}
+			}
+		}
+		out[name] = src[m[1]:end]
+	}
+	return out
+}
+
+// splitParams splits a C parameter list at its top-level commas; an empty
+// list has no parameters.
+func splitParams(list string) []string {
+	if strings.TrimSpace(list) == "" || strings.TrimSpace(list) == "void" {
+		return nil
+	}
+	var out []string
+	depth, start := 0, 0
+	for i, r := range list {
+		switch r {
+		case '(':
+			depth++
+		case ')':
+			depth--
+		case ',':
+			if depth == 0 {
+				out = append(out, list[start:i])
+				start = i + 1
+			}
+		}
+	}
+	return append(out, list[start:])
+}
+
 // ParamCounts returns a fresh map from kernel name to the number of
-// parameters in its definition, for every kernel of every source file.
+// parameters in its definition, for every kernel of every registered source.
 func ParamCounts() map[string]int {
 	out := map[string]int{}
 	for _, src := range Sources() {
-		for _, m := range kernelDecl.FindAllStringSubmatchIndex(src, -1) {
-			name := src[m[2]:m[3]]
-			depth, n, empty := 1, 1, true
-			for _, r := range src[m[1]:] {
-				if r == '(' {
-					depth++
-				} else if r == ')' {
-					if depth--; depth == 0 {
-						break
-					}
-				} else if r == ',' && depth == 1 {
-					n++
-				} else if r != ' ' && r != '\n' && r != '\t' {
-					empty = false
-				}
-			}
-			if empty {
-				n = 0
-			}
-			out[name] = n
+		for name, list := range paramLists(src) {
+			out[name] = len(splitParams(list))
 		}
 	}
 	return out
 }
 
-// Files returns a fresh map from kernel name to the file that defines it.
+// Files returns a fresh map from kernel name to the registered source file
+// that defines it (parsed from the CUDA C text).
 func Files() map[string]string {
 	out := map[string]string{}
 	for file, src := range Sources() {
@@ -158,7 +240,7 @@ func Files() map[string]string {
 	return out
 }
 
-// Names returns every kernel name, sorted.
+// Names returns every kernel name defined by a registered source, sorted.
 func Names() []string {
 	var out []string
 	for n := range Files() {
@@ -168,8 +250,78 @@ func Names() []string {
 	return out
 }
 
-// Prefix is the prefix every gpuctx kernel name starts with.
-const Prefix = "gpuctx_"
+// cKinds returns the parameter kinds of a C parameter list.
+func cKinds(list string) ([]ArgKind, error) {
+	var out []ArgKind
+	for _, p := range splitParams(list) {
+		p = strings.Join(strings.Fields(p), " ")
+		p = strings.TrimPrefix(p, "const ")
+		var k ArgKind
+		switch {
+		case strings.Contains(p, "*"):
+			k = ArgPtr
+		case strings.HasPrefix(p, "unsigned long long "):
+			k = ArgU64
+		case strings.HasPrefix(p, "long long "):
+			k = ArgI64
+		case strings.HasPrefix(p, "unsigned int ") || strings.HasPrefix(p, "unsigned "):
+			k = ArgU32
+		case strings.HasPrefix(p, "int "):
+			k = ArgI32
+		case strings.HasPrefix(p, "float "):
+			k = ArgF32
+		case strings.HasPrefix(p, "double "):
+			k = ArgF64
+		default:
+			return nil, fmt.Errorf("parameter %q has a C type with no ArgKind", p)
+		}
+		out = append(out, k)
+	}
+	return out, nil
+}
 
-// valid reports whether name looks like a gpuctx kernel name.
-func valid(name string) bool { return strings.HasPrefix(name, Prefix) }
+// CheckSignatures reports every mismatch between the registered CUDA sources
+// and the registered kernels: a kernel a source defines that has no Go body,
+// a Go body whose source does not define it, and parameter kinds that differ
+// from the C parameter list. A launch that passes the CPU backend's checks
+// then passes the same arguments to CUDA. It returns nil when all agree.
+func CheckSignatures() error {
+	srcs, ks := std.snapshot()
+	return checkSignatures(srcs, ks)
+}
+
+func checkSignatures(srcs map[string]string, ks map[string]entry) error {
+	var errs []string
+	defined := map[string]bool{}
+	for file, src := range srcs {
+		for name, list := range paramLists(src) {
+			defined[name] = true
+			e, ok := ks[name]
+			if !ok {
+				errs = append(errs, fmt.Sprintf("%s (%s) has no Go body", name, file))
+				continue
+			}
+			if e.file != file {
+				errs = append(errs, fmt.Sprintf("%s is defined in %s but registered with %s", name, file, e.file))
+			}
+			want, err := cKinds(list)
+			if err != nil {
+				errs = append(errs, fmt.Sprintf("%s (%s): %v", name, file, err))
+				continue
+			}
+			if !slices.Equal(e.k.Params, want) {
+				errs = append(errs, fmt.Sprintf("%s: Go parameters %v, CUDA source %v", name, e.k.Params, want))
+			}
+		}
+	}
+	for name, e := range ks {
+		if !defined[name] {
+			errs = append(errs, fmt.Sprintf("%s is registered with %s, which does not define it", name, e.file))
+		}
+	}
+	if len(errs) == 0 {
+		return nil
+	}
+	sort.Strings(errs)
+	return fmt.Errorf("kernels: %d signature mismatches:\n%s", len(errs), strings.Join(errs, "\n"))
+}

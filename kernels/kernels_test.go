@@ -1,9 +1,12 @@
 package kernels
 
 import (
+	"fmt"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
+	"unsafe"
 )
 
 func TestKernelsPresent(t *testing.T) {
@@ -40,7 +43,7 @@ func TestNamesPrefixedAndUnique(t *testing.T) {
 	seen := map[string]string{}
 	for file, src := range Sources() {
 		for _, n := range Index(src) {
-			if !valid(n) {
+			if !strings.HasPrefix(n, Prefix) {
 				t.Errorf("%s: kernel %q lacks the %q prefix", file, n, Prefix)
 			}
 			if prev, dup := seen[n]; dup {
@@ -71,33 +74,12 @@ func TestIndex(t *testing.T) {
 	}
 }
 
-// TestMoEGemmConfigs checks every tile against moe_gemm.cu's static
-// assertions and the shared-memory limit (NVRTC would refuse the whole file on
-// the GPU), and that tags are unique.
-func TestMoEGemmConfigs(t *testing.T) {
-	seen := map[string]bool{}
-	for _, c := range MoEGemms {
-		if err := c.Check(); err != nil {
-			t.Error(err)
-		}
-		if seen[c.Tag()] {
-			t.Errorf("tile %s listed twice", c.Tag())
-		}
-		seen[c.Tag()] = true
-	}
-	bad := MoEGemm{BM: 16, BN: 128, BK: 64, WarpsM: 1, WarpsN: 8, Stages: 4} // 128 A chunks, 256 threads
-	if bad.Check() == nil {
-		t.Errorf("tile %s passes Check, but its A tile cannot split over its threads", bad.Tag())
-	}
-}
-
 // TestParamCounts checks the parameter counts the CUDA backend asks the
 // driver for (it must not probe past the last one).
 func TestParamCounts(t *testing.T) {
 	got := ParamCounts()
 	for name, want := range map[string]int{
-		"gpuctx_empty": 0, "gpuctx_fill_f32": 3, "gpuctx_moe_route": 17, "gpuctx_moe_align": 8,
-		"gpuctx_moe_route_align": 25, "gpuctx_moe_combine_rows": 12, MoEGemms[0].UpName(): 10, MoEGemms[0].DownName(): 9,
+		"gpuctx_empty": 0, "gpuctx_fill_f32": 3, "gpuctx_axpby_f32": 5, "gpuctx_add_i32": 3,
 	} {
 		if got[name] != want {
 			t.Errorf("%s: %d parameters, want %d", name, got[name], want)
@@ -105,5 +87,182 @@ func TestParamCounts(t *testing.T) {
 	}
 	if len(got) != len(Names()) {
 		t.Errorf("%d counts for %d kernels", len(got), len(Names()))
+	}
+}
+
+// TestKernelSignaturesMatchCUDA checks that every kernel of the registered
+// CUDA sources has a Go body with the parameter kinds of its C parameter
+// list, so that a launch that works on the CPU backend passes the same
+// arguments on CUDA (package moe's kernels run the same check).
+func TestKernelSignaturesMatchCUDA(t *testing.T) {
+	if err := CheckSignatures(); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range Names() {
+		if _, _, ok := Lookup(name); !ok {
+			t.Errorf("%s has no Go body", name)
+		}
+	}
+}
+
+// TestCheckSignatures checks that the signature check finds each kind of
+// mismatch.
+func TestCheckSignatures(t *testing.T) {
+	body := func(Memory, []any) error { return nil }
+	src := `extern "C" __global__ void gpuctx_a(float* y, int n, long long m) {}
+extern "C" __global__ __launch_bounds__(64) void gpuctx_b(const unsigned short* __restrict__ x, float v) {}
+extern "C" __global__ void gpuctx_c() {}`
+	tests := []struct {
+		name string
+		ks   []Kernel
+		want []string // substrings of the error; none: no error
+	}{
+		{"all match", []Kernel{
+			{Name: "gpuctx_a", Params: []ArgKind{ArgPtr, ArgI32, ArgI64}, CPU: body},
+			{Name: "gpuctx_b", Params: []ArgKind{ArgPtr, ArgF32}, CPU: body},
+			{Name: "gpuctx_c", CPU: body},
+		}, nil},
+		{"missing body, wrong kinds, extra body", []Kernel{
+			{Name: "gpuctx_a", Params: []ArgKind{ArgPtr, ArgI64, ArgI64}, CPU: body},
+			{Name: "gpuctx_c", CPU: body},
+			{Name: "gpuctx_d", CPU: body},
+		}, []string{"gpuctx_b (t.cu) has no Go body", "gpuctx_a: Go parameters [hal.Ptr int64 int64], CUDA source [hal.Ptr int32 int64]", "gpuctx_d is registered with t.cu, which does not define it"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var r registry
+			r.register(Source{File: "t.cu", Text: src, Kernels: tc.ks})
+			err := checkSignatures(r.snapshot())
+			if len(tc.want) == 0 {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			for _, w := range tc.want {
+				if err == nil || !strings.Contains(err.Error(), w) {
+					t.Errorf("got %v, want an error containing %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+// TestRegisterPanics checks that registration mistakes panic at init.
+func TestRegisterPanics(t *testing.T) {
+	body := func(Memory, []any) error { return nil }
+	tests := []struct {
+		name string
+		run  func(r *registry)
+		want string
+	}{
+		{"repeated file", func(r *registry) {
+			r.register(Source{File: "a.cu"})
+			r.register(Source{File: "a.cu"})
+		}, "registered twice"},
+		{"repeated kernel", func(r *registry) {
+			r.register(Source{File: "a.cu", Kernels: []Kernel{{Name: "gpuctx_x", CPU: body}}})
+			r.register(Source{File: "b.cu", Kernels: []Kernel{{Name: "gpuctx_x", CPU: body}}})
+		}, "registered by both a.cu and b.cu"},
+		{"no prefix", func(r *registry) { r.register(Source{File: "a.cu", Kernels: []Kernel{{Name: "x", CPU: body}}}) }, "prefix"},
+		{"no body", func(r *registry) { r.register(Source{File: "a.cu", Kernels: []Kernel{{Name: "gpuctx_x"}}}) }, "no Go body"},
+		{"after read", func(r *registry) {
+			r.snapshot()
+			r.register(Source{File: "a.cu"})
+		}, "after the registry was read"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			defer func() {
+				if p := recover(); p == nil || !strings.Contains(fmt.Sprint(p), tc.want) {
+					t.Fatalf("panic %v, want one containing %q", p, tc.want)
+				}
+			}()
+			tc.run(new(registry))
+		})
+	}
+}
+
+// sliceMem is a Memory over one Go byte slice starting at address base.
+type sliceMem struct {
+	base Ptr
+	buf  []byte
+}
+
+func (m sliceMem) Bytes(what string, p Ptr, n, align int) ([]byte, error) {
+	off := int(p - m.base)
+	if p < m.base || off+n > len(m.buf) || int(p)%align != 0 {
+		return nil, fmt.Errorf("%s: [%#x, +%d) outside memory", what, p, n)
+	}
+	return m.buf[off : off+n], nil
+}
+
+// TestTwin checks the parameter kinds Twin derives from a struct, that the
+// body gets the launch arguments as named fields, and Args.
+func TestTwin(t *testing.T) {
+	type args struct {
+		P Ptr
+		A int32
+		B uint32
+		C int64
+		D uint64
+		E float32
+		F float64
+	}
+	var got args
+	k := Twin("gpuctx_t", func(m Memory, a *args) error { got = *a; return nil })
+	want := []ArgKind{ArgPtr, ArgI32, ArgU32, ArgI64, ArgU64, ArgF32, ArgF64}
+	if !slices.Equal(k.Params, want) {
+		t.Errorf("Params %v, want %v", k.Params, want)
+	}
+	in := args{P: 8, A: -1, B: 2, C: -3, D: 4, E: 5.5, F: 6.25}
+	if err := k.CPU(sliceMem{}, Args(in)); err != nil || got != in {
+		t.Errorf("body got %+v (%v), want %+v", got, err, in)
+	}
+	if a := Args(&in); len(a) != 7 || a[0] != Ptr(8) || a[6] != 6.25 {
+		t.Errorf("Args(&in) = %v", a)
+	}
+	for name, fn := range map[string]func(){
+		"int field":        func() { Twin("gpuctx_t", func(Memory, *struct{ N int }) error { return nil }) },
+		"unexported field": func() { Twin("gpuctx_t", func(Memory, *struct{ n int32 }) error { return nil }) },
+		"not a struct":     func() { Twin("gpuctx_t", func(Memory, *int32) error { return nil }) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			defer func() {
+				if recover() == nil {
+					t.Error("no panic")
+				}
+			}()
+			fn()
+		})
+	}
+}
+
+// TestBasicTwins runs the Go bodies of the basic kernels on Go memory.
+func TestBasicTwins(t *testing.T) {
+	f32 := func(b []byte) []float32 { return unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), len(b)/4) }
+	buf := make([]float32, 8)
+	mem := sliceMem{base: 4096, buf: unsafe.Slice((*byte)(unsafe.Pointer(&buf[0])), 32)}
+	run := func(name string, a any) error {
+		k, _, ok := Lookup(name)
+		if !ok {
+			t.Fatalf("%s not registered", name)
+		}
+		return k.CPU(mem, Args(a))
+	}
+	if err := run("gpuctx_fill_f32", fillArgs{Y: 4096, V: 2, N: 4}); err != nil {
+		t.Fatal(err)
+	}
+	if err := run("gpuctx_fill_f32", fillArgs{Y: 4096 + 16, V: 3, N: 4}); err != nil {
+		t.Fatal(err)
+	}
+	if err := run("gpuctx_axpby_f32", axpbyArgs{Y: 4096, X: 4096 + 16, A: 2, B: -1, N: 4}); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f32(mem.buf), []float32{4, 4, 4, 4, 3, 3, 3, 3}; !slices.Equal(got, want) {
+		t.Errorf("memory %v, want %v", got, want)
+	}
+	if err := run("gpuctx_fill_f32", fillArgs{Y: 4096, V: 2, N: 9}); err == nil || !strings.Contains(err.Error(), "y") {
+		t.Errorf("fill past the end: %v", err)
 	}
 }

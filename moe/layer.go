@@ -10,7 +10,7 @@ import (
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/half"
-	"github.com/gpuctx/gpuctx/kernels"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
 // Mode says on which streams Layer.ForwardDevice runs the shared expert.
@@ -116,10 +116,11 @@ const DefaultAutoThreshold = math.MaxInt32
 // DefaultSmallBatchTokens is the default LayerOptions.SmallBatchTokens.
 const DefaultSmallBatchTokens = 16
 
-// Kernel limits (kernels/moe.cu): experts per layer and experts per token.
+// Kernel limits (moekernels, which also gives them to moe.cu): experts per
+// layer and experts per token.
 const (
-	MaxExperts = 512
-	MaxTopK    = 16
+	MaxExperts = moekernels.MaxExperts
+	MaxTopK    = moekernels.MaxTopK
 )
 
 // LayerOptions configures NewLayer.
@@ -151,7 +152,7 @@ type LayerOptions struct {
 	// then run as grouped GEMMs with host-side group sizes, as before it existed.
 	NoFused bool
 	// Tile forces one tile config of the fused expert GEMMs for every batch
-	// (a kernels.MoEGemm tag such as "m16n64k64w1x4s6"); empty: tuned per bucket.
+	// (a tile tag such as "m16n64k64w1x4s6"); empty: tuned per bucket.
 	Tile string
 	// NoAutotune picks fused tiles by a rule of thumb instead of timing the
 	// candidates on the first forward of each token bucket (timing needs CUDA
@@ -203,18 +204,18 @@ type Layer struct {
 	kCombRows   *gpuctx.Kernel
 	kRouteAlign *gpuctx.Kernel
 
-	fusedOK     bool                               // bf16, H and I multiples of 8, not NoFused
-	ns          int                                // shared-expert chunks fused as experts E.. (0: none)
-	routedKS    int                                // topk row stride of the last routed forward
-	kUp         map[kernels.MoEGemm]*gpuctx.Kernel // fused up kernels by tile
-	kDown       map[kernels.MoEGemm]*gpuctx.Kernel // fused down kernels by tile
-	forceTile   *kernels.MoEGemm                   // LayerOptions.Tile
-	autotune    bool                               // time the tiles per bucket
-	tiles       map[tileKey]tilePair               // chosen tiles by token bucket and shared fusion
-	tuneLog     []string                           // what tune chose (TileChoices)
-	autoModes   map[int]Mode                       // Auto's measured choice by token bucket
-	evTune      [2]*gpuctx.Event                   // timing events of tune
-	capturing   bool                               // a graph capture is under way
+	fusedOK     bool                                  // bf16, H and I multiples of 8, not NoFused
+	ns          int                                   // shared-expert chunks fused as experts E.. (0: none)
+	routedKS    int                                   // topk row stride of the last routed forward
+	kUp         map[moekernels.MoEGemm]*gpuctx.Kernel // fused up kernels by tile
+	kDown       map[moekernels.MoEGemm]*gpuctx.Kernel // fused down kernels by tile
+	forceTile   *moekernels.MoEGemm                   // LayerOptions.Tile
+	autotune    bool                                  // time the tiles per bucket
+	tiles       map[tileKey]tilePair                  // chosen tiles by token bucket and shared fusion
+	tuneLog     []string                              // what tune chose (TileChoices)
+	autoModes   map[int]Mode                          // Auto's measured choice by token bucket
+	evTune      [2]*gpuctx.Event                      // timing events of tune
+	capturing   bool                                  // a graph capture is under way
 	countsHost  *gpuctx.HostBuffer
 	weightBufs  []*gpuctx.Buffer
 	router      *gpuctx.Buffer // [E,H] dt
@@ -292,7 +293,7 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 		l.flav = gpuctx.TensorOp
 	}
 	l.fusedOK = l.dt == gpuctx.BF16 && !o.NoFused && cfg.HiddenSize%8 == 0 && cfg.Intermediate%8 == 0
-	l.kUp, l.kDown, l.tiles = map[kernels.MoEGemm]*gpuctx.Kernel{}, map[kernels.MoEGemm]*gpuctx.Kernel{}, map[tileKey]tilePair{}
+	l.kUp, l.kDown, l.tiles = map[moekernels.MoEGemm]*gpuctx.Kernel{}, map[moekernels.MoEGemm]*gpuctx.Kernel{}, map[tileKey]tilePair{}
 	if o.Tile != "" {
 		t, err := parseTile(o.Tile)
 		if err != nil {

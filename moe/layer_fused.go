@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/kernels"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
 // The fused routed path (bf16): vLLM's fused-MoE design on gpuctx kernels.
@@ -19,7 +19,7 @@ import (
 //	rows scattered back to assignment order) -> gpuctx_moe_combine_rows
 //
 // Nothing waits for the host, so every batch size is captured into a graph and
-// replayed. The expert GEMMs run on tensor cores (kernels/moe_gemm.cu); the
+// replayed. The expert GEMMs run on tensor cores (moekernels' moe_gemm.cu); the
 // tile shape is picked per token bucket, by timing the candidates on the first
 // forward of a bucket on CUDA (see tune) or by a rule of thumb elsewhere.
 
@@ -45,39 +45,39 @@ func tileBucket(T int) int {
 }
 
 // ruleTile picks a tile by the rows each touched expert gets on average.
-func ruleTile(T, K, E int) kernels.MoEGemm {
+func ruleTile(T, K, E int) moekernels.MoEGemm {
 	TK := T * K
 	m := (TK + min(E, TK) - 1) / min(E, TK)
-	want := kernels.MoEGemm{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
+	want := moekernels.MoEGemm{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
 	switch {
 	case m > 96:
-		want = kernels.MoEGemm{BM: 128, BN: 128, BK: 64, WarpsM: 2, WarpsN: 4, Stages: 3}
+		want = moekernels.MoEGemm{BM: 128, BN: 128, BK: 64, WarpsM: 2, WarpsN: 4, Stages: 3}
 	case m > 32:
-		want = kernels.MoEGemm{BM: 64, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4}
+		want = moekernels.MoEGemm{BM: 64, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4}
 	case m > 16:
-		want = kernels.MoEGemm{BM: 32, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
+		want = moekernels.MoEGemm{BM: 32, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
 	}
 	return want
 }
 
-// parseTile finds the config whose tag (kernels.MoEGemm.Tag) is s.
-func parseTile(s string) (kernels.MoEGemm, error) {
+// parseTile finds the config whose tag (moekernels.MoEGemm.Tag) is s.
+func parseTile(s string) (moekernels.MoEGemm, error) {
 	var tags []string
-	for _, c := range kernels.MoEGemms {
+	for _, c := range moekernels.MoEGemms {
 		if c.Tag() == s {
 			return c, nil
 		}
 		tags = append(tags, c.Tag())
 	}
-	return kernels.MoEGemm{}, fmt.Errorf("%w: moe: unknown tile %q; use one of %s", gpuctx.ErrInvalid, s, strings.Join(tags, ", "))
+	return moekernels.MoEGemm{}, fmt.Errorf("%w: moe: unknown tile %q; use one of %s", gpuctx.ErrInvalid, s, strings.Join(tags, ", "))
 }
 
 // tilePair is the tile of the up and the down kernel of one bucket (same BM:
 // they share the alignment).
-type tilePair struct{ up, down kernels.MoEGemm }
+type tilePair struct{ up, down moekernels.MoEGemm }
 
 // fusedKernels looks up (compiling on first use) the kernels of tile c.
-func (l *Layer) fusedKernels(c kernels.MoEGemm) (up, down *gpuctx.Kernel, err error) {
+func (l *Layer) fusedKernels(c moekernels.MoEGemm) (up, down *gpuctx.Kernel, err error) {
 	if k, ok := l.kUp[c]; ok {
 		return k, l.kDown[c], nil
 	}
@@ -281,14 +281,14 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 		return ts[len(ts)/2], nil
 	}
 	type best struct {
-		c kernels.MoEGemm
+		c moekernels.MoEGemm
 		d time.Duration
 	}
 	var bestPair tilePair
 	bestSum := time.Duration(-1)
 	var timed []string
 	bms := map[int]bool{}
-	for _, cand := range kernels.MoEGemms {
+	for _, cand := range moekernels.MoEGemms {
 		bms[cand.BM] = true
 	}
 	for _, bm := range []int{16, 32, 64, 128} {
@@ -304,7 +304,7 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 		cp := alignCap(TK, E, bm)
 		s := &l.scr
 		up, down := best{d: -1}, best{d: -1}
-		for _, cand := range kernels.MoEGemms {
+		for _, cand := range moekernels.MoEGemms {
 			if cand.BM != bm {
 				continue
 			}

@@ -13,7 +13,7 @@ import (
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/half"
-	"github.com/gpuctx/gpuctx/kernels"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
 // testBackend is one device the Layer tests run on, with the f32 tolerance of
@@ -760,7 +760,7 @@ func TestLayerFusedTiles(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer ref.Close()
-		for _, tile := range kernels.MoEGemms {
+		for _, tile := range moekernels.MoEGemms {
 			t.Run(b.name+"/"+tile.Tag(), func(t *testing.T) {
 				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, Tile: tile.Tag()})
 				if err != nil {

@@ -1,35 +1,36 @@
-package cpu
+package moekernels
 
 import (
 	"fmt"
 
-	"github.com/gpuctx/gpuctx/internal/hal"
+	"github.com/gpuctx/gpuctx/kernels"
 )
 
-// The small-batch routed-expert kernels of kernels/moe.cu (gpuctx_moe_expert_up,
-// gpuctx_moe_expert_down): the routed experts computed straight from the
+// The Go twins of the small-batch routed-expert kernels of moe.cu
+// (gpuctx_moe_expert_up, gpuctx_moe_expert_down): the routed experts computed straight from the
 // device-side plan (counts, offsets), with the same rounding as the CUDA
 // kernels (f32 dot products; gate and up rounded to the activation dtype before
 // SwiGLU; results stored in the activation dtype).
 
-func init() {
-	// gpuctx_moe_expert_up(const void* xp, const void* gu, const int* counts,
-	// const int* offsets, void* act, int E, int H, int I, int bf16).
-	registerKernel("gpuctx_moe_expert_up", []argKind{argPtr, argPtr, argPtr, argPtr, argPtr,
-		argI32, argI32, argI32, argI32}, moeExpertUp)
-	// gpuctx_moe_expert_down(const void* act, const void* down, const int* counts,
-	// const int* offsets, void* out, int E, int H, int I, int bf16).
-	registerKernel("gpuctx_moe_expert_down", []argKind{argPtr, argPtr, argPtr, argPtr, argPtr,
-		argI32, argI32, argI32, argI32}, moeExpertDown)
+// expertUpArgs are the parameters of gpuctx_moe_expert_up.
+type expertUpArgs struct {
+	Xp, Gu, Counts, Offsets, Act Ptr
+	E, H, I, BF16                int32
+}
+
+// expertDownArgs are the parameters of gpuctx_moe_expert_down.
+type expertDownArgs struct {
+	Act, Down, Counts, Offsets, Out Ptr
+	E, H, I, BF16                   int32
 }
 
 // expertPlan reads counts [E] and offsets [E+1] and checks that every expert's
 // rows lie inside [0, offsets[E]).
-func expertPlan(d *device, cp, op hal.Ptr, E int) (counts, offsets []int32, rows int, err error) {
-	if counts, err = deviceSlice[int32](d, "counts", cp, int64(E)); err != nil {
+func expertPlan(m kernels.Memory, cp, op Ptr, E int) (counts, offsets []int32, rows int, err error) {
+	if counts, err = kernels.Slice[int32](m, "counts", cp, int64(E)); err != nil {
 		return nil, nil, 0, err
 	}
-	if offsets, err = deviceSlice[int32](d, "offsets", op, int64(E)+1); err != nil {
+	if offsets, err = kernels.Slice[int32](m, "offsets", op, int64(E)+1); err != nil {
 		return nil, nil, 0, err
 	}
 	rows = int(offsets[E])
@@ -41,8 +42,8 @@ func expertPlan(d *device, cp, op hal.Ptr, E int) (counts, offsets []int32, rows
 	return counts, offsets, rows, nil
 }
 
-func expertDims(a []any) (E, H, I int, bf int32, err error) {
-	E, H, I, bf = int(a[5].(int32)), int(a[6].(int32)), int(a[7].(int32)), a[8].(int32)
+func expertDims(e, h, i, b int32) (E, H, I int, bf int32, err error) {
+	E, H, I, bf = int(e), int(h), int(i), b
 	if E <= 0 || H <= 0 || I <= 0 || H%8 != 0 || I%8 != 0 {
 		return 0, 0, 0, 0, fmt.Errorf("dimensions E=%d H=%d I=%d: want E > 0 and H, I positive multiples of 8", E, H, I)
 	}
@@ -57,24 +58,24 @@ func (a actSlice) round(v float32) float32 {
 	return v
 }
 
-func moeExpertUp(d *device, a []any) error {
-	E, H, I, bf, err := expertDims(a)
+func moeExpertUp(m kernels.Memory, a *expertUpArgs) error {
+	E, H, I, bf, err := expertDims(a.E, a.H, a.I, a.BF16)
 	if err != nil {
 		return fmt.Errorf("expert_up: %w", err)
 	}
-	counts, offsets, rows, err := expertPlan(d, a[2].(hal.Ptr), a[3].(hal.Ptr), E)
+	counts, offsets, rows, err := expertPlan(m, a.Counts, a.Offsets, E)
 	if err != nil {
 		return err
 	}
-	xp, err := actView(d, "xp", a[0].(hal.Ptr), int64(rows)*int64(H), bf)
+	xp, err := actView(m, "xp", a.Xp, int64(rows)*int64(H), bf)
 	if err != nil {
 		return err
 	}
-	gu, err := actView(d, "gu", a[1].(hal.Ptr), int64(E)*2*int64(I)*int64(H), bf)
+	gu, err := actView(m, "gu", a.Gu, int64(E)*2*int64(I)*int64(H), bf)
 	if err != nil {
 		return err
 	}
-	act, err := actView(d, "act", a[4].(hal.Ptr), int64(rows)*int64(I), bf)
+	act, err := actView(m, "act", a.Act, int64(rows)*int64(I), bf)
 	if err != nil {
 		return err
 	}
@@ -96,24 +97,24 @@ func moeExpertUp(d *device, a []any) error {
 	return nil
 }
 
-func moeExpertDown(d *device, a []any) error {
-	E, H, I, bf, err := expertDims(a)
+func moeExpertDown(m kernels.Memory, a *expertDownArgs) error {
+	E, H, I, bf, err := expertDims(a.E, a.H, a.I, a.BF16)
 	if err != nil {
 		return fmt.Errorf("expert_down: %w", err)
 	}
-	counts, offsets, rows, err := expertPlan(d, a[2].(hal.Ptr), a[3].(hal.Ptr), E)
+	counts, offsets, rows, err := expertPlan(m, a.Counts, a.Offsets, E)
 	if err != nil {
 		return err
 	}
-	act, err := actView(d, "act", a[0].(hal.Ptr), int64(rows)*int64(I), bf)
+	act, err := actView(m, "act", a.Act, int64(rows)*int64(I), bf)
 	if err != nil {
 		return err
 	}
-	down, err := actView(d, "down", a[1].(hal.Ptr), int64(E)*int64(H)*int64(I), bf)
+	down, err := actView(m, "down", a.Down, int64(E)*int64(H)*int64(I), bf)
 	if err != nil {
 		return err
 	}
-	out, err := actView(d, "out", a[4].(hal.Ptr), int64(rows)*int64(H), bf)
+	out, err := actView(m, "out", a.Out, int64(rows)*int64(H), bf)
 	if err != nil {
 		return err
 	}

@@ -1,13 +1,12 @@
-package cpu
+package moekernels
 
 import (
 	"math"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
 
-	"github.com/gpuctx/gpuctx/internal/hal"
+	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/kernels"
 )
 
@@ -15,14 +14,17 @@ import (
 // returns the stream's error.
 func launchSync(t *testing.T, d *device, name string, args ...any) error {
 	t.Helper()
-	s := newTestStream(t, d)
-	if err := s.Launch(mustKernel(t, d, name), one, hal.Dim3{X: 32, Y: 1, Z: 1}, 0, args...); err != nil {
+	s, err := d.dev.NewStream(gpuctx.StreamOptions{})
+	if err != nil {
+		t.Fatalf("NewStream: %v", err)
+	}
+	if err := s.Launch(mustKernel(t, d, name), one, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0, args...); err != nil {
 		return err
 	}
 	return s.Synchronize()
 }
 
-func alloc(t *testing.T, d *device, n int) hal.Ptr {
+func alloc(t *testing.T, d *device, n int) Ptr {
 	t.Helper()
 	p, err := d.Alloc(n)
 	if err != nil {
@@ -162,7 +164,7 @@ func TestMoEGatherSwigluCombine(t *testing.T) {
 	for _, bf := range []int32{0, 1} {
 		name := map[int32]string{0: "f32", 1: "bf16"}[bf]
 		// put/get store and read activations in the tested dtype.
-		put := func(v []float32) hal.Ptr {
+		put := func(v []float32) Ptr {
 			if bf == 0 {
 				return upload(t, d, asBytes(v))
 			}
@@ -172,7 +174,7 @@ func TestMoEGatherSwigluCombine(t *testing.T) {
 			}
 			return upload(t, d, asBytes(h))
 		}
-		get := func(p hal.Ptr, n int) []float32 {
+		get := func(p Ptr, n int) []float32 {
 			if bf == 0 {
 				return fromBytes[float32](download(t, d, p, 4*n))
 			}
@@ -301,40 +303,28 @@ func TestMoEKernelErrors(t *testing.T) {
 	}
 }
 
-// TestKernelSignaturesMatchCUDA checks that every kernel of the CUDA sources is
-// registered here with the parameter kinds of its C parameter list, so that a
-// launch that works on the CPU backend passes the same arguments on CUDA.
+// TestKernelSignaturesMatchCUDA checks that every kernel of the registered
+// CUDA sources (this package's and the basic ones) has a Go body with the
+// parameter kinds of its C parameter list, so that a launch that works on the
+// CPU backend passes the same arguments on CUDA, and that this package's
+// sources define every MoE kernel package moe looks up.
 func TestKernelSignaturesMatchCUDA(t *testing.T) {
-	srcs := kernels.Sources()
-	for name, file := range kernels.Files() {
-		spec, ok := kernelRegistry[name]
-		if !ok {
-			t.Errorf("%s (%s) has no CPU implementation", name, file)
-			continue
+	if err := kernels.CheckSignatures(); err != nil {
+		t.Fatal(err)
+	}
+	files := kernels.Files()
+	want := []string{"gpuctx_moe_route", "gpuctx_moe_plan", "gpuctx_moe_gather", "gpuctx_moe_swiglu",
+		"gpuctx_moe_combine", "gpuctx_moe_expert_up", "gpuctx_moe_expert_down", "gpuctx_moe_align",
+		"gpuctx_moe_combine_rows", "gpuctx_moe_route_align"}
+	for _, c := range MoEGemms {
+		want = append(want, c.UpName(), c.DownName())
+	}
+	for _, name := range want {
+		if f := files[name]; f != RouteFile && f != GemmFile {
+			t.Errorf("%s defined in %q, want %s or %s", name, f, RouteFile, GemmFile)
 		}
-		m := regexp.MustCompile(`void\s+` + name + `\s*\(([^)]*)\)`).FindStringSubmatch(srcs[file])
-		if m == nil {
-			t.Fatalf("cannot find the parameter list of %s in %s", name, file)
-		}
-		var want []argKind
-		for _, p := range strings.Split(m[1], ",") {
-			p = strings.Join(strings.Fields(p), " ")
-			switch {
-			case p == "":
-			case strings.Contains(p, "*"):
-				want = append(want, argPtr)
-			case strings.HasPrefix(p, "long long") || strings.HasPrefix(p, "const long long"):
-				want = append(want, argI64)
-			case strings.HasPrefix(p, "int ") || strings.HasPrefix(p, "const int "):
-				want = append(want, argI32)
-			case strings.HasPrefix(p, "float ") || strings.HasPrefix(p, "const float "):
-				want = append(want, argF32)
-			default:
-				t.Fatalf("%s: parameter %q has a type this test does not know", name, p)
-			}
-		}
-		if !slices.Equal(spec.params, want) {
-			t.Errorf("%s: CPU parameters %v, CUDA source %v", name, spec.params, want)
+		if _, _, ok := kernels.Lookup(name); !ok {
+			t.Errorf("%s has no Go body", name)
 		}
 	}
 }

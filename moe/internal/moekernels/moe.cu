@@ -1,9 +1,9 @@
 // Mixture-of-Experts kernels: routing (scores, grouped top-k, renormalisation),
 // token permutation (per-expert counts, offsets, positions, gather), SwiGLU and
-// the weighted combine. Package moe drives them; the CPU backend implements the
-// same names in Go (backend/cpu/moe_kernels.go) with the same arithmetic.
+// the weighted combine. Package moe drives them; their Go twins
+// (moe/internal/moekernels/route.go) have the same names and arithmetic.
 //
-// Conventions (see the table in kernels.go):
+// Conventions (see the table in moekernels.go):
 //   - dims are 32-bit ints; element offsets are computed in 64 bits;
 //   - activations are f32 or bf16 (flag bf16 = 1), bf16 held as unsigned short
 //     bits (no cuda_bf16.h: NVRTC compiles this file with no include path);
@@ -14,8 +14,8 @@
 //     any grid); gpuctx_moe_plan needs exactly one block of 256 threads.
 //   - every reduction has a fixed order, so results are bitwise reproducible.
 
-#define MOE_MAX_E 512
-#define MOE_MAX_K 16
+// MOE_MAX_E and MOE_MAX_K come from the prelude that moekernels.go prepends
+// (moekernels.MaxExperts, moekernels.MaxTopK).
 #define MOE_PLAN_WARPS 8
 #define MOE_FULL 0xffffffffu
 

@@ -1,24 +1,28 @@
-package cpu
+package moekernels
 
 import (
 	"fmt"
 	"math"
 
-	"github.com/gpuctx/gpuctx/internal/hal"
+	"github.com/gpuctx/gpuctx/half"
+	"github.com/gpuctx/gpuctx/kernels"
 )
 
-// The Mixture-of-Experts kernels of kernels/moe.cu, in Go with the same
-// arithmetic: f32 math, fixed summation orders, bf16 stores rounded to nearest
-// even. Results match the CUDA kernels up to f32 rounding of exp and of the
-// order of the softmax sum (the integer outputs of the plan kernel match
-// exactly). Grid and block are ignored.
+// The Go twins of the routing, permutation, SwiGLU and combine kernels of
+// moe.cu, with the same arithmetic: f32 math, fixed summation orders, bf16
+// stores rounded to nearest even. Results match the CUDA kernels up to f32
+// rounding of exp and of the order of the softmax sum (the integer outputs of
+// the plan kernel match exactly). Grid and block are ignored.
 
-// Limits shared with kernels/moe.cu.
-const (
-	moeMaxE      = 512
-	moeMaxK      = 16
-	moeMaxShared = 16 // shared-expert slots gpuctx_moe_route may append
-)
+// maxShared bounds the shared-expert slots gpuctx_moe_route may append (moe.cu
+// checks ns against MOE_MAX_K).
+const maxShared = MaxTopK
+
+// Ptr is a device address argument.
+type Ptr = kernels.Ptr
+
+func bf16ToF32(h uint16) float32 { return half.FromBF16(h) }
+func f32ToBF16(f float32) uint16 { return half.BF16(f) }
 
 // moeBetter reports whether (v, i) beats (bv, bi): a larger value, or an equal
 // value with a lower index; index -1 means none (as moe_better in moe.cu).
@@ -55,50 +59,58 @@ func (a actSlice) store(i int, v float32) {
 	}
 }
 
-func actView(d *device, what string, p hal.Ptr, n int64, bf16 int32) (actSlice, error) {
+func actView(m kernels.Memory, what string, p Ptr, n int64, bf16 int32) (actSlice, error) {
 	if bf16 != 0 {
-		h, err := deviceSlice[uint16](d, what, p, n)
+		h, err := kernels.Slice[uint16](m, what, p, n)
 		return actSlice{h: h}, err
 	}
-	f, err := deviceSlice[float32](d, what, p, n)
+	f, err := kernels.Slice[float32](m, what, p, n)
 	return actSlice{f: f}, err
 }
 
-func init() {
-	// gpuctx_moe_route(const float* logits, const float* bias, int* topk_idx,
-	// float* topk_w, int T, int E, int K, int scoring, int method, int groups,
-	// int topk_groups, int has_bias, int norm, float norm_eps, float scale,
-	// int ks, int ns).
-	registerKernel("gpuctx_moe_route", []argKind{argPtr, argPtr, argPtr, argPtr,
-		argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argI32, argF32, argF32, argI32, argI32}, moeRoute)
-
-	// gpuctx_moe_plan(const int* topk_idx, int* counts, int* offsets, int* pos, int TK, int E).
-	registerKernel("gpuctx_moe_plan", []argKind{argPtr, argPtr, argPtr, argPtr, argI32, argI32}, moePlan)
-
-	// gpuctx_moe_gather(const void* x, const int* pos, void* xp, int TK, int K, int H, int elem_bytes).
-	registerKernel("gpuctx_moe_gather", []argKind{argPtr, argPtr, argPtr, argI32, argI32, argI32, argI32}, moeGather)
-
-	// gpuctx_moe_swiglu(const void* h, void* act, int rows, int I, int bf16).
-	registerKernel("gpuctx_moe_swiglu", []argKind{argPtr, argPtr, argI32, argI32, argI32}, moeSwiglu)
-
-	// gpuctx_moe_combine(const void* out, const int* pos, const float* w,
-	// const void* shared, const float* gate, void* y, int T, int K, int H,
-	// int has_routed, int has_shared, int has_gate, int bf16).
-	registerKernel("gpuctx_moe_combine", []argKind{argPtr, argPtr, argPtr, argPtr, argPtr, argPtr,
-		argI32, argI32, argI32, argI32, argI32, argI32, argI32}, moeCombine)
+// routeArgs are the parameters of gpuctx_moe_route.
+type routeArgs struct {
+	Logits, Bias, TopkIdx, TopkW                                Ptr
+	T, E, K, Scoring, Method, Groups, TopkGroups, HasBias, Norm int32
+	NormEps, Scale                                              float32
+	Ks, Ns                                                      int32
 }
 
-func moeRoute(d *device, a []any) error {
-	T, E, K := int(a[4].(int32)), int(a[5].(int32)), int(a[6].(int32))
-	scoring, method, groups, topkGroups := a[7].(int32), a[8].(int32), int(a[9].(int32)), int(a[10].(int32))
-	hasBias, norm := a[11].(int32) != 0, a[12].(int32) != 0
-	normEps, scale := a[13].(float32), a[14].(float32)
-	ks, ns := int(a[15].(int32)), int(a[16].(int32))
-	if T < 0 || E <= 0 || E > moeMaxE || K <= 0 || K > moeMaxK || K > E {
-		return fmt.Errorf("route: T=%d E=%d K=%d: want T >= 0, 0 < E <= %d, 0 < K <= min(E, %d)", T, E, K, moeMaxE, moeMaxK)
+// planArgs are the parameters of gpuctx_moe_plan.
+type planArgs struct {
+	TopkIdx, Counts, Offsets, Pos Ptr
+	TK, E                         int32
+}
+
+// gatherArgs are the parameters of gpuctx_moe_gather.
+type gatherArgs struct {
+	X, Pos, Xp          Ptr
+	TK, K, H, ElemBytes int32
+}
+
+// swigluArgs are the parameters of gpuctx_moe_swiglu.
+type swigluArgs struct {
+	H, Act        Ptr
+	Rows, I, BF16 int32
+}
+
+// combineArgs are the parameters of gpuctx_moe_combine.
+type combineArgs struct {
+	Out, Pos, W, Shared, Gate, Y                 Ptr
+	T, K, H, HasRouted, HasShared, HasGate, BF16 int32
+}
+
+func moeRoute(m kernels.Memory, a *routeArgs) error {
+	T, E, K := int(a.T), int(a.E), int(a.K)
+	scoring, method, groups, topkGroups := a.Scoring, a.Method, int(a.Groups), int(a.TopkGroups)
+	hasBias, norm := a.HasBias != 0, a.Norm != 0
+	normEps, scale := a.NormEps, a.Scale
+	ks, ns := int(a.Ks), int(a.Ns)
+	if T < 0 || E <= 0 || E > MaxExperts || K <= 0 || K > MaxTopK || K > E {
+		return fmt.Errorf("route: T=%d E=%d K=%d: want T >= 0, 0 < E <= %d, 0 < K <= min(E, %d)", T, E, K, MaxExperts, MaxTopK)
 	}
-	if ns < 0 || ns > moeMaxShared || ks < K+ns {
-		return fmt.Errorf("route: ks=%d ns=%d: want 0 <= ns <= %d and ks >= K+ns = %d", ks, ns, moeMaxShared, K+ns)
+	if ns < 0 || ns > maxShared || ks < K+ns {
+		return fmt.Errorf("route: ks=%d ns=%d: want 0 <= ns <= %d and ks >= K+ns = %d", ks, ns, maxShared, K+ns)
 	}
 	if method < 0 || method > 2 || scoring < 0 || scoring > 1 {
 		return fmt.Errorf("scoring %d (want 0 softmax, 1 sigmoid), method %d (want 0 greedy, 1 group max, 2 group top-2 sum)", scoring, method)
@@ -106,21 +118,21 @@ func moeRoute(d *device, a []any) error {
 	if method != 0 && (groups <= 0 || groups > E || E%groups != 0 || topkGroups > groups) {
 		return fmt.Errorf("groups=%d topk_groups=%d do not divide E=%d experts into kept groups", groups, topkGroups, E)
 	}
-	logits, err := deviceSlice[float32](d, "logits", a[0].(hal.Ptr), int64(T)*int64(E))
+	logits, err := kernels.Slice[float32](m, "logits", a.Logits, int64(T)*int64(E))
 	if err != nil {
 		return err
 	}
 	var bias []float32
 	if hasBias {
-		if bias, err = deviceSlice[float32](d, "bias", a[1].(hal.Ptr), int64(E)); err != nil {
+		if bias, err = kernels.Slice[float32](m, "bias", a.Bias, int64(E)); err != nil {
 			return err
 		}
 	}
-	idx, err := deviceSlice[int32](d, "topk_idx", a[2].(hal.Ptr), int64(T)*int64(ks))
+	idx, err := kernels.Slice[int32](m, "topk_idx", a.TopkIdx, int64(T)*int64(ks))
 	if err != nil {
 		return err
 	}
-	wt, err := deviceSlice[float32](d, "topk_w", a[3].(hal.Ptr), int64(T)*int64(ks))
+	wt, err := kernels.Slice[float32](m, "topk_w", a.TopkW, int64(T)*int64(ks))
 	if err != nil {
 		return err
 	}
@@ -233,24 +245,24 @@ func moeRoute(d *device, a []any) error {
 	return nil
 }
 
-func moePlan(d *device, a []any) error {
-	TK, E := int(a[4].(int32)), int(a[5].(int32))
-	if TK < 0 || E <= 0 || E > moeMaxE {
-		return fmt.Errorf("TK=%d E=%d: want TK >= 0 and 0 < E <= %d", TK, E, moeMaxE)
+func moePlan(m kernels.Memory, a *planArgs) error {
+	TK, E := int(a.TK), int(a.E)
+	if TK < 0 || E <= 0 || E > MaxExperts {
+		return fmt.Errorf("TK=%d E=%d: want TK >= 0 and 0 < E <= %d", TK, E, MaxExperts)
 	}
-	idx, err := deviceSlice[int32](d, "topk_idx", a[0].(hal.Ptr), int64(TK))
+	idx, err := kernels.Slice[int32](m, "topk_idx", a.TopkIdx, int64(TK))
 	if err != nil {
 		return err
 	}
-	counts, err := deviceSlice[int32](d, "counts", a[1].(hal.Ptr), int64(E))
+	counts, err := kernels.Slice[int32](m, "counts", a.Counts, int64(E))
 	if err != nil {
 		return err
 	}
-	offsets, err := deviceSlice[int32](d, "offsets", a[2].(hal.Ptr), int64(E)+1)
+	offsets, err := kernels.Slice[int32](m, "offsets", a.Offsets, int64(E)+1)
 	if err != nil {
 		return err
 	}
-	pos, err := deviceSlice[int32](d, "pos", a[3].(hal.Ptr), int64(TK))
+	pos, err := kernels.Slice[int32](m, "pos", a.Pos, int64(TK))
 	if err != nil {
 		return err
 	}
@@ -281,8 +293,8 @@ func moePlan(d *device, a []any) error {
 	return nil
 }
 
-func moeGather(d *device, a []any) error {
-	TK, K, H, eb := int(a[3].(int32)), int(a[4].(int32)), int(a[5].(int32)), a[6].(int32)
+func moeGather(m kernels.Memory, a *gatherArgs) error {
+	TK, K, H, eb := int(a.TK), int(a.K), int(a.H), a.ElemBytes
 	if TK < 0 || K <= 0 || H <= 0 || (eb != 2 && eb != 4) {
 		return fmt.Errorf("TK=%d K=%d H=%d elem_bytes=%d: want TK >= 0, K > 0, H > 0, elem_bytes 2 or 4", TK, K, H, eb)
 	}
@@ -294,15 +306,15 @@ func moeGather(d *device, a []any) error {
 	if eb == 2 {
 		bf = 1
 	}
-	x, err := actView(d, "x", a[0].(hal.Ptr), int64(T)*int64(H), bf)
+	x, err := actView(m, "x", a.X, int64(T)*int64(H), bf)
 	if err != nil {
 		return err
 	}
-	pos, err := deviceSlice[int32](d, "pos", a[1].(hal.Ptr), int64(TK))
+	pos, err := kernels.Slice[int32](m, "pos", a.Pos, int64(TK))
 	if err != nil {
 		return err
 	}
-	xp, err := actView(d, "xp", a[2].(hal.Ptr), int64(TK)*int64(H), bf)
+	xp, err := actView(m, "xp", a.Xp, int64(TK)*int64(H), bf)
 	if err != nil {
 		return err
 	}
@@ -323,16 +335,16 @@ func moeGather(d *device, a []any) error {
 	return nil
 }
 
-func moeSwiglu(d *device, a []any) error {
-	rows, I, bf := int(a[2].(int32)), int(a[3].(int32)), a[4].(int32)
+func moeSwiglu(m kernels.Memory, a *swigluArgs) error {
+	rows, I, bf := int(a.Rows), int(a.I), a.BF16
 	if rows < 0 || I <= 0 {
 		return fmt.Errorf("rows=%d I=%d: want rows >= 0 and I > 0", rows, I)
 	}
-	h, err := actView(d, "h", a[0].(hal.Ptr), int64(rows)*2*int64(I), bf)
+	h, err := actView(m, "h", a.H, int64(rows)*2*int64(I), bf)
 	if err != nil {
 		return err
 	}
-	act, err := actView(d, "act", a[1].(hal.Ptr), int64(rows)*int64(I), bf)
+	act, err := actView(m, "act", a.Act, int64(rows)*int64(I), bf)
 	if err != nil {
 		return err
 	}
@@ -346,30 +358,30 @@ func moeSwiglu(d *device, a []any) error {
 	return nil
 }
 
-func moeCombine(d *device, a []any) error {
-	return combine(d, combineArgs{
-		out: a[0].(hal.Ptr), pos: a[1].(hal.Ptr), w: a[2].(hal.Ptr), shared: a[3].(hal.Ptr), gate: a[4].(hal.Ptr), y: a[5].(hal.Ptr),
-		T: int(a[6].(int32)), K: int(a[7].(int32)), H: int(a[8].(int32)),
-		hasRouted: a[9].(int32) != 0, hasShared: a[10].(int32) != 0, hasGate: a[11].(int32) != 0, bf: a[12].(int32),
+func moeCombine(m kernels.Memory, a *combineArgs) error {
+	return combine(m, combineOp{
+		out: a.Out, pos: a.Pos, w: a.W, shared: a.Shared, gate: a.Gate, y: a.Y,
+		T: int(a.T), K: int(a.K), H: int(a.H),
+		hasRouted: a.HasRouted != 0, hasShared: a.HasShared != 0, hasGate: a.HasGate != 0, bf: a.BF16,
 	})
 }
 
-// combineArgs are the arguments of gpuctx_moe_combine and
-// gpuctx_moe_combine_rows; identity replaces pos by pos[i] = i (the routed
-// rows of out are in assignment order).
-type combineArgs struct {
-	out, pos, w, shared, gate, y            hal.Ptr
+// combineOp is the work of gpuctx_moe_combine and gpuctx_moe_combine_rows;
+// identity replaces pos by pos[i] = i (the routed rows of out are in
+// assignment order).
+type combineOp struct {
+	out, pos, w, shared, gate, y            Ptr
 	T, K, H                                 int
 	hasRouted, hasShared, hasGate, identity bool
 	bf                                      int32
 }
 
-func combine(d *device, c combineArgs) error {
+func combine(m kernels.Memory, c combineOp) error {
 	T, K, H := c.T, c.K, c.H
 	if T < 0 || K < 0 || H <= 0 || (c.hasRouted && K == 0) {
 		return fmt.Errorf("combine: T=%d K=%d H=%d: want T >= 0, H > 0 and K > 0 when routed", T, K, H)
 	}
-	y, err := actView(d, "y", c.y, int64(T)*int64(H), c.bf)
+	y, err := actView(m, "y", c.y, int64(T)*int64(H), c.bf)
 	if err != nil {
 		return err
 	}
@@ -377,15 +389,15 @@ func combine(d *device, c combineArgs) error {
 	var pos []int32
 	var w []float32
 	if c.hasRouted {
-		if out, err = actView(d, "out", c.out, int64(T)*int64(K)*int64(H), c.bf); err != nil {
+		if out, err = actView(m, "out", c.out, int64(T)*int64(K)*int64(H), c.bf); err != nil {
 			return err
 		}
 		if !c.identity {
-			if pos, err = deviceSlice[int32](d, "pos", c.pos, int64(T)*int64(K)); err != nil {
+			if pos, err = kernels.Slice[int32](m, "pos", c.pos, int64(T)*int64(K)); err != nil {
 				return err
 			}
 		}
-		if w, err = deviceSlice[float32](d, "w", c.w, int64(T)*int64(K)); err != nil {
+		if w, err = kernels.Slice[float32](m, "w", c.w, int64(T)*int64(K)); err != nil {
 			return err
 		}
 		for i, p := range pos {
@@ -397,11 +409,11 @@ func combine(d *device, c combineArgs) error {
 	var shared actSlice
 	var gate []float32
 	if c.hasShared {
-		if shared, err = actView(d, "shared", c.shared, int64(T)*int64(H), c.bf); err != nil {
+		if shared, err = actView(m, "shared", c.shared, int64(T)*int64(H), c.bf); err != nil {
 			return err
 		}
 		if c.hasGate {
-			if gate, err = deviceSlice[float32](d, "gate", c.gate, int64(T)); err != nil {
+			if gate, err = kernels.Slice[float32](m, "gate", c.gate, int64(T)); err != nil {
 				return err
 			}
 		}

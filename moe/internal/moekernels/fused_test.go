@@ -1,4 +1,4 @@
-package cpu
+package moekernels
 
 import (
 	"fmt"
@@ -7,9 +7,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-
-	"github.com/gpuctx/gpuctx/internal/hal"
-	"github.com/gpuctx/gpuctx/kernels"
 )
 
 // poison32 and poisonBF16 fill outputs before a launch, so that a test sees
@@ -29,7 +26,7 @@ func filled[T any](n int, v T) []T {
 
 // uploadOrAlloc uploads b, or allocates 4 bytes when b is empty (Alloc(0) is
 // not a valid device pointer).
-func uploadOrAlloc(t *testing.T, d *device, b []byte) hal.Ptr {
+func uploadOrAlloc(t *testing.T, d *device, b []byte) Ptr {
 	t.Helper()
 	if len(b) == 0 {
 		return alloc(t, d, 4)
@@ -50,7 +47,7 @@ func bf16Bits(v []float64) []uint16 {
 func alignCap(TK, E, BM int) int { return roundUp(TK+min(E, TK)*(BM-1), BM) }
 
 // runAlign launches gpuctx_moe_align on poisoned outputs and returns them.
-func runAlign(t *testing.T, d *device, idx []int32, E, BM, cp int) (sorted, blockExpert []int32, npost int32, ptrs [3]hal.Ptr) {
+func runAlign(t *testing.T, d *device, idx []int32, E, BM, cp int) (sorted, blockExpert []int32, npost int32, ptrs [3]Ptr) {
 	t.Helper()
 	ip := uploadOrAlloc(t, d, asBytes(idx))
 	sp := uploadOrAlloc(t, d, asBytes(filled(cp, poison32)))
@@ -62,7 +59,7 @@ func runAlign(t *testing.T, d *device, idx []int32, E, BM, cp int) (sorted, bloc
 	sorted = fromBytes[int32](download(t, d, sp, 4*cp))
 	blockExpert = fromBytes[int32](download(t, d, bp, 4*(cp/BM)))
 	npost = fromBytes[int32](download(t, d, np, 4))[0]
-	return sorted, blockExpert, npost, [3]hal.Ptr{sp, bp, np}
+	return sorted, blockExpert, npost, [3]Ptr{sp, bp, np}
 }
 
 // TestMoEAlign checks the block-aligned sort on hand-computed cases.
@@ -210,7 +207,7 @@ func TestMoEFusedGemm(t *testing.T) {
 		{T: 5, K: 3, E: 6, H: 16, I: 24},
 		{T: 40, K: 2, E: 3, H: 32, I: 16}, // several blocks per expert at BM 16
 	}
-	for _, c := range kernels.MoEGemms {
+	for _, c := range MoEGemms {
 		for si, sh := range shapes {
 			t.Run(fmt.Sprintf("%s/%d", c.Tag(), si), func(t *testing.T) {
 				T, K, E, H, I, BM := sh.T, sh.K, sh.E, sh.H, sh.I, c.BM
@@ -323,7 +320,7 @@ func TestMoECombineRows(t *testing.T) {
 	gp := upload(t, d, asBytes([]float32{-1.5, 0, 2.25}))
 	for _, bf := range []int32{0, 1} {
 		eb := 4 - 2*int(bf)
-		put := func(v []float64) hal.Ptr {
+		put := func(v []float64) Ptr {
 			if bf == 0 {
 				return upload(t, d, asBytes(f32s(v)))
 			}
@@ -406,7 +403,7 @@ func TestMoEFusedKernelErrors(t *testing.T) {
 			return upload(t, d, asBytes([]int32{1 << 20}))
 		}
 	}
-	c := kernels.MoEGemms[0] // BM 16
+	c := MoEGemms[0] // BM 16
 	if c.BM != 16 {
 		t.Fatalf("MoEGemms[0].BM = %d: update this test", c.BM)
 	}
@@ -494,7 +491,7 @@ func TestMoEFusedUpRounding(t *testing.T) {
 	if !gDiff || !uDiff {
 		t.Fatalf("test values insensitive to the rounding of gate (%v) or up (%v)", gDiff, uDiff)
 	}
-	c := kernels.MoEGemms[0]
+	c := MoEGemms[0]
 	_, _, _, pl := runAlign(t, d, []int32{0}, 1, c.BM, alignCap(1, 1, c.BM))
 	ap := upload(t, d, asBytes(filled(c.BM*I, poisonBF16)))
 	if err := launchSync(t, d, c.UpName(), upload(t, d, asBytes(bf16Bits(x))), upload(t, d, asBytes(bf16Bits(gu))),

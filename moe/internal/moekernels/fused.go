@@ -1,0 +1,294 @@
+package moekernels
+
+import (
+	"fmt"
+
+	"github.com/gpuctx/gpuctx/kernels"
+)
+
+// The Go twins of the fused, graph-capturable routed-expert path:
+// gpuctx_moe_align (a block-aligned stable sort of the assignments by expert,
+// moe.cu), the grouped expert GEMMs of moe_gemm.cu (gpuctx_moe_up_<tag>,
+// gpuctx_moe_down_<tag>, one per tile config of MoEGemms) and
+// gpuctx_moe_combine_rows (gpuctx_moe_combine with the routed rows in
+// assignment order). Same arithmetic as the CUDA kernels: f32 dot products in
+// ascending order, gate and up rounded to bf16 before SwiGLU, bf16 stores
+// rounded to nearest even. The tile shape changes no result, so every config
+// shares one Go body parameterised by its BM.
+
+// alignArgs are the parameters of gpuctx_moe_align.
+type alignArgs struct {
+	TopkIdx, Sorted, BlockExpert, Npost Ptr
+	TK, E, BM, Cap                      int32
+}
+
+// upArgs are the parameters of gpuctx_moe_up_<tag>.
+type upArgs struct {
+	X, Gu, Sorted, BlockExpert, Npost, Act Ptr
+	TK, K, H, I                            int32
+}
+
+// downArgs are the parameters of gpuctx_moe_down_<tag>.
+type downArgs struct {
+	Act, Down, Sorted, BlockExpert, Npost, Out Ptr
+	TK, H, I                                   int32
+}
+
+// routeAlignArgs are the parameters of gpuctx_moe_route_align.
+type routeAlignArgs struct {
+	X, Router, Bias, Logits, TopkIdx, TopkW, Sorted, BlockExpert, Npost Ptr
+	T, H, E, K, Scoring, Method, Groups, TopkGroups, HasBias, Norm      int32
+	NormEps, Scale                                                      float32
+	Ks, Ns, BM, Cap                                                     int32
+}
+
+// combineRowsArgs are the parameters of gpuctx_moe_combine_rows.
+type combineRowsArgs struct {
+	Out, W, Shared, Gate, Y                      Ptr
+	T, K, H, HasRouted, HasShared, HasGate, BF16 int32
+}
+
+func roundUp(n, m int) int { return (n + m - 1) / m * m }
+
+// moeRouteAlign is gpuctx_moe_route_align: the router logits (bf16 x [T,H]
+// times bf16 router [E,H], f32 sums in ascending h), then the route and the
+// align twins on them, with the arguments the CUDA kernel passes them.
+func moeRouteAlign(m kernels.Memory, a *routeAlignArgs) error {
+	T, H, E := a.T, a.H, a.E
+	ks, ns := a.Ks, a.Ns
+	if T < 0 || H <= 0 || H%8 != 0 || E <= 0 || E > MaxExperts {
+		return fmt.Errorf("route_align: T=%d H=%d E=%d: want T >= 0, H > 0 a multiple of 8, 0 < E <= %d", T, H, E, MaxExperts)
+	}
+	x, err := kernels.Slice[uint16](m, "x", a.X, int64(T)*int64(H))
+	if err != nil {
+		return err
+	}
+	router, err := kernels.Slice[uint16](m, "router", a.Router, int64(E)*int64(H))
+	if err != nil {
+		return err
+	}
+	logits, err := kernels.Slice[float32](m, "logits", a.Logits, int64(T)*int64(E))
+	if err != nil {
+		return err
+	}
+	for t := 0; t < int(T); t++ {
+		xr := x[t*int(H) : (t+1)*int(H)]
+		for e := 0; e < int(E); e++ {
+			wr := router[e*int(H) : (e+1)*int(H)]
+			var acc float32
+			for h := range xr {
+				acc += bf16ToF32(xr[h]) * bf16ToF32(wr[h])
+			}
+			logits[t*int(E)+e] = acc
+		}
+	}
+	if err := moeRoute(m, &routeArgs{
+		Logits: a.Logits, Bias: a.Bias, TopkIdx: a.TopkIdx, TopkW: a.TopkW, T: T, E: E,
+		K: a.K, Scoring: a.Scoring, Method: a.Method, Groups: a.Groups, TopkGroups: a.TopkGroups,
+		HasBias: a.HasBias, Norm: a.Norm, NormEps: a.NormEps, Scale: a.Scale, Ks: ks, Ns: ns,
+	}); err != nil {
+		return err
+	}
+	return moeAlign(m, &alignArgs{
+		TopkIdx: a.TopkIdx, Sorted: a.Sorted, BlockExpert: a.BlockExpert, Npost: a.Npost,
+		TK: T * ks, E: E + ns, BM: a.BM, Cap: a.Cap,
+	})
+}
+
+func moeAlign(m kernels.Memory, a *alignArgs) error {
+	TK, E, BM, cp := int(a.TK), int(a.E), int(a.BM), int(a.Cap)
+	if TK < 0 || E <= 0 || E > MaxExperts || BM <= 0 || cp < 0 || cp%BM != 0 {
+		return fmt.Errorf("align: TK=%d E=%d BM=%d cap=%d: want TK >= 0, 0 < E <= %d, BM > 0 and cap >= 0 a multiple of BM",
+			TK, E, BM, cp, MaxExperts)
+	}
+	idx, err := kernels.Slice[int32](m, "topk_idx", a.TopkIdx, int64(TK))
+	if err != nil {
+		return err
+	}
+	counts := make([]int, E)
+	for _, e := range idx {
+		if e >= 0 && int(e) < E {
+			counts[e]++
+		}
+	}
+	starts := make([]int, E) // S_e, then the next free row of expert e
+	npost := 0
+	for e, c := range counts {
+		starts[e] = npost
+		npost += roundUp(c, BM)
+	}
+	if cp < npost {
+		return fmt.Errorf("align: cap=%d < %d, the padded rows of %d assignments in blocks of BM=%d", cp, npost, TK, BM)
+	}
+	sorted, err := kernels.Slice[int32](m, "sorted", a.Sorted, int64(cp))
+	if err != nil {
+		return err
+	}
+	blockExpert, err := kernels.Slice[int32](m, "block_expert", a.BlockExpert, int64(cp/BM))
+	if err != nil {
+		return err
+	}
+	np, err := kernels.Slice[int32](m, "npost", a.Npost, 1)
+	if err != nil {
+		return err
+	}
+	for i := range sorted {
+		sorted[i] = int32(TK)
+	}
+	for b := range blockExpert {
+		blockExpert[b] = -1
+	}
+	for e, c := range counts {
+		for b := starts[e] / BM; b < (starts[e]+roundUp(c, BM))/BM; b++ {
+			blockExpert[b] = int32(e)
+		}
+	}
+	for i, e := range idx {
+		if e >= 0 && int(e) < E {
+			sorted[starts[e]] = int32(i)
+			starts[e]++
+		}
+	}
+	np[0] = int32(npost)
+	return nil
+}
+
+// fusedPlan reads the output of gpuctx_moe_align for blocks of BM rows: the
+// sorted rows and block experts of the blocks below npost[0]. It checks that
+// the rows of the blocks with an expert hold assignments in [0, TK] (TK is
+// padding) and returns the largest expert seen (-1 if none).
+func fusedPlan(m kernels.Memory, sp, bp, npp Ptr, BM, TK int) (sorted, blockExpert []int32, rows, maxE int, err error) {
+	np, err := kernels.Slice[int32](m, "npost", npp, 1)
+	if err != nil {
+		return nil, nil, 0, 0, err
+	}
+	if np[0] < 0 {
+		return nil, nil, 0, 0, fmt.Errorf("npost = %d < 0", np[0])
+	}
+	nb := (int(np[0]) + BM - 1) / BM
+	rows = nb * BM
+	if sorted, err = kernels.Slice[int32](m, "sorted", sp, int64(rows)); err != nil {
+		return nil, nil, 0, 0, err
+	}
+	if blockExpert, err = kernels.Slice[int32](m, "block_expert", bp, int64(nb)); err != nil {
+		return nil, nil, 0, 0, err
+	}
+	maxE = -1
+	for b, e := range blockExpert {
+		if e < 0 {
+			continue
+		}
+		maxE = max(maxE, int(e))
+		for p := b * BM; p < (b+1)*BM; p++ {
+			if s := sorted[p]; s < 0 {
+				return nil, nil, 0, 0, fmt.Errorf("sorted[%d] = %d < 0 (want an assignment in [0, TK=%d] with TK for padding)", p, s, TK)
+			}
+		}
+	}
+	return sorted, blockExpert, rows, maxE, nil
+}
+
+func moeFusedUp(m kernels.Memory, a *upArgs, BM int) error {
+	TK, K, H, I := int(a.TK), int(a.K), int(a.H), int(a.I)
+	if TK < 0 || K <= 0 || H <= 0 || I <= 0 || H%8 != 0 || I%8 != 0 {
+		return fmt.Errorf("moe_up: TK=%d K=%d H=%d I=%d: want TK >= 0, K > 0 and H, I positive multiples of 8", TK, K, H, I)
+	}
+	sorted, blockExpert, rows, maxE, err := fusedPlan(m, a.Sorted, a.BlockExpert, a.Npost, BM, TK)
+	if err != nil {
+		return err
+	}
+	T := (TK + K - 1) / K
+	x, err := kernels.Slice[uint16](m, "x", a.X, int64(T)*int64(H))
+	if err != nil {
+		return err
+	}
+	gu, err := kernels.Slice[uint16](m, "gu", a.Gu, int64(maxE+1)*2*int64(I)*int64(H))
+	if err != nil {
+		return err
+	}
+	act, err := kernels.Slice[uint16](m, "act", a.Act, int64(rows)*int64(I))
+	if err != nil {
+		return err
+	}
+	for b, e := range blockExpert {
+		if e < 0 {
+			continue
+		}
+		for p := b * BM; p < (b+1)*BM; p++ {
+			ar := act[p*I : (p+1)*I]
+			s := int(sorted[p])
+			if s >= TK {
+				clear(ar)
+				continue
+			}
+			xr := x[(s/K)*H : (s/K+1)*H]
+			for i := range I {
+				gr := gu[(int(e)*2*I+i)*H:][:H]
+				ur := gu[(int(e)*2*I+I+i)*H:][:H]
+				var g, u float32
+				for h, xv := range xr {
+					xf := bf16ToF32(xv)
+					g += xf * bf16ToF32(gr[h])
+					u += xf * bf16ToF32(ur[h])
+				}
+				g, u = bf16ToF32(f32ToBF16(g)), bf16ToF32(f32ToBF16(u))
+				ar[i] = f32ToBF16((g / (1 + expf(-g))) * u)
+			}
+		}
+	}
+	return nil
+}
+
+func moeFusedDown(m kernels.Memory, a *downArgs, BM int) error {
+	TK, H, I := int(a.TK), int(a.H), int(a.I)
+	if TK < 0 || H <= 0 || I <= 0 || H%8 != 0 || I%8 != 0 {
+		return fmt.Errorf("moe_down: TK=%d H=%d I=%d: want TK >= 0 and H, I positive multiples of 8", TK, H, I)
+	}
+	sorted, blockExpert, rows, maxE, err := fusedPlan(m, a.Sorted, a.BlockExpert, a.Npost, BM, TK)
+	if err != nil {
+		return err
+	}
+	act, err := kernels.Slice[uint16](m, "act", a.Act, int64(rows)*int64(I))
+	if err != nil {
+		return err
+	}
+	down, err := kernels.Slice[uint16](m, "down", a.Down, int64(maxE+1)*int64(H)*int64(I))
+	if err != nil {
+		return err
+	}
+	out, err := kernels.Slice[uint16](m, "out", a.Out, int64(TK)*int64(H))
+	if err != nil {
+		return err
+	}
+	for b, e := range blockExpert {
+		if e < 0 {
+			continue
+		}
+		for p := b * BM; p < (b+1)*BM; p++ {
+			s := int(sorted[p])
+			if s >= TK {
+				continue
+			}
+			ar := act[p*I : (p+1)*I]
+			or := out[s*H : (s+1)*H]
+			for h := range H {
+				dr := down[(int(e)*H+h)*I:][:I]
+				var v float32
+				for i, av := range ar {
+					v += bf16ToF32(av) * bf16ToF32(dr[i])
+				}
+				or[h] = f32ToBF16(v)
+			}
+		}
+	}
+	return nil
+}
+
+func moeCombineRows(m kernels.Memory, a *combineRowsArgs) error {
+	return combine(m, combineOp{
+		out: a.Out, w: a.W, shared: a.Shared, gate: a.Gate, y: a.Y,
+		T: int(a.T), K: int(a.K), H: int(a.H),
+		hasRouted: a.HasRouted != 0, hasShared: a.HasShared != 0, hasGate: a.HasGate != 0, bf: a.BF16,
+		identity: true,
+	})
+}

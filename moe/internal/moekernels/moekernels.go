@@ -1,0 +1,143 @@
+// Package moekernels registers the Mixture-of-Experts kernels that package moe
+// drives: their CUDA C sources (moe.cu, moe_gemm.cu, embedded here), their Go
+// twins (the CPU backend runs them), their typed arguments (one struct per
+// kernel, whose fields are the launch arguments in order) and their limits
+// (MaxExperts, MaxTopK: the CUDA source gets them as #define through a
+// generated prelude). Registration happens in init, through package kernels;
+// the backends hold no MoE code.
+//
+// The kernels take int32 dimensions and flags (0/1), and some need a fixed
+// launch shape. "act" pointers hold f32, or bf16 bits when bf16 = 1
+// (elem_bytes 4 or 2); all math is f32 with a fixed summation order, bf16
+// stores round to nearest even. E <= MaxExperts experts, K <= MaxTopK per
+// token. Launch arguments are passed in the order listed:
+//
+//	gpuctx_moe_route    (logits, bias, topk_idx, topk_w hal.Ptr, T, E, K, scoring, method,
+//	                     groups, topk_groups, has_bias, norm int32, norm_eps, scale float32,
+//	                     ks, ns int32)
+//	    per token: scores = softmax (scoring 0) or sigmoid (1) of logits [T,E] f32;
+//	    choice = scores + bias[E] f32 if has_bias; method 1 (group_limited_greedy):
+//	    group score = max choice, method 2 (noaux_tc): sum of the top 2; keep
+//	    topk_groups groups, other choices = 0; top-K of choice (ties: lower index)
+//	    -> topk_idx [T,K] i32; weight = score (method 2) or choice, / (sum+norm_eps)
+//	    if norm, * scale -> topk_w [T,K] f32. Rows have stride ks >= K+ns; slots
+//	    K..K+ns-1 get the shared experts E..E+ns-1 with weight 1. Block (32,1,1), any grid.
+//	gpuctx_moe_plan     (topk_idx, counts, offsets, pos hal.Ptr, TK, E int32)
+//	    stable counting sort of TK assignments by expert: counts [E], offsets
+//	    [E+1] (exclusive prefix), pos [TK] = row of assignment t*K+k (-1 if its
+//	    expert is out of range). Grid (1,1,1), block (256,1,1).
+//	gpuctx_moe_gather   (x, pos, xp hal.Ptr, TK, K, H, elem_bytes int32)
+//	    xp[pos[a], :] = x[a/K, :] for rows of H elements. Any grid and block.
+//	gpuctx_moe_swiglu   (h, act hal.Ptr, rows, I, bf16 int32)
+//	    act[r,i] = silu(h[r,i]) * h[r,I+i], h [rows,2I] -> act [rows,I]. Any shape.
+//	gpuctx_moe_combine  (out, pos, w, shared, gate, y hal.Ptr, T, K, H, has_routed,
+//	                     has_shared, has_gate, bf16 int32)
+//	    y[t,:] = sum_k w[t,k]*out[pos[t,k],:] (k ascending, pos -1 skipped) +
+//	    sigmoid(gate[t]) (or 1 without has_gate) * shared[t,:]; gate f32 [T].
+//	    Pointers of absent parts are not read. Any grid and block.
+//	gpuctx_moe_expert_up   (xp, gu, counts, offsets, act hal.Ptr, E, H, I, bf16 int32)
+//	    for each expert e and row r of its plan rows: act[r,i] = silu(g)*u with
+//	    g = xp[r,:].gu[e,i,:], u = xp[r,:].gu[e,I+i,:], both rounded to the dtype.
+//	    H, I multiples of 8. Grid (ceil(I/8), E), block 256.
+//	gpuctx_moe_expert_down (act, down, counts, offsets, out hal.Ptr, E, H, I, bf16 int32)
+//	    out[r,h] = act[r,:].down[e,h,:] for each expert's plan rows. Grid
+//	    (ceil(H/8), E), block 256.
+//
+// The fused routed path (graph-capturable: no host round trip) sorts the
+// assignments into blocks of BM rows per expert, runs the grouped expert GEMMs
+// of moe_gemm.cu on them (gpuctx_moe_up_<tag>, gpuctx_moe_down_<tag>, one pair
+// per tile config; see MoEGemm) and combines the rows in assignment order:
+//
+//	gpuctx_moe_align    (topk_idx, sorted, block_expert, npost hal.Ptr, TK, E, BM, cap int32)
+//	    stable sort of the TK assignments (topk_idx [TK] i32; out-of-range experts
+//	    skipped) into per-expert segments, experts in order, each padded to a
+//	    multiple of BM rows (empty experts get none): sorted [cap] = assignment
+//	    of each row, TK for padding and for every row from npost to cap;
+//	    block_expert [cap/BM] = expert of each block, -1 from npost/BM on;
+//	    npost [1] = padded row count. E <= MaxExperts, cap a multiple of BM and
+//	    at least npost; size it roundup(TK + min(E,TK)*(BM-1), BM). Grid
+//	    (1,1,1), block (512,1,1).
+//	gpuctx_moe_route_align (x, router, bias, logits, topk_idx, topk_w, sorted,
+//	                     block_expert, npost hal.Ptr, T, H, E, K, scoring, method,
+//	                     groups, topk_groups, has_bias, norm int32, norm_eps,
+//	                     scale float32, ks, ns, BM, cap int32)
+//	    the router logits (bf16 x [T,H] times bf16 router [E,H], f32 sums) ->
+//	    logits, then gpuctx_moe_route and gpuctx_moe_align on them (the align
+//	    over T*ks assignments of E+ns experts).
+//	gpuctx_moe_combine_rows (out, w, shared, gate, y hal.Ptr, T, K, H, has_routed,
+//	                     has_shared, has_gate, bf16 int32)
+//	    gpuctx_moe_combine with pos[t,k] = t*K+k: y[t,:] = sum_k w[t,k]*out[t*K+k,:]
+//	    + sigmoid(gate[t]) (or 1) * shared[t,:]. Any grid and block.
+//
+// The Go twins compute the same results with the same arithmetic (f32 math,
+// fixed summation orders, bf16 stores rounded to nearest even), up to f32
+// rounding of exp and of the order of the softmax sum; the integer outputs
+// match exactly. Grid and block are ignored.
+package moekernels
+
+import (
+	_ "embed"
+	"fmt"
+
+	"github.com/gpuctx/gpuctx/kernels"
+)
+
+// Limits of the kernels, the one place they are written: moe.cu gets them
+// through Prelude, the Go twins and package moe (moe.MaxExperts,
+// moe.MaxTopK) use these constants.
+const (
+	// MaxExperts bounds the experts of a layer (routed plus shared slots for
+	// gpuctx_moe_align): shared-memory arrays of the route and align kernels.
+	MaxExperts = 512
+	// MaxTopK bounds the experts per token, and the shared-expert slots
+	// gpuctx_moe_route may append.
+	MaxTopK = 16
+)
+
+// File names of the registered sources.
+const (
+	RouteFile = "moe.cu"
+	GemmFile  = "moe_gemm.cu"
+)
+
+//go:embed moe.cu
+var routeSource string
+
+//go:embed moe_gemm.cu
+var gemmSource string
+
+// Prelude is the generated head of moe.cu: the limits as #define.
+func Prelude() string {
+	return fmt.Sprintf("// ---- Generated by moekernels.Prelude from moekernels.MaxExperts and MaxTopK.\n"+
+		"#define MOE_MAX_E %d\n#define MOE_MAX_K %d\n\n", MaxExperts, MaxTopK)
+}
+
+// RouteSource returns moe.cu as it is compiled: Prelude, then the file.
+func RouteSource() string { return Prelude() + routeSource }
+
+// GemmSource returns moe_gemm.cu as it is compiled: the file, then the
+// extern "C" instances of its templates for every config of MoEGemms.
+func GemmSource() string { return gemmSource + moeGemmInstances() }
+
+func init() {
+	kernels.Register(kernels.Source{File: RouteFile, Text: RouteSource(), Kernels: []kernels.Kernel{
+		kernels.Twin("gpuctx_moe_route", moeRoute),
+		kernels.Twin("gpuctx_moe_plan", moePlan),
+		kernels.Twin("gpuctx_moe_gather", moeGather),
+		kernels.Twin("gpuctx_moe_swiglu", moeSwiglu),
+		kernels.Twin("gpuctx_moe_combine", moeCombine),
+		kernels.Twin("gpuctx_moe_expert_up", moeExpertUp),
+		kernels.Twin("gpuctx_moe_expert_down", moeExpertDown),
+		kernels.Twin("gpuctx_moe_align", moeAlign),
+		kernels.Twin("gpuctx_moe_route_align", moeRouteAlign),
+		kernels.Twin("gpuctx_moe_combine_rows", moeCombineRows),
+	}})
+	var gemms []kernels.Kernel
+	for _, c := range MoEGemms {
+		bm := c.BM // the tile shape changes no result: one body per BM
+		gemms = append(gemms,
+			kernels.Twin(c.UpName(), func(m kernels.Memory, a *upArgs) error { return moeFusedUp(m, a, bm) }),
+			kernels.Twin(c.DownName(), func(m kernels.Memory, a *downArgs) error { return moeFusedDown(m, a, bm) }))
+	}
+	kernels.Register(kernels.Source{File: GemmFile, Text: GemmSource(), Kernels: gemms})
+}
