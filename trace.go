@@ -326,17 +326,48 @@ func (t *Tracer) WriteJSON(w io.Writer) error {
 	for i, o := range out {
 		pos[o.sp] = i
 	}
+	// A flow starts inside the operation that the recorded event follows
+	// (the producer: the last span of that track to end by the record) and
+	// ends inside the wait span just before the waiting stream was released.
+	// The zero-length "event record" span is written only where there is no
+	// producer to anchor the arrow to.
+	var flowEvs []traceEvent
+	anchor := map[*traceSpan]bool{}
+	for _, f := range t.flows {
+		rec, to := out[pos[f.from]], out[pos[f.to]]
+		sTs := rec.start
+		prod := -1
+		for i := pos[f.from] - 1; i >= 0; i-- {
+			if o := out[i]; o.sp.tid == rec.sp.tid && o.sp != rec.sp && o.sp.name != "event record" && o.end <= rec.start && o.end > o.start {
+				if prod < 0 || o.end > out[prod].end {
+					prod = i
+				}
+				if o.end < rec.start-1e3 { // spans are sorted by start: nothing later ends closer
+					break
+				}
+			}
+		}
+		if prod >= 0 {
+			sTs = (out[prod].start + out[prod].end) / 2
+		} else {
+			anchor[rec.sp] = true
+		}
+		fe := traceEvent{Name: "fork/join", Cat: "flow", Ph: "f", BP: "e", Ts: to.start + 0.99*(to.end-to.start) - lo, Pid: pid, Tid: f.to.tid, ID: f.id}
+		if to.end <= to.start {
+			fe.BP, fe.Ts = "", to.end-lo // binds to the next span of the waiting stream
+		}
+		flowEvs = append(flowEvs,
+			traceEvent{Name: "fork/join", Cat: "flow", Ph: "s", Ts: sTs - lo, Pid: pid, Tid: f.from.tid, ID: f.id}, fe)
+	}
 	for _, o := range out {
+		if o.sp.name == "event record" && !anchor[o.sp] {
+			continue
+		}
 		dur := o.end - o.start
 		evs = append(evs, traceEvent{Name: o.sp.name, Cat: o.sp.cat, Ph: "X", Ts: o.start - lo, Dur: &dur,
 			Pid: pid, Tid: o.sp.tid, Args: o.sp.args})
 	}
-	for _, f := range t.flows {
-		from, to := out[pos[f.from]], out[pos[f.to]]
-		evs = append(evs,
-			traceEvent{Name: "fork/join", Cat: "flow", Ph: "s", Ts: from.start - lo, Pid: pid, Tid: f.from.tid, ID: f.id},
-			traceEvent{Name: "fork/join", Cat: "flow", Ph: "f", BP: "e", Ts: (to.start+to.end)/2 - lo, Pid: pid, Tid: f.to.tid, ID: f.id})
-	}
+	evs = append(evs, flowEvs...)
 	meta := map[string]string{"producer": "gpuctx"}
 	for k, v := range t.meta {
 		meta[k] = v
