@@ -239,6 +239,26 @@ func (t *Tracer) waitBegin(s *Stream, e *Event) func() {
 	}
 }
 
+// Range opens a span named name on s's track that encloses the work queued on
+// s until the returned function is called (call it once, after queueing that
+// work, from any goroutine), for labelling a step such as one forward. It
+// queues two timing events on s; on a capturing or closed stream it records
+// nothing.
+func (t *Tracer) Range(s *Stream, name string) (end func()) {
+	unlock, err := s.use("Tracer.Range")
+	if err != nil {
+		return func() {}
+	}
+	begin := t.begin(s, name, "range", nil)
+	unlock()
+	return func() {
+		if unlock, err := s.use("Tracer.Range"); err == nil {
+			begin()
+			unlock()
+		}
+	}
+}
+
 // traceEvent is one entry of the trace-event format's traceEvents array.
 type traceEvent struct {
 	Name string         `json:"name"`
@@ -322,7 +342,13 @@ func (t *Tracer) WriteJSON(w io.Writer) error {
 		evs = append(evs, traceEvent{Name: "thread_name", Ph: "M", Pid: pid, Tid: id, Args: map[string]any{"name": name}},
 			traceEvent{Name: "thread_sort_index", Ph: "M", Pid: pid, Tid: id, Args: map[string]any{"sort_index": i}})
 	}
-	sort.SliceStable(out, func(i, j int) bool { return out[i].start < out[j].start })
+	// By start, and an enclosing span (a Range) before the spans it encloses.
+	sort.SliceStable(out, func(i, j int) bool {
+		if out[i].start != out[j].start {
+			return out[i].start < out[j].start
+		}
+		return out[i].end > out[j].end
+	})
 	for i, o := range out {
 		pos[o.sp] = i
 	}

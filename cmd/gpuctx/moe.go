@@ -172,6 +172,8 @@ type moeRunOpts struct {
 	model, input, output string
 	layer                int
 	dtype, mode          string
+	trace                string
+	verbose              bool
 }
 
 // moeRunReport is what moe run prints with --json.
@@ -210,8 +212,16 @@ name any file the run reads (the --input file, config.json, the index or a
 shard), by any path, symbolic or hard link included. --input and the model files
 must be regular files. The time
 printed is the wall time of one synchronous forward (host in, host out),
-including any first-call setup.`,
+including any first-call setup.
+
+--trace FILE writes a timeline of the forward's device work (one track per
+stream, one span per kernel, copy and BLAS call, arrows where the side stream
+forks and joins) as Chrome trace-event JSON for ui.perfetto.dev. -v prints
+where the wall time went (open, parse, load, compile, forward, write) to
+stderr; compiled kernels are cached on disk (GPUCTX_KERNEL_CACHE), so the
+compile phase is long only on a machine's first run.`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
+  gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
   gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return a.runMoe(o) },
@@ -223,6 +233,8 @@ including any first-call setup.`,
 	f.StringVar(&o.output, "output", "", "safetensors file to write y [tokens, hidden_size] to (required)")
 	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32 or bf16")
 	f.StringVar(&o.mode, "mode", "auto", "mode: single, dual (shared expert on a side stream), fused (shared expert inside the fused kernels, bf16) or auto")
+	f.StringVar(&o.trace, "trace", "", traceHelp)
+	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, forward, write) to stderr")
 	return cmd
 }
 
