@@ -217,7 +217,7 @@ func (t *Tracer) waitBegin(s *Stream, e *Event) func() {
 	t.mu.Lock()
 	from := t.marks[e]
 	t.mu.Unlock()
-	if from == nil || s.capturing() {
+	if from == nil || from.tid == s.ID() || s.capturing() { // a wait on its own stream's event is a no-op
 		return func() {}
 	}
 	start := t.mark(s)

@@ -256,7 +256,9 @@ func (a *app) runMoe(o moeRunOpts) error {
 	if err := checkOutput("--output", o.output, nil); err != nil {
 		return err
 	}
+	var ph phases
 	start := time.Now()
+	ph.begin("parse")
 	cfg, layer, err := resolveModel(o.model, o.layer)
 	if err != nil {
 		return err
@@ -265,34 +267,79 @@ func (a *app) runMoe(o moeRunOpts) error {
 	if err != nil {
 		return err
 	}
-	if err := checkOutput("--output", o.output, append(reads, readFile{"the --input file", o.input})); err != nil {
+	reads = append(reads, readFile{"the --input file", o.input})
+	if err := checkOutput("--output", o.output, reads); err != nil {
 		return err
+	}
+	if o.trace != "" {
+		if sameFile(o.trace, o.output) {
+			return fail(fmt.Sprintf("--trace %s is the --output file", o.trace), "write the trace to another file", nil)
+		}
+		if err := checkOutput("--trace", o.trace, reads); err != nil {
+			return err
+		}
 	}
 	x, T, name, err := readInput(o.input, cfg)
 	if err != nil {
 		return err
 	}
+	ph.begin("load")
 	w, err := loadLayerWeights(o.model, cfg, layer)
 	if err != nil {
 		return err
 	}
+	ph.begin("open")
 	rt, dev, err := a.openDevice()
 	if err != nil {
 		return err
 	}
 	defer rt.Close()
-	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold})
+	ph.begin("load")
+	k0 := dev.KernelStats()
+	// With --trace the forward runs eagerly, so that its kernels show (a graph
+	// replay is one span). One forward runs eagerly anyway: graphs are
+	// captured from the second run of a shape.
+	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold, NoGraphs: o.trace != ""})
 	if err != nil {
 		return fail("building the MoE layer on the device", "try --dtype f32, or check 'gpuctx info'", err)
 	}
 	defer l.Close()
+	k1 := dev.KernelStats()
+	ph.move("load", "compile", k1.Time-k0.Time) // NewLayer's kernel lookups
 	load := time.Since(start)
+	tr, err := startTrace(dev, o.trace, reads, map[string]string{
+		"command": "gpuctx moe run", "model": o.model, "model_type": string(cfg.Family), "layer": fmt.Sprint(layer),
+		"tokens": fmt.Sprint(T), "dtype": dt.String(), "mode": mode.String(),
+		"graphs": "off: the forward runs eagerly (moe.LayerOptions.NoGraphs), so every kernel is a span",
+	})
+	if err != nil {
+		return err
+	}
+	if tr != nil {
+		tr.tr.NameStream(l.MainStream(), "main stream (router, routed experts, combine)")
+		tr.tr.NameStream(l.SideStream(), "side stream (shared expert in dual mode)")
+	}
+	ph.begin("forward")
 	t0 := time.Now()
+	var endRange func()
+	if tr != nil {
+		endRange = tr.tr.Range(l.MainStream(), fmt.Sprintf("moe forward T=%d %s", T, mode))
+	}
 	y, err := l.Forward(x, T)
+	if endRange != nil {
+		endRange()
+	}
 	if err != nil {
 		return fail("running the MoE layer", "check 'gpuctx info'; on a GPU, try --backend cpu to compare", err)
 	}
 	fwd := time.Since(t0)
+	k2 := dev.KernelStats()
+	ph.move("forward", "compile", k2.Time-k1.Time) // kernels the forward looked up first (fused tiles)
+	ph.begin("trace")
+	if err := a.finishTrace(tr); err != nil {
+		return err
+	}
+	ph.begin("write")
 	if len(y) != T*cfg.HiddenSize {
 		return fail(fmt.Sprintf("the layer returned %d values for T=%d, H=%d", len(y), T, cfg.HiddenSize), "please report this with the command line", nil)
 	}
@@ -309,11 +356,15 @@ func (a *app) runMoe(o moeRunOpts) error {
 		return fail("encoding the output", "please report this with the command line", err)
 	}
 	// Check again: a path may have been linked to a model file meanwhile.
-	if err := checkOutput("--output", o.output, append(reads, readFile{"the --input file", o.input})); err != nil {
+	if err := checkOutput("--output", o.output, reads); err != nil {
 		return err
 	}
 	if err := writeOutput(o.output, data); err != nil {
 		return fail(fmt.Sprintf("writing --output %s", o.output), "check that the directory is writable and has space", err)
+	}
+	ph.end()
+	if o.verbose {
+		ph.print(a.errOut, kernelNote(dev, k0, k2), dev.Backend())
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(cfg.Family), Layer: layer,
 		Input: o.input, Tensor: name, Output: o.output, Tokens: T, Hidden: cfg.HiddenSize, DType: dt.String(), Mode: mode.String(),

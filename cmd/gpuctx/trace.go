@@ -33,7 +33,9 @@ func startTrace(dev *gpuctx.Device, path string, reads []readFile, meta map[stri
 		"cpu":  "wall clock when each stream's goroutine reached the events recorded around each operation",
 	}[dev.Backend()]
 	for k, v := range meta {
-		t.SetMetadata(k, v)
+		if v != "" {
+			t.SetMetadata(k, v)
+		}
 	}
 	if err := dev.SetTracer(t); err != nil {
 		return nil, fail("starting the --trace recording", "", err)
