@@ -293,6 +293,11 @@ func (t *Tracer) WriteJSON(w io.Writer) error {
 			return 0, err
 		}
 		d, err := ev.Elapsed(t.base)
+		if err != nil { // a backend that refuses a negative interval: measure it the other way
+			if r, err2 := t.base.Elapsed(ev); err2 == nil {
+				d, err = -r, nil
+			}
+		}
 		return float64(d) / float64(time.Microsecond), err
 	}
 	var out []timed

@@ -4,7 +4,10 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
@@ -108,6 +111,81 @@ func TestTracer(t *testing.T) {
 		}
 		if err := d.SetTracer(tr); !errors.Is(err, gpuctx.ErrClosed) {
 			t.Errorf("SetTracer of a closed tracer: %v, want ErrClosed", err)
+		}
+	})
+}
+
+// Record a timeline of one stream's work and write it for ui.perfetto.dev.
+func ExampleTracer() {
+	rt, err := gpuctx.OpenBackend("cpu")
+	if err != nil {
+		panic(err)
+	}
+	defer rt.Close()
+	dev, _ := rt.Device(0)
+	s, _ := dev.NewStream(gpuctx.StreamOptions{})
+	buf, _ := dev.Alloc(1 << 20)
+
+	tr := gpuctx.NewTracer()
+	defer tr.Close()
+	tr.NameStream(s, "main")
+	tr.SetMetadata("what", "a memset and a copy")
+	if err := dev.SetTracer(tr); err != nil {
+		panic(err)
+	}
+	end := tr.Range(s, "step 1")
+	_ = s.Memset(buf, 0)
+	_ = s.CopyDtoD(buf, 0, buf, 1<<19, 1<<19)
+	end()
+	_ = dev.SetTracer(nil) // later work is not recorded
+
+	var out bytes.Buffer // or tr.WriteFile("trace.json")
+	if err := tr.WriteJSON(&out); err != nil {
+		panic(err)
+	}
+	fmt.Println(tr.Spans(), "spans;", strings.Contains(out.String(), `"traceEvents"`))
+	// Output: 3 spans; true
+}
+
+// Goroutines queueing on their own streams while a tracer is attached, then
+// detached and attached again, record one span per operation (run with -race).
+func TestTracerConcurrent(t *testing.T) {
+	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+		const streams, ops = 4, 25
+		tr := gpuctx.NewTracer()
+		defer tr.Close()
+		if err := d.SetTracer(tr); err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		errs := make(chan error, streams)
+		for range streams {
+			s := newStream(t, d)
+			b := upload(t, d, make([]float32, 256))
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range ops {
+					if err := s.Memset(b, 1); err != nil {
+						errs <- err
+						return
+					}
+				}
+				errs <- s.Synchronize()
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := tr.WriteJSON(io.Discard); err != nil {
+			t.Fatal(err)
+		}
+		if n := tr.Spans(); n != streams*ops {
+			t.Errorf("%d spans, want %d", n, streams*ops)
 		}
 	})
 }
