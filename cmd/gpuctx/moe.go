@@ -294,6 +294,7 @@ func (a *app) runMoe(o moeRunOpts) error {
 		return err
 	}
 	defer rt.Close()
+	warmBlas(dev)
 	ph.begin("load")
 	k0 := dev.KernelStats()
 	// With --trace the forward runs eagerly, so that its kernels show (a graph
@@ -335,7 +336,9 @@ func (a *app) runMoe(o moeRunOpts) error {
 	fwd := time.Since(t0)
 	k2 := dev.KernelStats()
 	ph.move("forward", "compile", k2.Time-k1.Time) // kernels the forward looked up first (fused tiles)
-	ph.begin("trace")
+	if tr != nil {
+		ph.begin("trace")
+	}
 	if err := a.finishTrace(tr); err != nil {
 		return err
 	}

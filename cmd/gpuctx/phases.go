@@ -45,7 +45,7 @@ func (p *phases) move(from, to string, d time.Duration) {
 
 // moeRunPhases are moe run's phases in print order, with what each covers.
 var moeRunPhases = []struct{ name, what string }{
-	{"open", "backend and device 0"},
+	{"open", "backend, device 0 and the BLAS library (first handle)"},
 	{"parse", "config.json, safetensors headers, the input x"},
 	{"load", "weights read, converted and uploaded"},
 	{"compile", ""},
@@ -93,4 +93,16 @@ func kernelNote(dev *gpuctx.Device, before, after gpuctx.KernelStats) string {
 		}
 	}
 	return b.String()
+}
+
+// warmBlas loads the device's BLAS library and creates a handle, so that
+// loading cuBLAS (a large library) is charged to opening the device rather than
+// to the first forward. Errors are left for the forward to report.
+func warmBlas(dev *gpuctx.Device) {
+	ctx, err := dev.NewContext(gpuctx.ContextOptions{})
+	if err != nil {
+		return
+	}
+	_ = ctx.Blas(func(gpuctx.Blas) error { return nil })
+	_ = ctx.Close()
 }
