@@ -245,6 +245,9 @@ func (h Blas) Gemm(g Gemm) error {
 	if err != nil {
 		return err
 	}
+	if t := l.s.dev.tracer.Load(); t != nil {
+		defer t.begin(l.s, blasName(l.s, "gemm"), "blas", gemmArgs(&g, 1))()
+	}
 	if err := h.sl.Handle.blas.Gemm(desc); err != nil {
 		return fmt.Errorf("gpuctx: Blas.Gemm %dx%dx%d %v->%v: %w", g.M, g.N, g.K, g.AB, g.CType, err)
 	}
@@ -270,6 +273,9 @@ func (h Blas) GemmStridedBatched(g Gemm, count int, strideA, strideB, strideC in
 	}
 	if desc.M == 0 || desc.N == 0 {
 		return nil // no output: nothing to compute, whatever the count
+	}
+	if t := l.s.dev.tracer.Load(); t != nil {
+		defer t.begin(l.s, blasName(l.s, "gemm strided batched"), "blas", gemmArgs(&g, count))()
 	}
 	if err := h.sl.Handle.blas.GemmStridedBatched(desc, batch); err != nil {
 		return fmt.Errorf("gpuctx: %s %dx%dx%d x%d %v->%v: %w", op, g.M, g.N, g.K, count, g.AB, g.CType, err)
@@ -315,6 +321,17 @@ func (h Blas) GemmGrouped(gs []Gemm) error {
 	if len(descs) == 0 {
 		return nil
 	}
+	if t := l.s.dev.tracer.Load(); t != nil {
+		name := "gemm grouped"
+		if !h.sl.Handle.blas.GroupedNative() {
+			name = "gemm grouped (loop)"
+		}
+		args := gemmArgs(&gs[0], len(descs))
+		delete(args, "m")
+		delete(args, "n")
+		delete(args, "k")
+		defer t.begin(l.s, blasName(l.s, name), "blas", args)()
+	}
 	return h.sl.Handle.blas.GemmGrouped(descs)
 }
 
@@ -347,6 +364,9 @@ func (h Blas) Geam(g Geam) error {
 	es := g.Type.Size()
 	if err := checkExtents(op, "", operand{"A", g.A, desc.A, sa, es}, operand{"B", g.B, desc.B, sb, es}, operand{"C", g.C, desc.C, sc, es}); err != nil {
 		return err
+	}
+	if t := l.s.dev.tracer.Load(); t != nil {
+		defer t.begin(l.s, blasName(l.s, "geam"), "blas", map[string]any{"m": g.M, "n": g.N, "dtype": g.Type.String()})()
 	}
 	return h.sl.Handle.blas.Geam(desc)
 }
@@ -383,6 +403,9 @@ func (lt BlasLt) Matmul(g Gemm) error {
 	if err != nil {
 		return err
 	}
+	if t := l.s.dev.tracer.Load(); t != nil {
+		defer t.begin(l.s, blasName(l.s, "lt matmul"), "blas", gemmArgs(&g, 1))()
+	}
 	return lt.sl.Handle.lt.Matmul(l.s.hs, desc, ws.Ptr, ws.Size)
 }
 
@@ -396,4 +419,21 @@ func (lt BlasLt) Reserve(n int) error {
 	defer unlock()
 	_, err = l.c.dev.blas.spaces.Lt(l.s, n)
 	return err
+}
+
+// blasName names a traced BLAS call: "cublas gemm" on CUDA, "cpu gemm" on
+// the CPU backend.
+func blasName(s *Stream, op string) string {
+	if s.dev.Backend() == "cuda" {
+		if op == "lt matmul" {
+			return "cublasLt matmul"
+		}
+		return "cublas " + op
+	}
+	return s.dev.Backend() + " " + op
+}
+
+// gemmArgs are a traced GEMM's arguments.
+func gemmArgs(g *Gemm, count int) map[string]any {
+	return map[string]any{"m": g.M, "n": g.N, "k": g.K, "ab": g.AB.String(), "c": g.CType.String(), "count": count}
 }

@@ -27,6 +27,9 @@ type Device struct {
 	graphs   map[*Graph]struct{}
 
 	blas blasState // handle pools and per-stream workspaces (context.go)
+
+	tracer atomic.Pointer[Tracer] // nil unless tracing (trace.go)
+	kstats kernelStats            // Device.Kernel lookups (kernelstats.go)
 }
 
 func newDevice(r *Runtime, hd hal.Device) *Device {
@@ -80,6 +83,9 @@ func (d *Device) Close() error {
 	}
 	d.mu.Unlock()
 	errs := []error{d.hd.Synchronize()}
+	if t := d.tracer.Load(); t != nil {
+		errs = append(errs, t.Close()) // its events belong to the device
+	}
 	d.mu.Lock()
 	ctxs := keys(d.contexts)
 	d.mu.Unlock()

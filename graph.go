@@ -136,6 +136,10 @@ func (g *Graph) Launch(s *Stream) error {
 			return fmt.Errorf("gpuctx: %s: waiting for the previous launch: %w", op, err)
 		}
 	}
+	if t := s.dev.tracer.Load(); t != nil {
+		defer t.begin(s, g.traceName(), "graph", map[string]any{
+			"note": "a graph replay runs its kernels without the host: traced as one span; run eagerly to see them"})()
+	}
 	if err := g.g.Launch(s.hs); err != nil {
 		return err
 	}
@@ -173,4 +177,13 @@ func (g *Graph) destroy() error {
 	errs = append(errs, g.dev.blas.spaces.Release(g.ws))
 	g.ws = nil
 	return errors.Join(errs...)
+}
+
+// traceName is the graph's span name in a trace: "graph (N nodes)", or
+// "graph" when the backend cannot count its nodes.
+func (g *Graph) traceName() string {
+	if c, ok := g.g.(interface{ NodeCount() int }); ok && c.NodeCount() >= 0 {
+		return fmt.Sprintf("graph (%d nodes)", c.NodeCount())
+	}
+	return "graph"
 }

@@ -112,6 +112,9 @@ func (s *Stream) CopyHtoD(dst *Buffer, dstOff int, src *HostBuffer, srcOff, n in
 	if n == 0 {
 		return nil
 	}
+	if t := s.dev.tracer.Load(); t != nil {
+		defer t.begin(s, "memcpy HtoD", "copy", map[string]any{"bytes": n})()
+	}
 	return s.hs.CopyHtoDAsync(dst.ptr()+hal.Ptr(dstOff), unsafe.Add(src.p, srcOff), n)
 }
 
@@ -135,6 +138,9 @@ func (s *Stream) CopyDtoH(dst *HostBuffer, dstOff int, src *Buffer, srcOff, n in
 	}
 	if n == 0 {
 		return nil
+	}
+	if t := s.dev.tracer.Load(); t != nil {
+		defer t.begin(s, "memcpy DtoH", "copy", map[string]any{"bytes": n})()
 	}
 	return s.hs.CopyDtoHAsync(unsafe.Add(dst.p, dstOff), src.ptr()+hal.Ptr(srcOff), n)
 }
@@ -162,6 +168,9 @@ func (s *Stream) CopyDtoD(dst *Buffer, dstOff int, src *Buffer, srcOff, n int) e
 	if n == 0 {
 		return nil
 	}
+	if t := s.dev.tracer.Load(); t != nil {
+		defer t.begin(s, "memcpy DtoD", "copy", map[string]any{"bytes": n})()
+	}
 	return s.hs.CopyDtoDAsync(dst.ptr()+hal.Ptr(dstOff), src.ptr()+hal.Ptr(srcOff), n)
 }
 
@@ -179,6 +188,9 @@ func (s *Stream) Memset(b *Buffer, v byte) error {
 	if b.size == 0 {
 		return nil
 	}
+	if t := s.dev.tracer.Load(); t != nil {
+		defer t.begin(s, "memset", "copy", map[string]any{"bytes": b.size})()
+	}
 	return s.hs.MemsetAsync(b.ptr(), v, b.size)
 }
 
@@ -194,7 +206,9 @@ func (d *Device) Kernel(name string) (*Kernel, error) {
 	if err := d.check("Device.Kernel"); err != nil {
 		return nil, err
 	}
+	t0 := time.Now()
 	k, err := d.hd.Kernel(name)
+	d.kstats.add(time.Since(t0))
 	if err != nil {
 		return nil, fmt.Errorf("gpuctx: Device.Kernel(%q): %w", name, err)
 	}
@@ -242,6 +256,9 @@ func (s *Stream) Launch(k *Kernel, grid, block Dim3, sharedMem int, args ...any)
 			return fmt.Errorf("gpuctx: %s %s: argument %d has Go type %T; use *Buffer, Ptr, int32, uint32, int64, uint64, float32 or float64: %w", op, k.Name(), i, a, ErrInvalid)
 		}
 	}
+	if t := s.dev.tracer.Load(); t != nil {
+		defer t.begin(s, k.Name(), "kernel", map[string]any{"grid": grid, "block": block, "shared bytes": sharedMem})()
+	}
 	return s.hs.Launch(k.k, hal.Dim3(grid), hal.Dim3(block), sharedMem, conv...)
 }
 
@@ -256,6 +273,9 @@ func (s *Stream) Wait(e *Event) error {
 	defer unlock()
 	if err := e.check(op, s.dev); err != nil {
 		return err
+	}
+	if t := s.dev.tracer.Load(); t != nil {
+		defer t.waitBegin(s, e)()
 	}
 	if err := s.hs.Wait(e.he); err != nil {
 		return err
@@ -375,6 +395,9 @@ func (e *Event) Record(s *Stream) error {
 		return err
 	}
 	s.dev.noteRecord(e, s) // tracks events recorded in a capture (graph.go)
+	if t := s.dev.tracer.Load(); t != nil {
+		t.recorded(e, s)
+	}
 	return nil
 }
 

@@ -5,6 +5,8 @@ package half
 
 import (
 	"math"
+	"runtime"
+	"sync"
 
 	"github.com/x448/float16"
 )
@@ -27,13 +29,40 @@ func F16(f float32) uint16 { return uint16(float16.Fromfloat32(f)) }
 // FromF16 returns the float32 value of binary16 bits h (exact).
 func FromF16(h uint16) float32 { return float16.Frombits(h).Float32() }
 
-// BF16s converts a slice (see BF16).
+// BF16s converts a slice (see BF16). Large slices are converted by several
+// goroutines (weights of a whole layer are gigabytes).
 func BF16s(src []float32) []uint16 {
 	out := make([]uint16, len(src))
-	for i, v := range src {
-		out[i] = BF16(v)
-	}
+	parallel(len(src), func(lo, hi int) {
+		d, s := out[lo:hi], src[lo:hi]
+		for i, v := range s {
+			d[i] = BF16(v)
+		}
+	})
 	return out
+}
+
+// parallelGrain is the fewest elements worth a goroutine of their own.
+const parallelGrain = 1 << 18
+
+// parallel calls fn on disjoint ranges covering [0, n), on up to GOMAXPROCS
+// goroutines when n is large, and returns when all have returned.
+func parallel(n int, fn func(lo, hi int)) {
+	parts := min(runtime.GOMAXPROCS(0), n/parallelGrain)
+	if parts <= 1 {
+		fn(0, n)
+		return
+	}
+	var wg sync.WaitGroup
+	for p := range parts {
+		lo, hi := n*p/parts, n*(p+1)/parts
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			fn(lo, hi)
+		}()
+	}
+	wg.Wait()
 }
 
 // F16s converts a slice (see F16).

@@ -487,6 +487,10 @@ func f32Bytes(v []float32) []byte {
 // or the layer's own stream). Safe for concurrent use.
 func (l *Layer) MainStream() *gpuctx.Stream { return l.main }
 
+// SideStream returns the stream Dual runs the shared expert on (for naming
+// it in a trace).
+func (l *Layer) SideStream() *gpuctx.Stream { return l.side }
+
 // DType returns the layer's storage dtype (gpuctx.F32 or gpuctx.BF16).
 func (l *Layer) DType() gpuctx.DType { return l.dt }
 

@@ -86,6 +86,10 @@ type graph struct {
 	destroyed atomic.Bool
 }
 
+// NodeCount returns the number of operations the capture recorded (gpuctx
+// names a traced launch after it).
+func (g *graph) NodeCount() int { return len(g.ops) }
+
 // Launch queues the whole graph on s as one item.
 func (g *graph) Launch(hs hal.Stream) error {
 	s, ok := hs.(*stream)

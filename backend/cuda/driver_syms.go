@@ -57,12 +57,13 @@ type driverSyms struct {
 
 	// Stream capture and graphs (all present since CUDA 11.4; optional so that
 	// the backend still loads where they are not).
-	cuStreamBeginCapture        func(s uintptr, mode int32) int32                      // cuStreamBeginCapture_v2; optional
-	cuStreamEndCapture          func(s uintptr, graph *uintptr) int32                  // optional
-	cuGraphInstantiateWithFlags func(exec *uintptr, graph uintptr, flags uint64) int32 // optional
-	cuGraphLaunch               func(exec uintptr, s uintptr) int32                    // optional
-	cuGraphExecDestroy          func(exec uintptr) int32                               // optional
-	cuGraphDestroy              func(graph uintptr) int32                              // optional
+	cuStreamBeginCapture        func(s uintptr, mode int32) int32                                  // cuStreamBeginCapture_v2; optional
+	cuStreamEndCapture          func(s uintptr, graph *uintptr) int32                              // optional
+	cuGraphInstantiateWithFlags func(exec *uintptr, graph uintptr, flags uint64) int32             // optional
+	cuGraphLaunch               func(exec uintptr, s uintptr) int32                                // optional
+	cuGraphExecDestroy          func(exec uintptr) int32                                           // optional
+	cuGraphDestroy              func(graph uintptr) int32                                          // optional
+	cuGraphGetNodes             func(graph uintptr, nodes unsafe.Pointer, numNodes *uintptr) int32 // optional; nodes NULL: count only (trace span names)
 
 	cuModuleLoadData    func(mod *uintptr, image unsafe.Pointer) int32
 	cuModuleGetFunction func(fn *uintptr, mod uintptr, name string) int32
@@ -123,6 +124,7 @@ func (a *driverSyms) symbols() []dynload.Symbol {
 		{Name: "cuGraphLaunch", Fn: &a.cuGraphLaunch, Optional: true},
 		{Name: "cuGraphExecDestroy", Fn: &a.cuGraphExecDestroy, Optional: true},
 		{Name: "cuGraphDestroy", Fn: &a.cuGraphDestroy, Optional: true},
+		{Name: "cuGraphGetNodes", Fn: &a.cuGraphGetNodes, Optional: true},
 		{Name: "cuModuleLoadData", Fn: &a.cuModuleLoadData},
 		{Name: "cuModuleGetFunction", Fn: &a.cuModuleGetFunction},
 		{Name: "cuModuleUnload", Fn: &a.cuModuleUnload},

@@ -43,26 +43,36 @@ func (s *stream) EndCapture() (hal.Graph, error) {
 		return nil, err
 	}
 	var exec uintptr
+	nodes := -1
 	err := s.do("EndCapture", func() error {
 		var g uintptr
 		if err := check(s.d.api, "cuStreamEndCapture", s.d.api.cuStreamEndCapture(s.h, &g)); err != nil {
 			return err
 		}
 		defer s.d.api.cuGraphDestroy(g)
+		var n uintptr
+		if s.d.api.cuGraphGetNodes != nil && s.d.api.cuGraphGetNodes(g, nil, &n) == 0 {
+			nodes = int(n)
+		}
 		return check(s.d.api, "cuGraphInstantiateWithFlags", s.d.api.cuGraphInstantiateWithFlags(&exec, g, 0))
 	})
 	if err != nil {
 		return nil, err
 	}
-	return &graph{d: s.d, exec: exec}, nil
+	return &graph{d: s.d, exec: exec, nodes: nodes}, nil
 }
 
 // graph is an executable CUDA graph (CUgraphExec).
 type graph struct {
 	d         *device
 	exec      uintptr
+	nodes     int // -1: unknown
 	destroyed atomic.Bool
 }
+
+// NodeCount returns the number of nodes in the captured graph, or -1 when the
+// driver could not say (gpuctx names a traced launch after it).
+func (g *graph) NodeCount() int { return g.nodes }
 
 // Launch queues the graph on s (cuGraphLaunch).
 func (g *graph) Launch(hs hal.Stream) error {

@@ -255,10 +255,11 @@ func (nv *nvrtcLib) compileSource(file, src string, major, minor int) (img []byt
 
 // compiled is one cached compilation (per source file and architecture).
 type compiled struct {
-	once  sync.Once
-	img   []byte
-	isPTX bool
-	err   error
+	once     sync.Once
+	img      []byte
+	isPTX    bool
+	fromDisk bool // read from the disk cache (kernelcache.go), not compiled
+	err      error
 }
 
 type compileKey struct {
@@ -279,7 +280,8 @@ var kernelParams = sync.OnceValue(kernels.ParamCounts)
 var kernelSources = sync.OnceValue(kernels.Sources)
 
 // image returns the compiled image of file for major.minor, compiling it at
-// most once per process; concurrent callers wait for the one compilation.
+// most once per process; concurrent callers wait for the one compilation. The
+// disk cache (kernelcache.go) is consulted first and filled after compiling.
 func image(file string, major, minor int) (*compiled, error) {
 	nv, err := loadNVRTC()
 	if err != nil {
@@ -288,7 +290,11 @@ func image(file string, major, minor int) (*compiled, error) {
 	v, _ := compileCache.LoadOrStore(compileKey{file, major, minor}, &compiled{})
 	c := v.(*compiled)
 	c.once.Do(func() {
-		c.img, c.isPTX, c.err = nv.compileSource(file, kernelSources()[file], major, minor)
+		src, arch := kernelSources()[file], fmt.Sprintf("sm_%d%d", major, minor)
+		key := kernelCacheKey(file, src, compileOptions(arch), arch, nv.version)
+		c.img, c.isPTX, c.fromDisk, c.err = processKernelCache().compileCached(key, func() ([]byte, bool, error) {
+			return nv.compileSource(file, src, major, minor)
+		})
 	})
 	return c, c.err
 }

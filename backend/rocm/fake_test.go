@@ -55,10 +55,10 @@ func (s *fakeStream) enqueue(f func()) *fakeTask {
 func (s *fakeStream) loop() {
 	for t := range s.q {
 		t.run()
-		close(t.done)
-		s.mu.Lock()
+		s.mu.Lock() // off the pending list before done, so a query after a wait sees it finished
 		s.pending = s.pending[1:]
 		s.mu.Unlock()
+		close(t.done)
 	}
 }
 

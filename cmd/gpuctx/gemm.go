@@ -26,6 +26,7 @@ type gemmOpts struct {
 	check         bool
 	lt            bool
 	fullSize      bool
+	trace         string
 }
 
 // On the CPU backend gemm caps each dimension at cpuGemmDim and, unless set,
@@ -101,6 +102,7 @@ output in the input type), f64.`,
 	f.IntVar(&o.sets, "sets", 0, "operand sets per stream rotated between GEMMs (0: enough to exceed 256 MiB)")
 	f.BoolVar(&o.lt, "lt", false, "use the cuBLASLt path (Context.BlasLt) instead of cuBLAS (f32, bf16, f16)")
 	f.BoolVar(&o.check, "check", true, "check sampled entries of C against a float64 reference")
+	f.StringVar(&o.trace, "trace", "", traceHelp+"; one extra untimed round (--iters GEMMs per stream) is traced after the timed rounds")
 	f.BoolVar(&o.fullSize, "full-size", false, "on the CPU backend, keep --m/--n/--k and the iteration counts (slow: 8192³ takes hours)")
 	return cmd
 }
@@ -190,6 +192,11 @@ func flopRate(tflops float64) string {
 func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 	if err := o.validate(); err != nil {
 		return err
+	}
+	if o.trace != "" {
+		if err := checkOutput("--trace", o.trace, nil); err != nil {
+			return err
+		}
 	}
 	rt, dev, err := a.openDevice()
 	if err != nil {
@@ -307,6 +314,23 @@ func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 			per[s] = append(per[s], each[s])
 		}
 		step("timed rounds")
+	}
+	if o.trace != "" { // one more round, untimed, with a tracer attached
+		tr, err := startTrace(dev, o.trace, nil, map[string]string{"command": commandLine(cmd),
+			"traced": fmt.Sprintf("one untimed round after the timed ones: %d GEMMs on each of %d streams", o.iters, o.streams)})
+		if err != nil {
+			return err
+		}
+		for s, st := range streams {
+			tr.tr.NameStream(st, fmt.Sprintf("stream %d (Context view %d)", s, s))
+		}
+		if _, _, err := benchkit.TimeRound(dev, streams, func(s int) error { return issue(s, o.iters) }); err != nil {
+			tr.pause()
+			return err
+		}
+		if err := a.finishTrace(tr); err != nil {
+			return err
+		}
 	}
 	rep := gemmReport{Backend: dev.Backend(), Device: dev.Info().Name, M: o.m, N: o.n, K: o.k, DType: o.dtype,
 		Streams: o.streams, Iters: o.iters, Policy: o.policy, Path: map[bool]string{false: "blas", true: "blasLt"}[o.lt],

@@ -63,7 +63,10 @@ Environment:
   GPUCTX_BLAS_WORKSPACE    per-stream BLAS workspace in bytes (default 32 MiB
                            on compute capability >= 9.0, else 4 MiB).
   GPUCTX_MAX_BLAS_HANDLES  BLAS handles pooled per device and math flavour
-                           (default 16).`
+                           (default 16).
+  GPUCTX_KERNEL_CACHE      directory of the compiled-kernel cache (default
+                           $XDG_CACHE_HOME or ~/.cache, /gpuctx/kernels), or
+                           off to compile in every process.`
 
 // newRootCmd builds a fresh command tree writing to stdout and stderr.
 func newRootCmd(stdout, stderr io.Writer) *cobra.Command {

@@ -172,6 +172,8 @@ type moeRunOpts struct {
 	model, input, output string
 	layer                int
 	dtype, mode          string
+	trace                string
+	verbose              bool
 }
 
 // moeRunReport is what moe run prints with --json.
@@ -210,8 +212,16 @@ name any file the run reads (the --input file, config.json, the index or a
 shard), by any path, symbolic or hard link included. --input and the model files
 must be regular files. The time
 printed is the wall time of one synchronous forward (host in, host out),
-including any first-call setup.`,
+including any first-call setup.
+
+--trace FILE writes a timeline of the forward's device work (one track per
+stream, one span per kernel, copy and BLAS call, arrows where the side stream
+forks and joins) as Chrome trace-event JSON for ui.perfetto.dev. -v prints
+where the wall time went (open, parse, load, compile, forward, write) to
+stderr; compiled kernels are cached on disk (GPUCTX_KERNEL_CACHE), so the
+compile phase is long only on a machine's first run.`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
+  gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
   gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return a.runMoe(o) },
@@ -223,6 +233,8 @@ including any first-call setup.`,
 	f.StringVar(&o.output, "output", "", "safetensors file to write y [tokens, hidden_size] to (required)")
 	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32 or bf16")
 	f.StringVar(&o.mode, "mode", "auto", "mode: single, dual (shared expert on a side stream), fused (shared expert inside the fused kernels, bf16) or auto")
+	f.StringVar(&o.trace, "trace", "", traceHelp)
+	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, forward, write) to stderr")
 	return cmd
 }
 
@@ -244,7 +256,9 @@ func (a *app) runMoe(o moeRunOpts) error {
 	if err := checkOutput("--output", o.output, nil); err != nil {
 		return err
 	}
+	var ph phases
 	start := time.Now()
+	ph.begin("parse")
 	cfg, layer, err := resolveModel(o.model, o.layer)
 	if err != nil {
 		return err
@@ -253,34 +267,82 @@ func (a *app) runMoe(o moeRunOpts) error {
 	if err != nil {
 		return err
 	}
-	if err := checkOutput("--output", o.output, append(reads, readFile{"the --input file", o.input})); err != nil {
+	reads = append(reads, readFile{"the --input file", o.input})
+	if err := checkOutput("--output", o.output, reads); err != nil {
 		return err
+	}
+	if o.trace != "" {
+		if sameFile(o.trace, o.output) {
+			return fail(fmt.Sprintf("--trace %s is the --output file", o.trace), "write the trace to another file", nil)
+		}
+		if err := checkOutput("--trace", o.trace, reads); err != nil {
+			return err
+		}
 	}
 	x, T, name, err := readInput(o.input, cfg)
 	if err != nil {
 		return err
 	}
+	ph.begin("load")
 	w, err := loadLayerWeights(o.model, cfg, layer)
 	if err != nil {
 		return err
 	}
+	ph.begin("open")
 	rt, dev, err := a.openDevice()
 	if err != nil {
 		return err
 	}
 	defer rt.Close()
-	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold})
+	warmBlas(dev)
+	ph.begin("load")
+	k0 := dev.KernelStats()
+	// With --trace the forward runs eagerly, so that its kernels show (a graph
+	// replay is one span). One forward runs eagerly anyway: graphs are
+	// captured from the second run of a shape.
+	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold, NoGraphs: o.trace != ""})
 	if err != nil {
 		return fail("building the MoE layer on the device", "try --dtype f32, or check 'gpuctx info'", err)
 	}
 	defer l.Close()
+	k1 := dev.KernelStats()
+	ph.move("load", "compile", k1.Time-k0.Time) // NewLayer's kernel lookups
 	load := time.Since(start)
+	tr, err := startTrace(dev, o.trace, reads, map[string]string{
+		"command": "gpuctx moe run", "model": o.model, "model_type": string(cfg.Family), "layer": fmt.Sprint(layer),
+		"tokens": fmt.Sprint(T), "dtype": dt.String(), "mode": mode.String(),
+		"graphs": "off: the forward runs eagerly (moe.LayerOptions.NoGraphs), so every kernel is a span",
+	})
+	if err != nil {
+		return err
+	}
+	if tr != nil {
+		tr.tr.NameStream(l.MainStream(), "main stream (router, routed experts, combine)")
+		tr.tr.NameStream(l.SideStream(), "side stream (shared expert in dual mode)")
+	}
+	ph.begin("forward")
 	t0 := time.Now()
+	var endRange func()
+	if tr != nil {
+		endRange = tr.tr.Range(l.MainStream(), fmt.Sprintf("moe forward T=%d %s", T, mode))
+	}
 	y, err := l.Forward(x, T)
+	if endRange != nil {
+		endRange()
+	}
 	if err != nil {
 		return fail("running the MoE layer", "check 'gpuctx info'; on a GPU, try --backend cpu to compare", err)
 	}
 	fwd := time.Since(t0)
+	k2 := dev.KernelStats()
+	ph.move("forward", "compile", k2.Time-k1.Time) // kernels the forward looked up first (fused tiles)
+	if tr != nil {
+		ph.begin("trace")
+	}
+	if err := a.finishTrace(tr); err != nil {
+		return err
+	}
+	ph.begin("write")
 	if len(y) != T*cfg.HiddenSize {
 		return fail(fmt.Sprintf("the layer returned %d values for T=%d, H=%d", len(y), T, cfg.HiddenSize), "please report this with the command line", nil)
 	}
@@ -297,11 +359,15 @@ func (a *app) runMoe(o moeRunOpts) error {
 		return fail("encoding the output", "please report this with the command line", err)
 	}
 	// Check again: a path may have been linked to a model file meanwhile.
-	if err := checkOutput("--output", o.output, append(reads, readFile{"the --input file", o.input})); err != nil {
+	if err := checkOutput("--output", o.output, reads); err != nil {
 		return err
 	}
 	if err := writeOutput(o.output, data); err != nil {
 		return fail(fmt.Sprintf("writing --output %s", o.output), "check that the directory is writable and has space", err)
+	}
+	ph.end()
+	if o.verbose {
+		ph.print(a.errOut, kernelNote(dev, k0, k2), dev.Backend())
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(cfg.Family), Layer: layer,
 		Input: o.input, Tensor: name, Output: o.output, Tokens: T, Hidden: cfg.HiddenSize, DType: dt.String(), Mode: mode.String(),

@@ -53,6 +53,7 @@ type moeBenchOpts struct {
 	preset, model string
 	layer         int
 	tokens, modes string
+	trace         string
 	dtype         string
 	iters, warmup int
 	seed          uint64
@@ -183,6 +184,7 @@ it and the exit status is 1.`,
 	f.BoolVar(&o.noFused, "no-fused", false, "bf16: run the routed experts as grouped GEMMs with host-side sizes instead of the fused kernels")
 	f.StringVar(&o.tile, "tile", "", "force one tile of the fused expert GEMMs (e.g. m16n64k64w1x4s6) instead of tuning per token bucket")
 	f.BoolVar(&o.noGraphs, "no-graphs", false, "run every forward eagerly (by default small batches replay a captured graph)")
+	f.StringVar(&o.trace, "trace", "", traceHelp+"; after the timings, one eager forward per token count and mode is traced (implies --no-graphs)")
 	f.StringVar(&o.peer, "peer", "", "after gpuctx's runs, time this peer script with the same preset and tokens (e.g. "+peerDefaultScript+"; CUDA only)")
 	f.StringVar(&o.python, "peer-python", "python3", "the Python interpreter that runs --peer")
 	f.IntVar(&o.smallBatch, "small-batch", 0, fmt.Sprintf("batches of at most this many tokens use the small-batch expert kernels (no host wait); 0: moe.DefaultSmallBatchTokens (%d), -1: never", moe.DefaultSmallBatchTokens))
@@ -419,6 +421,19 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 	} else if changed("peer-python") {
 		return fail("--peer-python without --peer", "pass --peer "+peerDefaultScript+", or drop --peer-python", nil)
 	}
+	if o.trace != "" {
+		var reads []readFile
+		if o.model != "" {
+			if reads, err = modelFiles(o.model); err != nil {
+				return err
+			}
+		}
+		if err := checkOutput("--trace", o.trace, reads); err != nil {
+			return err
+		}
+		// A graph replay is one span: run eagerly so that every kernel shows.
+		o.noGraphs = true
+	}
 	rep, err := a.measureMoeBench(cmd, o, cfg, dt, modes)
 	if err != nil {
 		return err
@@ -587,9 +602,29 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 		return nil, fail("creating timing events", "", err)
 	}
 	defer timer.Close()
+	var reads []readFile
+	if o.model != "" {
+		if reads, err = modelFiles(o.model); err != nil {
+			return nil, err
+		}
+	}
+	tr, err := startTrace(dev, o.trace, reads, map[string]string{
+		"command": commandLine(cmd), "preset": rep.Preset, "model": rep.Model, "dtype": dt.String(),
+		"graphs": "off: --trace runs the layer eagerly (moe.LayerOptions.NoGraphs), for the timings too, so that every kernel is a span",
+		"traced": "after each token count's timings, one forward per mode (the timed runs are not traced)",
+	})
+	if err != nil {
+		return nil, err
+	}
+	tr.pause() // only the forwards benchTokens traces
+	if tr != nil {
+		tr.tr.NameStream(l.MainStream(), "main stream (router, routed experts, combine)")
+		tr.tr.NameStream(l.SideStream(), "side stream (shared expert in dual mode)")
+		rep.Notes = append(rep.Notes, "--trace: every forward ran eagerly (no graphs)")
+	}
 
 	for _, T := range tokens {
-		row, err := a.benchTokens(l, dev, timer, cfg, dt, modes, T, o.seed, rep.Iters, rep.Warmup, step)
+		row, err := a.benchTokens(l, dev, timer, cfg, dt, modes, T, o.seed, rep.Iters, rep.Warmup, step, tr)
 		if err != nil {
 			return nil, err
 		}
@@ -600,6 +635,9 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 	}
 	if bar != nil {
 		_ = bar.Finish()
+	}
+	if err := a.finishTrace(tr); err != nil {
+		return nil, err
 	}
 	for _, line := range l.TileChoices() {
 		rep.Notes = append(rep.Notes, "fused tiles: "+line)
@@ -616,7 +654,7 @@ func boolInt(b bool) int {
 
 // benchTokens times every variant for T tokens on fresh random inputs.
 func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *benchkit.Timer, cfg *moe.Config, dt gpuctx.DType,
-	modes []moe.Mode, T int, seed uint64, iters, warmup int, step func(string)) (benchRow, error) {
+	modes []moe.Mode, T int, seed uint64, iters, warmup int, step func(string), tr *traceRun) (benchRow, error) {
 	H := cfg.HiddenSize
 	row := benchRow{Tokens: T, MedianUS: map[string]float64{}}
 	r := rand.New(rand.NewPCG(seed, uint64(T)+1000))
@@ -657,6 +695,21 @@ func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *benchkit.Time
 				return row, fail("reading the routing of the batch", "", err)
 			}
 			row.WeightBytes = l.WeightBytes(T, idx)
+		}
+	}
+	if tr != nil { // one traced forward per mode, after the timings
+		for _, m := range modes {
+			tr.resume()
+			end := tr.tr.Range(l.MainStream(), fmt.Sprintf("moe forward T=%d %s", T, m))
+			err := l.ForwardDevice(x, y, T, m, moe.Whole)
+			end()
+			tr.pause()
+			if err == nil {
+				err = l.MainStream().Synchronize()
+			}
+			if err != nil {
+				return row, fail(fmt.Sprintf("the traced %s forward for %d tokens", m, T), "", err)
+			}
 		}
 	}
 	row.FLOPs = batchFLOPs(cfg, T)
