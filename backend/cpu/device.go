@@ -543,16 +543,23 @@ func (d *device) Synchronize() error {
 	return errors.Join(errs...)
 }
 
-// MemInfo reports the host's available and total memory (/proc/meminfo).
+// MemInfo reports the simulated device's memory as a GPU would: total is its
+// budget ($GPUCTX_CPU_MEMORY, else the host's MemTotal), free what the live
+// allocations (device and pinned host) leave of it. So a leak of device
+// buffers shows in free exactly, as on CUDA; the host's other use does not.
 func (d *device) MemInfo() (free, total uint64, err error) {
 	if err := d.lostErr("MemInfo"); err != nil {
 		return 0, 0, err
 	}
-	total = memTotal()
+	d.mu.Lock()
+	total, used := d.limit, d.used
+	d.mu.Unlock()
 	if total == 0 {
-		return 0, 0, errors.New("cpu: MemInfo: cannot read MemTotal from /proc/meminfo")
+		if total = memTotal(); total == 0 {
+			return 0, 0, errors.New("cpu: MemInfo: cannot read MemTotal from /proc/meminfo")
+		}
 	}
-	return sysmem.Field("MemAvailable"), total, nil
+	return total - min(used, total), total, nil
 }
 
 // WorkspaceConflicts reports how many times a BLAS operation started while
