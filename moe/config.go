@@ -653,7 +653,7 @@ func (c *Config) CheckTokens(T int) error {
 		maxT = min(maxT, math.MaxInt32/c.TopK)
 	}
 	if T > maxT {
-		return fmt.Errorf("T = %d tokens is too many for the MoE kernels' 32-bit index arithmetic (at most %d tokens for this model); split the batch", T, maxT)
+		return fmt.Errorf("a batch of %d tokens is too many for the MoE kernels' 32-bit index arithmetic (at most %d tokens for this model); split the batch", T, maxT)
 	}
 	return nil
 }

@@ -21,10 +21,10 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/internal/atomicfile"
 	"github.com/gpuctx/gpuctx/internal/benchkit"
 	"github.com/gpuctx/gpuctx/internal/sysmem"
 	"github.com/gpuctx/gpuctx/moe"
-	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
 
 // Defaults of moe bench. The CPU backend shrinks them (see cpuBench*) so that
@@ -458,7 +458,7 @@ func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 
 	md := rep.markdown()
 	if o.out != "" {
-		if err := safetensors.WriteFileAtomic(o.out, []byte(md)); err != nil {
+		if err := atomicfile.WriteFile(o.out, []byte(md)); err != nil {
 			return fail(fmt.Sprintf("writing --out %s", o.out), "check that the directory exists and is writable", err)
 		}
 	}

@@ -13,7 +13,7 @@ import (
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
 
-	"github.com/gpuctx/gpuctx/moe/safetensors"
+	"github.com/gpuctx/gpuctx/internal/atomicfile"
 )
 
 // Log-axis padding: the data range is widened by these factors on each side
@@ -208,5 +208,5 @@ func (r *moeBenchReport) writePlot(path string) error {
 	if _, err := wt.WriteTo(&buf); err != nil {
 		return err
 	}
-	return safetensors.WriteFileAtomic(path, buf.Bytes())
+	return atomicfile.WriteFile(path, buf.Bytes())
 }
