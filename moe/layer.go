@@ -137,10 +137,14 @@ type LayerOptions struct {
 	// Stream is the main stream. nil: the layer makes its own (closed by Close).
 	Stream *gpuctx.Stream
 	// SmallBatchTokens: batches of at most this many tokens compute the routed
-	// experts with the small-batch kernels, whose group sizes stay on the device
-	// (no host wait), instead of grouped GEMMs. 0 means DefaultSmallBatchTokens;
-	// a negative value turns the small-batch path off. It needs hidden_size and
-	// moe_intermediate_size to be multiples of 8 (else the GEMM path runs).
+	// experts with the small-batch kernels (one warp per output row), whose
+	// group sizes stay on the device (no host wait), instead of the fused path
+	// (bf16) or grouped GEMMs (f32). 0 means none for layers that take the fused
+	// path (on an H200 it beat the small-batch kernels at every size: 65 against
+	// 108 us at 1 token, 180 against 298 at 8, DeepSeek-V2-Lite; bench/RESULTS.md)
+	// and DefaultSmallBatchTokens for the others; a negative value turns the
+	// small-batch path off. It needs hidden_size and moe_intermediate_size to be
+	// multiples of 8 (else the GEMM path runs).
 	SmallBatchTokens int
 	// NoGraphs runs every forward eagerly. By default a forward that needs no
 	// host wait (the small-batch path, or the shared expert alone) is captured
@@ -283,16 +287,18 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 	l.graphs, l.seen = map[graphKey]*gpuctx.Graph{}, map[graphKey]int{}
 	l.direct, l.directSeen = map[directKey]*gpuctx.Graph{}, map[directKey]bool{}
 	l.autoModes = map[int]Mode{}
+	if l.dt == gpuctx.BF16 {
+		l.flav = gpuctx.TensorOp
+	}
+	l.fusedOK = l.dt == gpuctx.BF16 && !o.NoFused && cfg.HiddenSize%8 == 0 && cfg.Intermediate%8 == 0
 	switch l.small = o.SmallBatchTokens; {
+	case l.small == 0 && l.fusedOK:
+		l.small = 0 // the fused path beat the small-batch kernels at every size measured
 	case l.small == 0:
 		l.small = DefaultSmallBatchTokens
 	case l.small < 0:
 		l.small = 0
 	}
-	if l.dt == gpuctx.BF16 {
-		l.flav = gpuctx.TensorOp
-	}
-	l.fusedOK = l.dt == gpuctx.BF16 && !o.NoFused && cfg.HiddenSize%8 == 0 && cfg.Intermediate%8 == 0
 	l.kUp, l.kDown, l.tiles = map[moekernels.MoEGemm]*gpuctx.Kernel{}, map[moekernels.MoEGemm]*gpuctx.Kernel{}, map[tileKey]tilePair{}
 	if o.Tile != "" {
 		t, err := parseTile(o.Tile)

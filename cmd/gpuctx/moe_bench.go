@@ -187,7 +187,7 @@ it and the exit status is 1.`,
 	f.StringVar(&o.trace, "trace", "", traceHelp+"; after the timings, one eager forward per token count and mode is traced (implies --no-graphs)")
 	f.StringVar(&o.peer, "peer", "", "after gpuctx's runs, time this peer script with the same preset and tokens (e.g. "+peerDefaultScript+"; CUDA only)")
 	f.StringVar(&o.python, "peer-python", "python3", "the Python interpreter that runs --peer")
-	f.IntVar(&o.smallBatch, "small-batch", 0, fmt.Sprintf("batches of at most this many tokens use the small-batch expert kernels (no host wait); 0: moe.DefaultSmallBatchTokens (%d), -1: never", moe.DefaultSmallBatchTokens))
+	f.IntVar(&o.smallBatch, "small-batch", 0, fmt.Sprintf("batches of at most this many tokens use the small-batch expert kernels (no host wait); 0: none for bf16 layers (the fused path is faster), %d for f32, -1: never", moe.DefaultSmallBatchTokens))
 	return cmd
 }
 
