@@ -256,27 +256,27 @@ func (s *scratch) all() []**gpuctx.Buffer {
 // token, a negative AutoThreshold, an unknown Mode, or a stream of another
 // device. On error everything made so far is released.
 func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Layer, error) {
-	const op = "moe.NewLayer"
+	const op = "NewLayer"
 	if dev == nil {
-		return nil, fmt.Errorf("%s: nil device", op)
+		return nil, fmt.Errorf("moe: %s: nil device: %w", op, gpuctx.ErrInvalid)
 	}
 	if err := w.Check(cfg); err != nil {
-		return nil, fmt.Errorf("%s: %w", op, err)
+		return nil, fmt.Errorf("moe: %s: %w", op, err)
 	}
 	if o.DType != gpuctx.F32 && o.DType != gpuctx.BF16 {
-		return nil, fmt.Errorf("%w: %s: dtype %v is not supported; use gpuctx.F32 or gpuctx.BF16", gpuctx.ErrInvalid, op, o.DType)
+		return nil, fmt.Errorf("moe: %s: dtype %v is not supported; use gpuctx.F32 or gpuctx.BF16: %w", op, o.DType, gpuctx.ErrInvalid)
 	}
 	if cfg.NumExperts > MaxExperts || cfg.TopK > MaxTopK {
-		return nil, fmt.Errorf("%w: %s: %d experts, top-%d: the MoE kernels support at most %d experts and top-%d", gpuctx.ErrInvalid, op, cfg.NumExperts, cfg.TopK, MaxExperts, MaxTopK)
+		return nil, fmt.Errorf("moe: %s: %d experts, top-%d: the MoE kernels support at most %d experts and top-%d: %w", op, cfg.NumExperts, cfg.TopK, MaxExperts, MaxTopK, gpuctx.ErrInvalid)
 	}
 	if o.Mode < Single || o.Mode > FusedShared {
-		return nil, fmt.Errorf("%w: %s: unknown mode %v; use Single, Dual, Auto or FusedShared", gpuctx.ErrInvalid, op, o.Mode)
+		return nil, fmt.Errorf("moe: %s: unknown mode %v; use Single, Dual, Auto or FusedShared: %w", op, o.Mode, gpuctx.ErrInvalid)
 	}
 	if o.AutoThreshold < 0 {
-		return nil, fmt.Errorf("%w: %s: AutoThreshold = %d: must be >= 0 (0 means DefaultAutoThreshold)", gpuctx.ErrInvalid, op, o.AutoThreshold)
+		return nil, fmt.Errorf("moe: %s: AutoThreshold = %d: must be >= 0 (0 means DefaultAutoThreshold): %w", op, o.AutoThreshold, gpuctx.ErrInvalid)
 	}
 	if o.Stream != nil && o.Stream.Device() != dev {
-		return nil, fmt.Errorf("%w: %s: LayerOptions.Stream belongs to another device", gpuctx.ErrWrongDevice, op)
+		return nil, fmt.Errorf("moe: %s: LayerOptions.Stream belongs to another device: %w", op, gpuctx.ErrWrongDevice)
 	}
 	l := &Layer{dev: dev, cfg: *cfg, dt: o.DType, es: o.DType.Size(), mode: o.Mode, thresh: o.AutoThreshold,
 		flav: gpuctx.Default, main: o.Stream}
@@ -303,14 +303,14 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 	if o.Tile != "" {
 		t, err := parseTile(o.Tile)
 		if err != nil {
-			return nil, fmt.Errorf("%s: LayerOptions.Tile: %w", op, err)
+			return nil, fmt.Errorf("moe: %s: LayerOptions.Tile: %w", op, err)
 		}
 		l.forceTile = &t
 	}
 	l.autotune = !o.NoAutotune && dev.Backend() == "cuda"
 	if err := l.init(w); err != nil {
 		_ = l.release()
-		return nil, fmt.Errorf("%s: %w", op, err)
+		return nil, fmt.Errorf("moe: %s: %w", op, err)
 	}
 	return l, nil
 }

@@ -32,10 +32,10 @@ func (l *Layer) Forward(x []float32, T int) ([]float32, error) {
 	}
 	H := l.cfg.HiddenSize
 	if T <= 0 {
-		return nil, fmt.Errorf("%w: moe: %s: T = %d tokens: must be > 0", gpuctx.ErrInvalid, op, T)
+		return nil, fmt.Errorf("moe: %s: T = %d tokens: must be > 0: %w", op, T, gpuctx.ErrInvalid)
 	}
 	if len(x) != T*H {
-		return nil, fmt.Errorf("%w: moe: %s: x has %d values, want T*H = %d*%d = %d", gpuctx.ErrSize, op, len(x), T, H, T*H)
+		return nil, fmt.Errorf("moe: %s: x has %d values, want T*H = %d*%d = %d: %w", op, len(x), T, H, T*H, gpuctx.ErrSize)
 	}
 	n := T * H * l.es
 	synced := false
@@ -112,20 +112,20 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	H, E, K, I, Is := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate, c.SharedIntermediate
 	es := l.es
 	if T <= 0 {
-		return fmt.Errorf("%w: moe: %s: T = %d tokens: must be > 0", gpuctx.ErrInvalid, op, T)
+		return fmt.Errorf("moe: %s: T = %d tokens: must be > 0: %w", op, T, gpuctx.ErrInvalid)
 	}
 	if int64(T)*int64(K) > math.MaxInt32 || int64(T)*int64(max(H, 2*I, 2*Is, E)) > math.MaxInt32 {
-		return fmt.Errorf("%w: moe: %s: T = %d tokens is too many for 32-bit kernel arguments; split the batch", gpuctx.ErrInvalid, op, T)
+		return fmt.Errorf("moe: %s: T = %d tokens is too many for 32-bit kernel arguments; split the batch: %w", op, T, gpuctx.ErrInvalid)
 	}
 	if mode < Single || mode > FusedShared {
-		return fmt.Errorf("%w: moe: %s: unknown mode %v; use Single, Dual, Auto or FusedShared", gpuctx.ErrInvalid, op, mode)
+		return fmt.Errorf("moe: %s: unknown mode %v; use Single, Dual, Auto or FusedShared: %w", op, mode, gpuctx.ErrInvalid)
 	}
 	if part < Whole || part > RoutedOnly {
-		return fmt.Errorf("%w: moe: %s: unknown part %v; use Whole, SharedOnly or RoutedOnly", gpuctx.ErrInvalid, op, part)
+		return fmt.Errorf("moe: %s: unknown part %v; use Whole, SharedOnly or RoutedOnly: %w", op, part, gpuctx.ErrInvalid)
 	}
 	hasShared := l.sgu != nil
 	if part == SharedOnly && !hasShared {
-		return fmt.Errorf("%w: moe: %s: part SharedOnly, but this %s layer has no shared expert", gpuctx.ErrInvalid, op, c.Family)
+		return fmt.Errorf("moe: %s: part SharedOnly, but this %s layer has no shared expert: %w", op, c.Family, gpuctx.ErrInvalid)
 	}
 	n := T * H * es
 	for _, b := range []struct {
@@ -133,13 +133,13 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 		buf  *gpuctx.Buffer
 	}{{"x", x}, {"y", y}} {
 		if b.buf == nil {
-			return fmt.Errorf("%w: moe: %s: %s is nil", gpuctx.ErrInvalid, op, b.name)
+			return fmt.Errorf("moe: %s: %s is nil: %w", op, b.name, gpuctx.ErrInvalid)
 		}
 		if b.buf.Device() != l.dev {
-			return fmt.Errorf("%w: moe: %s: %s belongs to another device than the layer", gpuctx.ErrWrongDevice, op, b.name)
+			return fmt.Errorf("moe: %s: %s belongs to another device than the layer: %w", op, b.name, gpuctx.ErrWrongDevice)
 		}
 		if b.buf.Size() < n {
-			return fmt.Errorf("%w: moe: %s: %s holds %d bytes; T*H = %d*%d %v elements need %d", gpuctx.ErrSize, op, b.name, b.buf.Size(), T, H, l.dt, n)
+			return fmt.Errorf("moe: %s: %s holds %d bytes; T*H = %d*%d %v elements need %d: %w", op, b.name, b.buf.Size(), T, H, l.dt, n, gpuctx.ErrSize)
 		}
 	}
 	doRouted := part != SharedOnly

@@ -69,7 +69,7 @@ func parseTile(s string) (moekernels.MoEGemm, error) {
 		}
 		tags = append(tags, c.Tag())
 	}
-	return moekernels.MoEGemm{}, fmt.Errorf("%w: moe: unknown tile %q; use one of %s", gpuctx.ErrInvalid, s, strings.Join(tags, ", "))
+	return moekernels.MoEGemm{}, fmt.Errorf("moe: unknown tile %q; use one of %s: %w", s, strings.Join(tags, ", "), gpuctx.ErrInvalid)
 }
 
 // tilePair is the tile of the up and the down kernel of one bucket (same BM:
