@@ -133,6 +133,14 @@ func (p *Pool[H]) Acquire(streamID uint64) (sl *Slot[H], info Acquired, err erro
 		if sl := p.pickBound(streamID); sl != nil {
 			return sl, info.since(waitStart), nil
 		}
+		// A handle whose stream is gone costs only a rebind; a new one holds
+		// the library's device resources (cublasCreate allocates them) until
+		// the device closes, so reuse it first.
+		if !p.closed() {
+			if sl := p.pickStale(); sl != nil {
+				return sl, info.since(waitStart), nil
+			}
+		}
 		p.mu.Lock()
 		if p.closed() {
 			p.mu.Unlock()
@@ -345,20 +353,31 @@ func (p *Pool[H]) pickBound(id uint64) *Slot[H] {
 	return nil
 }
 
-// pickAny locks and returns a free slot to rebind, or nil: first a stale one
-// (bound to no stream or to a closed one: rebinding it takes no live stream's
-// handle), then any.
-func (p *Pool[H]) pickAny() *Slot[H] {
-	all := p.all()
-	for _, sl := range all {
+// pickStale returns a free slot whose handle is stale (Stale; bound to no
+// live stream), locked, or nil. Without a Stale function no slot is stale.
+func (p *Pool[H]) pickStale() *Slot[H] {
+	if p.cfg.Stale == nil {
+		return nil
+	}
+	for _, sl := range p.all() {
 		if sl.mu.TryLock() {
-			if p.cfg.Stale == nil || p.cfg.Stale(&sl.Handle) {
+			if p.cfg.Stale(&sl.Handle) {
 				return sl
 			}
 			sl.mu.Unlock()
 		}
 	}
-	for _, sl := range all {
+	return nil
+}
+
+// pickAny locks and returns a free slot to rebind, or nil: first a stale one
+// (bound to no stream or to a closed one: rebinding it takes no live stream's
+// handle), then any.
+func (p *Pool[H]) pickAny() *Slot[H] {
+	if sl := p.pickStale(); sl != nil {
+		return sl
+	}
+	for _, sl := range p.all() {
 		if sl.mu.TryLock() {
 			return sl
 		}
