@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# What the 2026-12-01 session could not run on the GPU (its device time was
+# spent), in one call of about 9 minutes: every CUDA test binary of the merged
+# tree (handle pool and workspaces moved to internal/handlepool, MoE kernels
+# registered by moe, the ROCm binding rule in context.go, the tracer hooks,
+# the kernel disk cache), racecheck over one fused tile with a longer limit,
+# the 5-minute soak (is device memory flat now that the pool reuses the
+# handles of closed streams?), and moe run -v with a cold then warm kernel
+# cache plus a dual-stream trace rendered as a PNG timeline for the README.
+# Build: bash bench/gpu/pack.sh . ./backend/cuda/... ./moe ./cmd/gpuctx
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+timeout 170 bash .gpu/run.sh > "$OUT/tests-summary.txt" 2>&1; echo "tests rc=$?"; tail -3 "$OUT/tests-summary.txt"
+grep -E -- '^\s*--- FAIL' "$OUT/gpu-tests.log" | head -20
+(cd moe && timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 ../.gpu/moe.test -test.count=1 \
+  -test.run 'TestLayerFusedTiles/cuda/m16n64k64w1x4s6') > "$OUT/racecheck-moe.log" 2>&1
+echo "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck-moe.log" | tail -1)"
+FIX=moe/testdata/deepseek_v2_greedy
+export GPUCTX_KERNEL_CACHE="$OUT/kcache"
+for run in cold warm; do
+  echo "== moe run -v, $run kernel cache"
+  timeout 60 .gpu/gpuctx moe run --model $FIX --input $FIX/input.safetensors --output "$OUT/y.safetensors" --dtype bf16 --mode dual -v 2>&1 >/dev/null
+done
+rm -rf "$GPUCTX_KERNEL_CACHE"
+timeout 60 .gpu/gpuctx moe bench --preset deepseek-v2-lite --tokens 64 --mode dual --trace "$OUT/dual.json" --out "$OUT/dual.md" > /dev/null 2>&1
+python3 - "$OUT" <<'PY'
+import json, sys
+import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
+d = json.load(open(sys.argv[1] + "/dual.json"))
+names = {e["tid"]: e["args"]["name"] for e in d["traceEvents"] if e.get("ph") == "M" and e.get("name") == "thread_name"}
+spans = [e for e in d["traceEvents"] if e.get("ph") == "X" and not e["name"].startswith("moe forward")]
+last = max((e for e in d["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("moe forward")), key=lambda e: e["ts"])
+spans = [e for e in spans if last["ts"] <= e["ts"] <= last["ts"] + last["dur"]]
+tids = sorted({e["tid"] for e in spans})
+fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(tids)))
+for i, tid in enumerate(tids):
+    for e in (e for e in spans if e["tid"] == tid):
+        ax.broken_barh([(e["ts"] - last["ts"], e["dur"])], (i - 0.4, 0.8))
+        if e["dur"] > last["dur"] / 25:
+            ax.text(e["ts"] - last["ts"] + e["dur"] / 2, i, e["name"].replace("gpuctx_moe_", ""), ha="center", va="center", fontsize=7)
+ax.set_yticks(range(len(tids)), [names.get(t, str(t)) for t in tids]); ax.set_xlabel("µs")
+ax.set_title("one dual-stream forward, deepseek-v2-lite, 64 tokens, bf16, H200 (eager, from --trace)")
+fig.tight_layout(); fig.savefig(sys.argv[1] + "/timeline.png", dpi=120)
+PY
+(cd moe && GPUCTX_SOAK=5m timeout 360 ../.gpu/moe.test -test.count=1 -test.v -test.timeout 350s -test.run 'TestSoak$') > "$OUT/soak.log" 2>&1
+echo "soak rc=$?"; grep -E "soak|phase|--- " "$OUT/soak.log" | head -8
