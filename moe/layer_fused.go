@@ -44,20 +44,22 @@ func tileBucket(T int) int {
 	return 1 << bits.Len(uint(T-1))
 }
 
-// ruleTile picks a tile by the rows each touched expert gets on average.
+// ruleTile picks a tile by the rows each touched expert gets on average: the
+// tuner's usual choices on an H200 (bench/RESULTS.md, DeepSeek-V2-Lite and
+// Qwen3-30B-A3B), for layers that do not tune (LayerOptions.NoAutotune, the
+// CPU backend, where the tile changes no result).
 func ruleTile(T, K, E int) moekernels.MoEGemm {
 	TK := T * K
 	m := (TK + min(E, TK) - 1) / min(E, TK)
-	want := moekernels.MoEGemm{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
 	switch {
 	case m > 96:
-		want = moekernels.MoEGemm{BM: 128, BN: 128, BK: 64, WarpsM: 2, WarpsN: 4, Stages: 3}
+		return moekernels.MoEGemm{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 3}
 	case m > 32:
-		want = moekernels.MoEGemm{BM: 64, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4}
+		return moekernels.MoEGemm{BM: 64, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4}
 	case m > 16:
-		want = moekernels.MoEGemm{BM: 32, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
+		return moekernels.MoEGemm{BM: 32, BN: 128, BK: 64, WarpsM: 1, WarpsN: 8, Stages: 4}
 	}
-	return want
+	return moekernels.MoEGemm{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
 }
 
 // parseTile finds the config whose tag (moekernels.MoEGemm.Tag) is s.

@@ -1042,3 +1042,13 @@ func TestLayerMisalignedBuffers(t *testing.T) {
 		}
 	}
 }
+
+// TestRuleTilesExist checks that the rule of thumb only names compiled tiles.
+func TestRuleTilesExist(t *testing.T) {
+	for _, T := range []int{1, 8, 64, 256, 1024, 4096} {
+		c := ruleTile(T, 6, 64)
+		if _, err := parseTile(c.Tag()); err != nil {
+			t.Errorf("T=%d: rule tile %s: %v", T, c.Tag(), err)
+		}
+	}
+}
