@@ -79,6 +79,11 @@ var typeMap = map[string]string{
 	"CUfunction":           "uintptr",
 	"CUgraph":              "uintptr",
 	"CUgraphExec":          "uintptr",
+	"ncclResult_t":         "int32",
+	"ncclComm_t":           "uintptr",
+	"ncclDataType_t":       "int32",
+	"ncclUniqueId":         "ncclUniqueID", // a [128]byte struct, defined by package nccl
+	"cudaStream_t":         "uintptr",
 	"void *":               "unsafe.Pointer", // host memory
 	"char *":               "*byte",          // an out-buffer of characters
 	"const char *":         "string",         // an in-string (purego passes a NUL-terminated copy)

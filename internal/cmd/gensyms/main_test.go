@@ -39,6 +39,27 @@ func TestDriverSymsUpToDate(t *testing.T) {
 	}
 }
 
+// TestNCCLSymsUpToDate: the same for collective/nccl/nccl_syms.go.
+func TestNCCLSymsUpToDate(t *testing.T) {
+	dir := filepath.Join("..", "..", "..", "collective", "nccl")
+	f, err := os.Open(filepath.Join(dir, "nccl.spec"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	want, err := generate(f, "nccl.spec", "nccl", "ncclSyms")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(filepath.Join(dir, "nccl_syms.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("collective/nccl/nccl_syms.go is stale: run go generate ./collective/nccl")
+	}
+}
+
 func TestParseDecl(t *testing.T) {
 	for _, tc := range []struct {
 		in, field, sig string
