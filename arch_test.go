@@ -22,7 +22,10 @@ var layerRules = []struct {
 	{"internal/cmd/...", nil},
 	{"internal/benchkit", []string{".", "half", "moe/...", "internal/blas"}},
 	{"conformance", []string{".", "half"}},
-	{"moe/...", []string{".", "half", "kernels", "internal/blas", "moe/...", "internal/atomicfile", "internal/regfile"}},
+	{"moe/...", []string{".", "half", "kernels", "internal/blas", "moe/...", "internal/atomicfile", "internal/regfile", "collective"}},
+	// Collectives: the Comm interface, the in-process group and the NCCL
+	// binding (a loaded library, as the backends' are).
+	{"collective/...", []string{".", "collective/...", "internal/dynload"}},
 	// The public API opens the backends (OpenBackend) and reaches them only
 	// through internal/hal.
 	{".", []string{"internal/handlepool", "internal/hal", "backend/...", "internal/blas", "half"}},

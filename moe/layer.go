@@ -232,6 +232,12 @@ type Layer struct {
 	lastDual    bool // whether the last forward used the side stream (tests)
 	fusedShared bool // the current forward computes the shared expert in the fused kernels
 	lastStaged  bool // the current forward stages x and y (not 16-byte aligned)
+
+	// An expert-parallel shard (ExpertShard) holds only routed experts
+	// [expLo, expHi) in gu and down, at index e-expLo; the Layer forward paths
+	// are never run on it. For a Layer, expLo = 0 and expHi = NumExperts.
+	shard        bool
+	expLo, expHi int
 }
 
 // scratch holds the reusable device buffers of a forward.
@@ -256,7 +262,12 @@ func (s *scratch) all() []**gpuctx.Buffer {
 // token, a negative AutoThreshold, an unknown Mode, or a stream of another
 // device. On error everything made so far is released.
 func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Layer, error) {
-	const op = "NewLayer"
+	return newLayer("NewLayer", dev, cfg, w, o, nil)
+}
+
+// newLayer is NewLayer; a non-nil experts [lo, hi) makes an expert-parallel
+// shard that uploads only those routed experts (see Layer.shard).
+func newLayer(op string, dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions, experts *[2]int) (*Layer, error) {
 	if dev == nil {
 		return nil, fmt.Errorf("moe: %s: nil device: %w", op, gpuctx.ErrInvalid)
 	}
@@ -308,6 +319,9 @@ func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Lay
 		l.forceTile = &t
 	}
 	l.autotune = !o.NoAutotune && dev.Backend() == "cuda"
+	if experts != nil {
+		l.shard, l.expLo, l.expHi = true, experts[0], experts[1]
+	}
 	if err := l.init(w); err != nil {
 		_ = l.release()
 		return nil, fmt.Errorf("moe: %s: %w", op, err)
@@ -355,6 +369,10 @@ func (l *Layer) init(w *Weights) error {
 		}
 	}
 	E, H, I, Is := l.cfg.NumExperts, l.cfg.HiddenSize, l.cfg.Intermediate, l.cfg.SharedIntermediate
+	if !l.shard {
+		l.expLo, l.expHi = 0, E
+	}
+	lo, hi := l.expLo, l.expHi
 	if l.fusedOK && w.Shared != nil && w.SharedGate == nil && Is > 0 && Is%I == 0 && Is/I <= MaxTopK {
 		l.ns = Is / I
 	}
@@ -376,10 +394,10 @@ func (l *Layer) init(w *Weights) error {
 	}
 	// With a fused shared expert, gu and down hold l.ns more experts after the
 	// routed ones: chunk j of the shared expert's width as expert E+j.
-	if l.gu, err = l.alloc((E + l.ns) * 2 * I * H * l.es); err != nil {
+	if l.gu, err = l.alloc((hi - lo + l.ns) * 2 * I * H * l.es); err != nil {
 		return err
 	}
-	if l.down, err = l.alloc((E + l.ns) * H * I * l.es); err != nil {
+	if l.down, err = l.alloc((hi - lo + l.ns) * H * I * l.es); err != nil {
 		return err
 	}
 	for j := 0; j < l.ns; j++ {
@@ -395,12 +413,12 @@ func (l *Layer) init(w *Weights) error {
 			return err
 		}
 	}
-	for e := range w.Experts {
+	for e := lo; e < hi; e++ {
 		ex := &w.Experts[e]
-		if err := l.copyInto(l.gu, e*2*I*H, ex.Gate, ex.Up); err != nil {
+		if err := l.copyInto(l.gu, (e-lo)*2*I*H, ex.Gate, ex.Up); err != nil {
 			return err
 		}
-		if err := l.copyInto(l.down, e*H*I, ex.Down); err != nil {
+		if err := l.copyInto(l.down, (e-lo)*H*I, ex.Down); err != nil {
 			return err
 		}
 	}

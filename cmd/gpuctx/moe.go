@@ -174,6 +174,7 @@ type moeRunOpts struct {
 	dtype, mode          string
 	trace                string
 	verbose              bool
+	gpus                 int
 }
 
 // moeRunReport is what moe run prints with --json.
@@ -192,6 +193,9 @@ type moeRunReport struct {
 	Mode      string  `json:"mode"`
 	LoadMS    float64 `json:"load_ms"`
 	ForwardMS float64 `json:"forward_ms"`
+	// GPUs is the number of devices (--gpus); above 1 the layer ran expert
+	// parallel and Mode is "expert-parallel".
+	GPUs int `json:"gpus"`
 }
 
 func newMoeRunCmd(a *app) *cobra.Command {
@@ -219,10 +223,21 @@ stream, one span per kernel, copy and BLAS call, arrows where the side stream
 forks and joins) as Chrome trace-event JSON for ui.perfetto.dev. -v prints
 where the wall time went (open, parse, load, compile, forward, write) to
 stderr; compiled kernels are cached on disk (GPUCTX_KERNEL_CACHE), so the
-compile phase is long only on a machine's first run.`,
+compile phase is long only on a machine's first run.
+
+--gpus N (N > 1) runs the layer expert parallel on devices 0..N-1 (moe.ExpertParallel):
+rank r holds routed experts [r*E/N, (r+1)*E/N) and a replica of the router and
+the shared expert, routes tokens [r*T/N, (r+1)*T/N), and the ranks exchange
+assignment rows through an in-process collective group (host-staged copies; the
+NCCL binding is package collective/nccl). The shared expert always runs on each
+rank's side stream while the rows are in flight, so --mode does not apply, nor
+--trace. On the CPU backend, which has one device per runtime, it opens N
+runtimes. In f32 the output equals the one-device run's bitwise for batches
+above the small-batch size (16 tokens on the grouped-GEMM path).`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
   gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
-  gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json`,
+  gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json
+  gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --gpus 2`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return a.runMoe(o) },
 	}
@@ -235,6 +250,7 @@ compile phase is long only on a machine's first run.`,
 	f.StringVar(&o.mode, "mode", "auto", "mode: single, dual (shared expert on a side stream), fused (shared expert inside the fused kernels, bf16) or auto")
 	f.StringVar(&o.trace, "trace", "", traceHelp)
 	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, forward, write) to stderr")
+	f.IntVar(&o.gpus, "gpus", 1, "devices to run the layer on, expert parallel when above 1 (the CPU backend opens one runtime per device)")
 	return cmd
 }
 
@@ -246,6 +262,12 @@ func (a *app) runMoe(o moeRunOpts) error {
 	mode, err := parseModeFlag(o.mode)
 	if err != nil {
 		return err
+	}
+	if o.gpus < 1 {
+		return fail(fmt.Sprintf("--gpus %d", o.gpus), "pass --gpus 1 or more", nil)
+	}
+	if o.gpus > 1 && o.trace != "" {
+		return fail("--trace with --gpus above 1", "trace a one-device run (--gpus 1)", nil)
 	}
 	if o.input == "" || o.output == "" {
 		return fail("--input and --output are required", "pass --input X.safetensors (holding x) and --output Y.safetensors", nil)
@@ -294,6 +316,9 @@ func (a *app) runMoe(o moeRunOpts) error {
 		return err
 	}
 	defer rt.Close()
+	if o.gpus > 1 {
+		return a.runMoeParallel(o, moeParallelRun{rt: rt, cfg: cfg, w: w, layer: layer, x: x, T: T, name: name, reads: reads, dt: dt, start: start})
+	}
 	warmBlas(dev)
 	ph.begin("load")
 	k0 := dev.KernelStats()
@@ -371,7 +396,7 @@ func (a *app) runMoe(o moeRunOpts) error {
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(cfg.Family), Layer: layer,
 		Input: o.input, Tensor: name, Output: o.output, Tokens: T, Hidden: cfg.HiddenSize, DType: dt.String(), Mode: mode.String(),
-		LoadMS: float64(load.Microseconds()) / 1e3, ForwardMS: float64(fwd.Microseconds()) / 1e3}
+		LoadMS: float64(load.Microseconds()) / 1e3, ForwardMS: float64(fwd.Microseconds()) / 1e3, GPUs: 1}
 	if a.json {
 		return a.jsonOut(rep)
 	}

@@ -93,6 +93,11 @@ var typeMap = map[string]string{
 	"CUfunction":           "uintptr",
 	"CUgraph":              "uintptr",
 	"CUgraphExec":          "uintptr",
+	"ncclResult_t":         "int32",
+	"ncclComm_t":           "uintptr",
+	"ncclDataType_t":       "int32",
+	"ncclUniqueId":         "ncclUniqueID", // a [128]byte struct, defined by package nccl
+	"cudaStream_t":         "uintptr",
 	"void *":               "unsafe.Pointer", // host memory
 	"char *":               "*byte",          // an out-buffer of characters
 	"const char *":         "string",         // an in-string (purego passes a NUL-terminated copy)
@@ -102,7 +107,6 @@ var typeMap = map[string]string{
 	"long long int":                        "int64",
 	"int64_t":                              "int64",
 	"uint64_t":                             "uint64",
-	"cudaStream_t":                         "uintptr",
 	"cublasStatus_t":                       "int32",
 	"cublasHandle_t":                       "uintptr",
 	"cublasOperation_t":                    "int32",

@@ -52,6 +52,11 @@ func TestCublasSymsUpToDate(t *testing.T) {
 	checkUpToDate(t, "backend/cuda/cublas", "cublas.spec", "symbols_gen.go", "cublas", "")
 }
 
+// TestNCCLSymsUpToDate checks collective/nccl/nccl_syms.go against nccl.spec.
+func TestNCCLSymsUpToDate(t *testing.T) {
+	checkUpToDate(t, "collective/nccl", "nccl.spec", "nccl_syms.go", "nccl", "ncclSyms")
+}
+
 func TestParseDecl(t *testing.T) {
 	for _, tc := range []struct {
 		in, field, sig string
