@@ -42,6 +42,17 @@ func BF16s(src []float32) []uint16 {
 	return out
 }
 
+// FromBF16Bytes converts len(dst) little-endian bf16 values in src (2*len(dst)
+// bytes) to float32, exactly, on several goroutines for large slices.
+func FromBF16Bytes(dst []float32, src []byte) {
+	parallel(len(dst), func(lo, hi int) {
+		d, s := dst[lo:hi], src[2*lo:2*hi]
+		for i := range d { // byte loads the compiler keeps free of bounds checks
+			d[i] = math.Float32frombits(uint32(s[2*i])<<16 | uint32(s[2*i+1])<<24)
+		}
+	})
+}
+
 // parallelGrain is the fewest elements worth a goroutine of their own.
 const parallelGrain = 1 << 18
 

@@ -8,7 +8,7 @@ import (
 // The BF16 decoder (bounds-check-free, on several goroutines for big chunks)
 // matches the element-by-element definition at every size.
 func TestDecodeBF16Large(t *testing.T) {
-	for _, n := range []int{1, 7, parallelGrain + 1, 3*parallelGrain + 5} {
+	for _, n := range []int{1, 7, 1<<18 + 1, 3<<18 + 5} { // past half's parallel grain (1<<18)
 		src := make([]byte, 2*n)
 		for i := range n {
 			binary.LittleEndian.PutUint16(src[2*i:], uint16(i*2654435761>>7))

@@ -26,7 +26,6 @@ import (
 	"math"
 	"math/bits"
 	"os"
-	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -439,15 +438,8 @@ func DecodeFloat32(dst []float32, src []byte, dt DType) error {
 		for i := range dst {
 			dst[i] = math.Float32frombits(binary.LittleEndian.Uint32(src[4*i:]))
 		}
-	case BF16:
-		// The hot path of loading bf16 checkpoints: byte loads the compiler
-		// keeps free of bounds checks, on several goroutines for big chunks.
-		parallel(len(dst), func(lo, hi int) {
-			d, s := dst[lo:hi], src[2*lo:2*hi]
-			for i := range d {
-				d[i] = math.Float32frombits(uint32(s[2*i])<<16 | uint32(s[2*i+1])<<24)
-			}
-		})
+	case BF16: // the hot path of loading bf16 checkpoints
+		half.FromBF16Bytes(dst, src)
 	case F16:
 		for i := range dst {
 			dst[i] = half.FromF16(binary.LittleEndian.Uint16(src[2*i:]))
@@ -602,27 +594,4 @@ func Write(path string, tensors []Tensor, metadata map[string]string) error {
 // internal/atomicfile.WriteFile.
 func WriteFileAtomic(path string, data []byte) error {
 	return atomicfile.WriteFile(path, data)
-}
-
-// parallelGrain is the fewest elements worth a goroutine of their own.
-const parallelGrain = 1 << 18
-
-// parallel calls fn on disjoint ranges covering [0, n), on up to GOMAXPROCS
-// goroutines when n is large, and returns when all have returned.
-func parallel(n int, fn func(lo, hi int)) {
-	parts := min(runtime.GOMAXPROCS(0), n/parallelGrain)
-	if parts <= 1 {
-		fn(0, n)
-		return
-	}
-	var wg sync.WaitGroup
-	for p := range parts {
-		lo, hi := n*p/parts, n*(p+1)/parts
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			fn(lo, hi)
-		}()
-	}
-	wg.Wait()
 }
