@@ -113,7 +113,9 @@ func (p Part) String() string {
 // LayerOptions.AutoThreshold to opt in where your own measurement says Dual wins.
 const DefaultAutoThreshold = math.MaxInt32
 
-// DefaultSmallBatchTokens is the default LayerOptions.SmallBatchTokens.
+// DefaultSmallBatchTokens is what LayerOptions.SmallBatchTokens 0 means for
+// layers without the fused path (f32; bf16 with NoFused or sizes not multiples
+// of 8); bf16 layers with it take no small-batch path by default.
 const DefaultSmallBatchTokens = 16
 
 // Kernel limits (moekernels, which also gives them to moe.cu): experts per
