@@ -21,7 +21,7 @@ var layerRules = []struct {
 	{"cmd/...", []string{"..."}},
 	{"internal/cmd/...", nil},
 	{"internal/benchkit", []string{".", "half", "moe/...", "internal/blas"}},
-	{"conformance", []string{".", "half"}},
+	{"conformance", []string{".", "half", "internal/blastest"}},
 	{"moe/...", []string{".", "half", "kernels", "internal/blas", "moe/...", "internal/atomicfile", "internal/regfile", "collective"}},
 	// Collectives: the Comm interface, the in-process group and the NCCL
 	// binding (a loaded library, as the backends' are).

@@ -3,12 +3,12 @@ package conformance
 import (
 	"encoding/binary"
 	"math"
-	"math/cmplx"
 	"math/rand/v2"
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/half"
+	"github.com/gpuctx/gpuctx/internal/blastest"
 )
 
 // The float64 (complex128 for geam) reference the BLAS cases compare with. It
@@ -109,41 +109,11 @@ func refGeam(ta, tb bool, m, n int, alpha complex128, am mat, a []complex128, be
 	}
 }
 
-// relErr returns ||got-want|| / ||want|| (||got-want|| when want is 0); NaN or
-// Inf in got gives +Inf so that it never passes a tolerance.
-func relErr(got, want []float64) float64 {
-	var num, den float64
-	for i := range want {
-		if math.IsNaN(got[i]) || math.IsInf(got[i], 0) {
-			return math.Inf(1)
-		}
-		d := got[i] - want[i]
-		num += d * d
-		den += want[i] * want[i]
-	}
-	if den == 0 {
-		return math.Sqrt(num)
-	}
-	return math.Sqrt(num / den)
-}
-
-// relErrComplex is relErr for complex values.
-func relErrComplex(got, want []complex128) float64 {
-	var num, den float64
-	for i := range want {
-		if cmplx.IsNaN(got[i]) || cmplx.IsInf(got[i]) {
-			return math.Inf(1)
-		}
-		d := cmplx.Abs(got[i] - want[i])
-		num += d * d
-		w := cmplx.Abs(want[i])
-		den += w * w
-	}
-	if den == 0 {
-		return math.Sqrt(num)
-	}
-	return math.Sqrt(num / den)
-}
+// relErr and relErrComplex are the suite's error measures (internal/blastest).
+var (
+	relErr        = blastest.RelErr
+	relErrComplex = blastest.RelErrComplex
+)
 
 // gemmType is a GEMM's input and output element types.
 type gemmType struct{ ab, c gpuctx.DType }
