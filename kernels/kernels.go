@@ -57,6 +57,13 @@ type Source struct {
 	// Kernels lists every extern "C" kernel of Text with its Go body, with the
 	// parameter kinds of its C parameter list (CheckSignatures verifies both).
 	Kernels []Kernel
+	// Archs, when not empty, lists the only CUDA compute capabilities
+	// (major*10 + minor, e.g. 90) the file is written for: it uses features of
+	// their architecture-specific targets (sm_90a's wgmma), so the CUDA backend
+	// compiles it for sm_XYa and only on those devices; elsewhere (other GPUs,
+	// ROCm) its kernels are unavailable (hal.ErrUnavailable). The Go bodies
+	// run on the CPU backend whatever Archs says.
+	Archs []int
 }
 
 // Kernel is one kernel: its name, its parameter kinds in order and its Go body.
@@ -75,6 +82,7 @@ type registry struct {
 	mu      sync.Mutex
 	read    bool              // set by the first reader; Register panics after
 	sources map[string]string // file -> text
+	archs   map[string][]int  // file -> Source.Archs, for files that have them
 	kernels map[string]entry  // kernel name -> kernel and file
 }
 
@@ -121,9 +129,12 @@ func (r *registry) register(s Source) {
 		}
 	}
 	if r.sources == nil {
-		r.sources, r.kernels = map[string]string{}, map[string]entry{}
+		r.sources, r.archs, r.kernels = map[string]string{}, map[string][]int{}, map[string]entry{}
 	}
 	r.sources[s.File] = s.Text
+	if len(s.Archs) > 0 {
+		r.archs[s.File] = append([]int(nil), s.Archs...)
+	}
 	for _, k := range s.Kernels {
 		k.Params = append([]ArgKind(nil), k.Params...)
 		r.kernels[k.Name] = entry{k: k, file: s.File}
@@ -148,6 +159,13 @@ func Sources() map[string]string {
 		out[f] = t
 	}
 	return out
+}
+
+// Archs returns the Source.Archs of file: nil when the file compiles for
+// every architecture.
+func Archs(file string) []int {
+	std.snapshot()
+	return append([]int(nil), std.archs[file]...)
 }
 
 // Lookup returns the registered kernel name and the file that defines it.

@@ -1,6 +1,7 @@
 package moe
 
 import (
+	"errors"
 	"fmt"
 	"math/bits"
 	"slices"
@@ -78,13 +79,31 @@ func parseTile(s string) (moekernels.MoEGemm, error) {
 // they share the alignment).
 type tilePair struct{ up, down moekernels.MoEGemm }
 
-// fusedKernels looks up (compiling on first use) the kernels of tile c.
-func (l *Layer) fusedKernels(c moekernels.MoEGemm) (up, down *gpuctx.Kernel, err error) {
-	if k, ok := l.kUp[c]; ok {
-		return k, l.kDown[c], nil
+// forcedPair is the pair a forced tile c runs: c for both kernels, or for a
+// down-only tile, c for the down kernel and the first tile of the same family
+// and BM that has an up kernel.
+func forcedPair(c moekernels.MoEGemm) tilePair {
+	if c.HasUp() {
+		return tilePair{c, c}
 	}
-	if up, err = l.dev.Kernel(c.UpName()); err != nil {
-		return nil, nil, err
+	for _, u := range moekernels.MoEGemms {
+		if u.HasUp() && u.BM == c.BM && (u.Warpgroups > 0) == (c.Warpgroups > 0) {
+			return tilePair{u, c}
+		}
+	}
+	panic("moe: down-only tile " + c.Tag() + " has no up tile of its BM") // TestForcedPairs
+}
+
+// fusedKernels looks up (compiling on first use) the kernels of tile c; up is
+// nil for a down-only tile.
+func (l *Layer) fusedKernels(c moekernels.MoEGemm) (up, down *gpuctx.Kernel, err error) {
+	if k, ok := l.kDown[c]; ok {
+		return l.kUp[c], k, nil
+	}
+	if c.HasUp() {
+		if up, err = l.dev.Kernel(c.UpName()); err != nil {
+			return nil, nil, err
+		}
 	}
 	if down, err = l.dev.Kernel(c.DownName()); err != nil {
 		return nil, nil, err
@@ -151,7 +170,7 @@ func (l *Layer) launchExperts(x *gpuctx.Buffer, T int, tp tilePair) error {
 // (forced or tuned), without tuning.
 func (l *Layer) knownTiles(T int) (tilePair, bool) {
 	if l.forceTile != nil {
-		return tilePair{*l.forceTile, *l.forceTile}, true
+		return forcedPair(*l.forceTile), true
 	}
 	if !l.autotune {
 		return tilePair{ruleTile(T, l.routedKS, l.experts()), ruleTile(T, l.routedKS, l.experts())}, true
@@ -231,7 +250,7 @@ func (l *Layer) launchRouteAlign(x *gpuctx.Buffer, T, shared, bm int) error {
 // stream.
 func (l *Layer) tilesFor(x *gpuctx.Buffer, T int) (tilePair, error) {
 	if l.forceTile != nil {
-		return tilePair{*l.forceTile, *l.forceTile}, nil
+		return forcedPair(*l.forceTile), nil
 	}
 	b := tileKey{tileBucket(T), l.fusedShared}
 	if tp, ok := l.tiles[b]; ok {
@@ -289,14 +308,14 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 	var bestPair tilePair
 	bestSum := time.Duration(-1)
 	var timed []string
-	bms := map[int]bool{}
+	var bms []int
 	for _, cand := range moekernels.MoEGemms {
-		bms[cand.BM] = true
-	}
-	for _, bm := range []int{16, 32, 64, 128} {
-		if !bms[bm] {
-			continue
+		if !slices.Contains(bms, cand.BM) {
+			bms = append(bms, cand.BM)
 		}
+	}
+	slices.Sort(bms)
+	for _, bm := range bms {
 		if err := l.ensureFused(T, bm); err != nil {
 			return tilePair{}, err
 		}
@@ -311,16 +330,22 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 				continue
 			}
 			kUp, kDown, err := l.fusedKernels(cand)
+			if errors.Is(err, gpuctx.ErrUnavailable) {
+				continue // a warpgroup tile on a GPU other than compute capability 9.0
+			}
 			if err != nil {
 				return tilePair{}, err
 			}
-			du, err := timeIt(func() error {
-				return l.main.Launch(kUp, gpuctx.Dim3{X: (I + cand.BN - 1) / cand.BN, Y: cp / bm, Z: 1},
-					gpuctx.Dim3{X: cand.Threads(), Y: 1, Z: 1}, cand.SmemBytes(true),
-					x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I))
-			})
-			if err != nil {
-				return tilePair{}, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
+			du := time.Duration(-1) // a down-only tile
+			if kUp != nil {
+				du, err = timeIt(func() error {
+					return l.main.Launch(kUp, gpuctx.Dim3{X: (I + cand.BN - 1) / cand.BN, Y: cp / bm, Z: 1},
+						gpuctx.Dim3{X: cand.Threads(), Y: 1, Z: 1}, cand.SmemBytes(true),
+						x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I))
+				})
+				if err != nil {
+					return tilePair{}, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
+				}
 			}
 			dd, err := timeIt(func() error {
 				return l.main.Launch(kDown, gpuctx.Dim3{X: (H + cand.BN - 1) / cand.BN, Y: cp / bm, Z: 1},
@@ -330,8 +355,12 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 			if err != nil {
 				return tilePair{}, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
 			}
-			timed = append(timed, fmt.Sprintf("%s %.1f+%.1f", cand.Tag(), us(du), us(dd)))
-			if up.d < 0 || du < up.d {
+			if du < 0 {
+				timed = append(timed, fmt.Sprintf("%s -+%.1f", cand.Tag(), us(dd)))
+			} else {
+				timed = append(timed, fmt.Sprintf("%s %.1f+%.1f", cand.Tag(), us(du), us(dd)))
+			}
+			if du >= 0 && (up.d < 0 || du < up.d) {
 				up = best{cand, du}
 			}
 			if down.d < 0 || dd < down.d {

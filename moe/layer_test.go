@@ -745,21 +745,28 @@ func TestLayerGraphReplay(t *testing.T) {
 }
 
 // TestLayerFusedTiles runs the fused path with every tile config forced and
-// checks each gives the bits of the default choice (every tile sums each
-// output's K dimension in the same order), on batches that leave experts
-// empty, partly filled and over several row blocks.
+// checks each gives the bits of its family's reference: the default choice
+// for the mma.sync tiles, the first warpgroup tile for the wgmma tiles (every
+// tile of a family sums each output's K dimension in the same order; the two
+// families round inside a 16-wide step as their instructions do), and the
+// reference within bf16 tolerance, on batches that leave experts empty,
+// partly filled and over several row blocks. On the CPU backend both
+// families are the same Go twin, so every tile must equal the default. A
+// warpgroup tile on a GPU other than compute capability 9.0 is skipped.
 func TestLayerFusedTiles(t *testing.T) {
 	cfg := scaledPresets()["deepseek-v2-lite"]
 	w, err := RandomWeights(cfg, 8)
 	if err != nil {
 		t.Fatal(err)
 	}
+	Ts := []int{1, 3, 40, 300}
 	for _, b := range layerBackends(t) {
 		ref, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, NoAutotune: true}) // the rule's tile: no timing runs (racecheck)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer ref.Close()
+		var wgRef map[int][]byte // outputs of the first warpgroup tile, per T
 		for _, tile := range moekernels.MoEGemms {
 			t.Run(b.name+"/"+tile.Tag(), func(t *testing.T) {
 				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, Tile: tile.Tag()})
@@ -767,11 +774,32 @@ func TestLayerFusedTiles(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer l.Close()
-				for _, T := range []int{1, 3, 40, 300} {
+				if tile.Warpgroups > 0 && b.name != "cpu" {
+					if _, err := b.dev.Kernel(tile.DownName()); errors.Is(err, gpuctx.ErrUnavailable) {
+						t.Skipf("warpgroup tile on %s: %v", b.dev.Info().Name, firstLine(err))
+					}
+				}
+				first := tile.Warpgroups > 0 && b.name != "cpu" && wgRef == nil
+				if first {
+					wgRef = map[int][]byte{}
+				}
+				for _, T := range Ts {
 					x := randomX(T, cfg.HiddenSize, uint64(T))
 					want := deviceRun(t, ref, x, T, Single, Whole)
-					if got := deviceRun(t, l, x, T, Single, Whole); !bytes.Equal(got, want) {
-						t.Errorf("T=%d: tile %s differs from the default tile (relative %.3g)", T, tile.Tag(), relErr(l.decode(got), ref.decode(want)))
+					got := deviceRun(t, l, x, T, Single, Whole)
+					switch {
+					case tile.Warpgroups == 0 || b.name == "cpu":
+						if !bytes.Equal(got, want) {
+							t.Errorf("T=%d: tile %s differs from the default tile (relative %.3g)", T, tile.Tag(), relErr(l.decode(got), ref.decode(want)))
+						}
+					case first:
+						wgRef[T] = got
+						t.Logf("T=%d: warpgroup tile %s vs the default mma.sync tile: bitwise equal %v (relative %.3g)",
+							T, tile.Tag(), bytes.Equal(got, want), relErr(l.decode(got), ref.decode(want)))
+					default:
+						if !bytes.Equal(got, wgRef[T]) {
+							t.Errorf("T=%d: warpgroup tile %s differs from the first warpgroup tile (relative %.3g)", T, tile.Tag(), relErr(l.decode(got), l.decode(wgRef[T])))
+						}
 					}
 					wr, xr := roundWeights(w), roundAll(x)
 					refY, err := Reference(cfg, wr, xr, T)
@@ -1050,5 +1078,32 @@ func TestRuleTilesExist(t *testing.T) {
 		if _, err := parseTile(c.Tag()); err != nil {
 			t.Errorf("T=%d: rule tile %s: %v", T, c.Tag(), err)
 		}
+	}
+}
+
+// TestForcedPairs checks the pair a forced tile runs: itself twice when it
+// has an up kernel; for a down-only tile, itself as down and an up tile of the
+// same BM and family (they share one alignment), never a tile without an up
+// kernel.
+func TestForcedPairs(t *testing.T) {
+	downOnly := 0
+	for _, c := range moekernels.MoEGemms {
+		p := forcedPair(c)
+		switch {
+		case !p.up.HasUp():
+			t.Errorf("tile %s: forced up tile %s has no up kernel", c.Tag(), p.up.Tag())
+		case p.down != c:
+			t.Errorf("tile %s: forced down tile %s", c.Tag(), p.down.Tag())
+		case p.up.BM != c.BM || (p.up.Warpgroups > 0) != (c.Warpgroups > 0):
+			t.Errorf("tile %s: forced up tile %s of another BM or family", c.Tag(), p.up.Tag())
+		case c.HasUp() && p.up != c:
+			t.Errorf("tile %s: forced up tile %s, want itself", c.Tag(), p.up.Tag())
+		}
+		if !c.HasUp() {
+			downOnly++
+		}
+	}
+	if downOnly == 0 {
+		t.Error("no down-only tile listed: this test checks nothing")
 	}
 }

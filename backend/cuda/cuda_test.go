@@ -543,7 +543,7 @@ func TestCompileErrorLog(t *testing.T) {
 	if testBackend.d != nil {
 		major, minor = testBackend.d.info.ComputeMajor, testBackend.d.info.ComputeMinor
 	}
-	_, _, err = nv.compileSource("broken.cu", src, major, minor)
+	_, _, err = nv.compileSource("broken.cu", src, major, minor, false)
 	var ce *CompileError
 	if !errors.As(err, &ce) {
 		t.Fatalf("compiling broken source: err = %v (%T), want *CompileError", err, err)
@@ -558,7 +558,7 @@ func TestCompileErrorLog(t *testing.T) {
 		}
 	}
 	// A good source compiles (to CUBIN when NVRTC can).
-	img, isPTX, err := nv.compileSource("basic.cu", kernelSources()["basic.cu"], major, minor)
+	img, isPTX, err := nv.compileSource("basic.cu", kernelSources()["basic.cu"], major, minor, false)
 	if err != nil || len(img) == 0 {
 		t.Fatalf("compiling basic.cu: %d bytes, %v", len(img), err)
 	}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -230,11 +231,16 @@ func (nv *nvrtcLib) programLog(prog uintptr) string {
 }
 
 // compileSource compiles src for compute capability major.minor: to CUBIN for
-// sm_XY, falling back to PTX for compute_XY when this NVRTC cannot emit CUBIN
-// or does not know sm_XY. It reports whether the image is PTX.
-func (nv *nvrtcLib) compileSource(file, src string, major, minor int) (img []byte, isPTX bool, err error) {
+// sm_XY (sm_XYa when specific, for files that use architecture-specific
+// features), falling back to PTX for compute_XY(a) when this NVRTC cannot emit
+// CUBIN or does not know sm_XY. It reports whether the image is PTX.
+func (nv *nvrtcLib) compileSource(file, src string, major, minor int, specific bool) (img []byte, isPTX bool, err error) {
+	suffix := ""
+	if specific {
+		suffix = "a"
+	}
 	if nv.api.cubin != nil && nv.api.cubinSize != nil {
-		img, err = nv.compileOnce(file, src, fmt.Sprintf("sm_%d%d", major, minor), true)
+		img, err = nv.compileOnce(file, src, fmt.Sprintf("sm_%d%d%s", major, minor, suffix), true)
 		var ce *CompileError
 		switch {
 		case err == nil && len(img) > 0:
@@ -243,12 +249,12 @@ func (nv *nvrtcLib) compileSource(file, src string, major, minor int) (img []byt
 			return nil, false, err
 		}
 	}
-	img, err = nv.compileOnce(file, src, fmt.Sprintf("compute_%d%d", major, minor), false)
+	img, err = nv.compileOnce(file, src, fmt.Sprintf("compute_%d%d%s", major, minor, suffix), false)
 	if err != nil {
 		return nil, false, err
 	}
 	if len(img) == 0 {
-		return nil, false, fmt.Errorf("cuda: NVRTC compiling %s for compute_%d%d produced no PTX", file, major, minor)
+		return nil, false, fmt.Errorf("cuda: NVRTC compiling %s for compute_%d%d%s produced no PTX", file, major, minor, suffix)
 	}
 	return img, true, nil
 }
@@ -276,6 +282,15 @@ var kernelFiles = sync.OnceValue(kernels.Files)
 // kernelParams maps kernel names to their declared parameter counts.
 var kernelParams = sync.OnceValue(kernels.ParamCounts)
 
+// capList formats compute capabilities (major*10+minor) as "9.0 or 10.0".
+func capList(archs []int) string {
+	var s []string
+	for _, a := range archs {
+		s = append(s, fmt.Sprintf("%d.%d", a/10, a%10))
+	}
+	return strings.Join(s, " or ")
+}
+
 // kernelSources maps source files to their text (package kernels).
 var kernelSources = sync.OnceValue(kernels.Sources)
 
@@ -290,10 +305,14 @@ func image(file string, major, minor int) (*compiled, error) {
 	v, _ := compileCache.LoadOrStore(compileKey{file, major, minor}, &compiled{})
 	c := v.(*compiled)
 	c.once.Do(func() {
+		specific := len(kernels.Archs(file)) > 0
 		src, arch := kernelSources()[file], fmt.Sprintf("sm_%d%d", major, minor)
+		if specific {
+			arch += "a"
+		}
 		key := kernelCacheKey(file, src, compileOptions(arch), arch, nv.version)
 		c.img, c.isPTX, c.fromDisk, c.err = processKernelCache().compileCached(key, func() ([]byte, bool, error) {
-			return nv.compileSource(file, src, major, minor)
+			return nv.compileSource(file, src, major, minor, specific)
 		})
 	})
 	return c, c.err
@@ -323,6 +342,10 @@ func (d *device) Kernel(name string) (hal.Kernel, error) {
 		}
 		sort.Strings(names)
 		return nil, fmt.Errorf("cuda: Kernel(%q): %w; known kernels: %s", name, hal.ErrNoKernel, joinNames(names))
+	}
+	if archs := kernels.Archs(file); len(archs) > 0 && !slices.Contains(archs, 10*d.info.ComputeMajor+d.info.ComputeMinor) {
+		return nil, fmt.Errorf("cuda: Kernel(%q): %s is written for compute capability %s (architecture-specific features), this device is %d.%d: %w",
+			name, file, capList(archs), d.info.ComputeMajor, d.info.ComputeMinor, hal.ErrUnavailable)
 	}
 	c, err := image(file, d.info.ComputeMajor, d.info.ComputeMinor)
 	if err != nil {

@@ -130,6 +130,9 @@ func (d *device) Kernel(name string) (hal.Kernel, error) {
 	if why, bad := hipUnsupported[file]; bad {
 		return nil, fmt.Errorf("rocm: Kernel(%q): %s is not ported to HIP: %s: %w", name, file, why, hal.ErrUnavailable)
 	}
+	if archs := kernels.Archs(file); len(archs) > 0 {
+		return nil, fmt.Errorf("rocm: Kernel(%q): %s is written for NVIDIA compute capabilities %v only (architecture-specific PTX): %w", name, file, archs, hal.ErrUnavailable)
+	}
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()

@@ -2,6 +2,7 @@ package moekernels
 
 import (
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -66,11 +67,33 @@ func TestSources(t *testing.T) {
 	if !strings.HasPrefix(gemm, gemmSource) || !strings.HasSuffix(gemm, moeGemmInstances()) {
 		t.Errorf("%s is not the file followed by the generated instances", GemmFile)
 	}
+	wg := srcs[WgmmaFile]
+	if !strings.HasPrefix(wg, wgmmaSource) || !strings.HasSuffix(wg, wgmmaInstances()) {
+		t.Errorf("%s is not the file followed by the generated instances", WgmmaFile)
+	}
 	for _, c := range MoEGemms {
+		src, other := gemm, wg
+		if c.Warpgroups > 0 {
+			src, other = wg, gemm
+		}
 		for _, name := range []string{c.UpName(), c.DownName()} {
-			if !strings.Contains(gemm, " void "+name+"(") {
-				t.Errorf("%s has no instance %s", GemmFile, name)
+			if !strings.Contains(src, " void "+name+"(") || strings.Contains(other, " void "+name+"(") {
+				if name == c.UpName() && !c.HasUp() {
+					continue
+				}
+				t.Errorf("%s: instance %s missing, or in the other file", c.File(), name)
 			}
 		}
+		if !c.HasUp() && strings.Contains(src, " void "+c.UpName()+"(") {
+			t.Errorf("down-only tile %s has an up instance", c.Tag())
+		}
+	}
+	// The warpgroup file uses sm_90a's wgmma: registered for 9.0 only, so the
+	// CUDA backend compiles it for sm_90a and nowhere else.
+	if got := kernels.Archs(WgmmaFile); !slices.Equal(got, []int{90}) {
+		t.Errorf("kernels.Archs(%s) = %v, want [90]", WgmmaFile, got)
+	}
+	if got := kernels.Archs(GemmFile); got != nil {
+		t.Errorf("kernels.Archs(%s) = %v, want none (every architecture)", GemmFile, got)
 	}
 }

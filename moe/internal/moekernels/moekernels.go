@@ -98,6 +98,7 @@ const (
 const (
 	RouteFile = "moe.cu"
 	GemmFile  = "moe_gemm.cu"
+	WgmmaFile = "moe_wgmma.cu"
 )
 
 //go:embed moe.cu
@@ -105,6 +106,9 @@ var routeSource string
 
 //go:embed moe_gemm.cu
 var gemmSource string
+
+//go:embed moe_wgmma.cu
+var wgmmaSource string
 
 // Prelude is the generated head of moe.cu: the limits as #define.
 func Prelude() string {
@@ -119,6 +123,10 @@ func RouteSource() string { return Prelude() + routeSource }
 // extern "C" instances of its templates for every config of MoEGemms.
 func GemmSource() string { return gemmSource + moeGemmInstances() }
 
+// WgmmaSource returns moe_wgmma.cu as it is compiled: the file, then its
+// generated wgmma wrappers and the instances of every warpgroup tile.
+func WgmmaSource() string { return wgmmaSource + wgmmaInstances() }
+
 func init() {
 	kernels.Register(kernels.Source{File: RouteFile, Text: RouteSource(), Kernels: []kernels.Kernel{
 		kernels.Twin("gpuctx_moe_route", moeRoute),
@@ -132,12 +140,20 @@ func init() {
 		kernels.Twin("gpuctx_moe_route_align", moeRouteAlign),
 		kernels.Twin("gpuctx_moe_combine_rows", moeCombineRows),
 	}})
-	var gemms []kernels.Kernel
+	var gemms, wgs []kernels.Kernel
 	for _, c := range MoEGemms {
 		bm := c.BM // the tile shape changes no result: one body per BM
-		gemms = append(gemms,
-			kernels.Twin(c.UpName(), func(m kernels.Memory, a *upArgs) error { return moeFusedUp(m, a, bm) }),
-			kernels.Twin(c.DownName(), func(m kernels.Memory, a *downArgs) error { return moeFusedDown(m, a, bm) }))
+		var ks []kernels.Kernel
+		if c.HasUp() {
+			ks = append(ks, kernels.Twin(c.UpName(), func(m kernels.Memory, a *upArgs) error { return moeFusedUp(m, a, bm) }))
+		}
+		ks = append(ks, kernels.Twin(c.DownName(), func(m kernels.Memory, a *downArgs) error { return moeFusedDown(m, a, bm) }))
+		if c.Warpgroups > 0 {
+			wgs = append(wgs, ks...)
+		} else {
+			gemms = append(gemms, ks...)
+		}
 	}
 	kernels.Register(kernels.Source{File: GemmFile, Text: GemmSource(), Kernels: gemms})
+	kernels.Register(kernels.Source{File: WgmmaFile, Text: WgmmaSource(), Kernels: wgs, Archs: []int{90}})
 }

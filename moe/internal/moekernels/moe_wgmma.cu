@@ -1,0 +1,218 @@
+// Fused expert GEMMs on Hopper's warpgroup tensor-core instructions
+// (wgmma.mma_async, sm_90a only): the kernels of moe_gemm.cu (same arguments,
+// rows, padding and outputs; see there), with the tile products issued by
+// whole warpgroups from shared memory instead of per-warp ldmatrix + mma.sync.
+//
+// Each warpgroup (128 threads) owns 64 tile rows and every column of the
+// tile: up tiles multiply by the gate and the up rows together (N = 2*BN), so
+// SwiGLU pairs sit in one thread's registers; a tile with BN > 128 exists for
+// the down kernel only (one wgmma is at most 256 wide). Tiles are 64 deep in K (one
+// 128-byte row per tile row, the 128B-swizzle atom: 16-byte chunk c of row r
+// at chunk c ^ (r & 7), atoms of 8 rows 1024 bytes apart); cp.async fills
+// STAGES of them, STAGES-2 ahead, while one group of wgmma runs: at the top
+// of stage kt every thread has waited for stage kt-2's wgmma, so its buffer
+// is free to refill.
+//
+// Summation: every output element sums K in increasing 16-wide steps, each
+// through the same instruction shape (m64nNk16), whatever BM, BN or STAGES:
+// tiles of this file give the same bits. The wgmma rounding inside a 16-wide
+// step is the hardware's, so results may differ in the last bits from the
+// mma.sync tiles of moe_gemm.cu.
+//
+// The wgmma wrappers (one per N) and the extern "C" instances are generated
+// from moekernels.MoEGemms (gemm.go) and appended to this file when it is
+// loaded.
+
+static __device__ __forceinline__ unsigned wg_smem(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void wg_cp16(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+static __device__ __forceinline__ void wg_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+static __device__ __forceinline__ void wg_cpwait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+static __device__ __forceinline__ float wg_bf2f(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+
+static __device__ __forceinline__ unsigned short wg_f2bf(float f) {
+    unsigned int b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (unsigned short)(b >> 16);
+}
+
+static __device__ __forceinline__ float wg_round(float v) { return wg_bf2f(wg_f2bf(v)); }
+
+// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle:
+// start address / 16, leading byte offset 16 (unused by this layout), stride
+// byte offset 1024 (between 8-row atoms), swizzle mode 1 (128B).
+static __device__ __forceinline__ unsigned long long wg_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+static __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void wg_commit_mma() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+template <int N>
+static __device__ __forceinline__ void wg_wait_mma() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// wg_mma<N>(d, a, b): d[64 x N] += A[64 x 16] * B[N x 16]^T for this
+// warpgroup (generated specialisations, one per N used).
+template <int N>
+static __device__ __forceinline__ void wg_mma(float* d, unsigned long long a, unsigned long long b);
+
+extern __shared__ __align__(1024) unsigned char wg_dyn[];
+
+// moe_wg: the up (UP) or down kernel of tile BM x BN, BM/64 warpgroups.
+// Dynamic shared memory: STAGES * (BM + NB*BN) * 128 bytes + 1024 (the tiles
+// start at a 1024-byte boundary, which the swizzle needs).
+template <int BM, int BN, int STAGES, bool UP>
+static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__ A,
+                                              const unsigned short* __restrict__ B,
+                                              const int* __restrict__ sorted,
+                                              const int* __restrict__ block_expert,
+                                              const int* __restrict__ npost, unsigned short* __restrict__ C,
+                                              int TK, int topk, int Kdim, int N) {
+    constexpr int BK = 64, CH = 8;  // 64 bf16 = 128 bytes = 8 chunks per tile row
+    constexpr int GROUPS = BM / 64;
+    constexpr int THREADS = 128 * GROUPS;
+    constexpr int NB = UP ? 2 : 1;
+    constexpr int NW = NB * BN;  // columns of one wgmma: gate and up, or down
+    constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NW) * 128;
+    static_assert(BM % 64 == 0 && NW % 8 == 0 && NW <= 256, "tile: BM a multiple of 64, NB*BN <= 256");
+    constexpr int A_PER = BM * CH / THREADS;
+    constexpr int B_PER = (NW * CH + THREADS - 1) / THREADS;  // the last round may be partial
+    static_assert(A_PER * THREADS == BM * CH, "A tile chunks must split evenly");
+
+    __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
+    __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
+
+    const int mb = blockIdx.y;
+    if (mb * BM >= npost[0]) return;
+    const int e = block_expert[mb];
+    const int n0 = blockIdx.x * BN;
+    if (e < 0 || n0 >= N) return;
+    const int tid = threadIdx.x;
+    for (int r = tid; r < BM; r += THREADS) {
+        const int p = mb * BM + r;
+        const int a = sorted[p];
+        const bool real = a >= 0 && a < TK;
+        if (UP) {
+            row_src[r] = real ? a / topk : -1;
+            row_dst[r] = p;
+        } else {
+            row_src[r] = real ? p : -1;
+            row_dst[r] = real ? a : -1;
+        }
+    }
+    __syncthreads();
+
+    const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
+    const int KT = (Kdim + BK - 1) / BK;
+    const int kch = (tid % CH) * 8;
+    int ga[A_PER];
+    unsigned oa[A_PER];
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+        const int c = tid + i * THREADS, r = c / CH;
+        const int src = row_src[r];
+        ga[i] = src >= 0 ? src * Kdim + kch : -1;
+        oa[i] = (unsigned)(r * 128 + (((c % CH) ^ (r & 7)) << 4));
+    }
+    const unsigned short* Be = B + b_base * Kdim;
+    int gb[B_PER];
+    unsigned ob[B_PER];
+#pragma unroll
+    for (int i = 0; i < B_PER; ++i) {
+        const int c = tid + i * THREADS, r = c / CH;
+        const int half = UP ? r / BN : 0;
+        const int n = n0 + (UP ? r % BN : r);
+        gb[i] = n < N ? (half * N + n) * Kdim + kch : -1;
+        ob[i] = A_BYTES + (unsigned)(r * 128 + (((c % CH) ^ (r & 7)) << 4));
+        if (c >= NW * CH) ob[i] = ~0u;  // past the tile: this thread copies nothing
+    }
+    const unsigned sbase = (wg_smem(wg_dyn) + 1023u) & ~1023u;
+    auto load = [&](int slot, int kt) {
+        const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+        const int k0 = kt * BK;
+        const bool kok = k0 + kch < Kdim;
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i) {
+            const bool ok = kok && ga[i] >= 0;
+            wg_cp16(st + oa[i], A + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i) {
+            if ((NW * CH) % THREADS != 0 && i == B_PER - 1 && ob[i] == ~0u) break;
+            const bool ok = kok && gb[i] >= 0;
+            wg_cp16(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
+        }
+    };
+
+    float d[NW / 2];
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) d[i] = 0.0f;
+    const int grp = tid >> 7;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        if (s < KT) load(s, s);
+        wg_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+        wg_cpwait<STAGES - 3>();
+        // cp.async wrote through the generic proxy; wgmma reads through the
+        // async proxy.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        const int nk = kt + STAGES - 2;
+        if (nk < KT) load(nk % STAGES, nk);
+        wg_commit();
+        const unsigned st = sbase + (unsigned)(kt % STAGES) * ST_BYTES;
+        const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) wg_mma<NW>(d, wg_desc(sa + kk * 32), wg_desc(sb + kk * 32));
+        wg_commit_mma();
+        wg_wait_mma<1>();
+    }
+    wg_wait_mma<0>();
+    wg_cpwait<0>();
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(d[i])::"memory");
+
+    // Epilogue: warp w of the group holds rows 16w + lane/4 (+8); register
+    // 4j + 2h + v is column 8j + 2*(lane%4) + v of row half h.
+    const int lane = tid & 31, w = (tid >> 5) & 3;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = grp * 64 + w * 16 + (lane >> 2) + hr * 8;
+        const int dst = row_dst[r];
+        if (dst < 0) continue;
+        const bool zero = UP && row_src[r] < 0;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int n = n0 + j * 8 + (lane & 3) * 2;
+            if (n >= N) continue;
+            unsigned short v0, v1;
+            if (UP) {
+                const float g0 = wg_round(d[4 * j + 2 * hr]), g1 = wg_round(d[4 * j + 2 * hr + 1]);
+                const float u0 = wg_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = wg_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
+                v0 = zero ? 0 : wg_f2bf((g0 / (1.0f + expf(-g0))) * u0);
+                v1 = zero ? 0 : wg_f2bf((g1 / (1.0f + expf(-g1))) * u1);
+            } else {
+                v0 = wg_f2bf(d[4 * j + 2 * hr]);
+                v1 = wg_f2bf(d[4 * j + 2 * hr + 1]);
+            }
+            *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
+        }
+    }
+}
