@@ -207,6 +207,8 @@ type Layer struct {
 	kExpertUp   *gpuctx.Kernel
 	kExpertDown *gpuctx.Kernel
 	kAlign      *gpuctx.Kernel
+	kAlign3     [3]*gpuctx.Kernel // gpuctx_moe_align_count, _scan, _scatter
+	align3From  int               // assignments from which the three-launch align runs
 	kCombRows   *gpuctx.Kernel
 	kRouteAlign *gpuctx.Kernel
 
@@ -247,13 +249,14 @@ type scratch struct {
 	logits, idx, w, counts, offsets, pos *gpuctx.Buffer // routing
 	xp, h, act, out                      *gpuctx.Buffer // routed experts
 	sorted, bexp, npost                  *gpuctx.Buffer // fused path: aligned sort
+	bcnt, boff                           *gpuctx.Buffer // three-launch align: per-chunk counts, offsets
 	sh, sact, sout, sg                   *gpuctx.Buffer // shared expert
 	xio, yio                             *gpuctx.Buffer // Forward's input and output
 }
 
 func (s *scratch) all() []**gpuctx.Buffer {
 	return []**gpuctx.Buffer{&s.logits, &s.idx, &s.w, &s.counts, &s.offsets, &s.pos,
-		&s.xp, &s.h, &s.act, &s.out, &s.sorted, &s.bexp, &s.npost, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
+		&s.xp, &s.h, &s.act, &s.out, &s.sorted, &s.bexp, &s.npost, &s.bcnt, &s.boff, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
 }
 
 // NewLayer validates cfg and w, uploads the weights to dev in o.DType
@@ -321,6 +324,7 @@ func newLayer(op string, dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOpt
 		l.forceTile = &t
 	}
 	l.autotune = !o.NoAutotune && dev.Backend() == "cuda"
+	l.align3From = align3From
 	if experts != nil {
 		l.shard, l.expLo, l.expHi = true, experts[0], experts[1]
 	}
@@ -365,6 +369,8 @@ func (l *Layer) init(w *Weights) error {
 		{&l.kSwiglu, "gpuctx_moe_swiglu"}, {&l.kCombine, "gpuctx_moe_combine"},
 		{&l.kExpertUp, "gpuctx_moe_expert_up"}, {&l.kExpertDown, "gpuctx_moe_expert_down"},
 		{&l.kAlign, "gpuctx_moe_align"}, {&l.kCombRows, "gpuctx_moe_combine_rows"},
+		{&l.kAlign3[0], "gpuctx_moe_align_count"}, {&l.kAlign3[1], "gpuctx_moe_align_scan"},
+		{&l.kAlign3[2], "gpuctx_moe_align_scatter"},
 		{&l.kRouteAlign, "gpuctx_moe_route_align"}} {
 		if *k.dst, err = l.dev.Kernel(k.name); err != nil {
 			return err

@@ -122,7 +122,8 @@ func (l *Layer) ensureFused(T, bm int) error {
 	for _, nd := range []struct {
 		b **gpuctx.Buffer
 		n int
-	}{{&s.sorted, 4 * cp}, {&s.bexp, 4 * (cp / bm)}, {&s.npost, 4}, {&s.act, cp * c.Intermediate * l.es}, {&s.out, TK * c.HiddenSize * l.es}} {
+	}{{&s.sorted, 4 * cp}, {&s.bexp, 4 * (cp / bm)}, {&s.npost, 4}, {&s.act, cp * c.Intermediate * l.es}, {&s.out, TK * c.HiddenSize * l.es},
+		{&s.bcnt, 4 * moekernels.AlignBlocks(TK) * l.experts()}, {&s.boff, 4 * moekernels.AlignBlocks(TK) * l.experts()}} {
 		if err := l.grow(nd.b, nd.n, &synced); err != nil {
 			return err
 		}
@@ -133,10 +134,29 @@ func (l *Layer) ensureFused(T, bm int) error {
 // alignThreads is the block size gpuctx_moe_align needs (MOE_ALIGN_WARPS).
 const alignThreads = 512
 
-// launchAlign queues gpuctx_moe_align for T tokens with tile rows bm.
+// align3From is the assignment count from which launchAlign sorts in three
+// launches (gpuctx_moe_align_count, _scan, _scatter over chunks of
+// moekernels.AlignChunk) instead of gpuctx_moe_align's one block.
+const align3From = 2 * moekernels.AlignChunk
+
+// launchAlign queues the aligned sort for T tokens with tile rows bm:
+// gpuctx_moe_align, or from l.align3From assignments its three-launch form
+// (same outputs).
 func (l *Layer) launchAlign(T, bm int) error {
 	s := &l.scr
 	TK, E := T*l.routedKS, l.experts()
+	if TK >= l.align3From {
+		nb := moekernels.AlignBlocks(TK)
+		blk := gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}
+		if err := l.main.Launch(l.kAlign3[0], gpuctx.Dim3{X: nb, Y: 1, Z: 1}, blk, 0, s.idx, s.bcnt, int32(TK), int32(E)); err != nil {
+			return err
+		}
+		if err := l.main.Launch(l.kAlign3[1], gpuctx.Dim3{X: 1, Y: 1, Z: 1}, blk, 0, s.bcnt, s.boff, s.sorted, s.bexp, s.npost,
+			int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)), int32(nb)); err != nil {
+			return err
+		}
+		return l.main.Launch(l.kAlign3[2], gpuctx.Dim3{X: nb, Y: 1, Z: 1}, blk, 0, s.idx, s.boff, s.npost, s.sorted, int32(TK), int32(E))
+	}
 	return l.main.Launch(l.kAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
 		s.idx, s.sorted, s.bexp, s.npost, int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)))
 }

@@ -2,6 +2,7 @@ package moe
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -1105,5 +1106,64 @@ func TestForcedPairs(t *testing.T) {
 	}
 	if downOnly == 0 {
 		t.Error("no down-only tile listed: this test checks nothing")
+	}
+}
+
+// TestAlignThreeLaunch checks the three-launch aligned sort a large batch
+// uses against gpuctx_moe_align's one block, on each backend: the same sorted
+// rows, block experts and padded count (read back from the layer's scratch)
+// and the same output bits, for a batch whose assignments span several chunks.
+func TestAlignThreeLaunch(t *testing.T) {
+	cfg := scaledPresets()["deepseek-v2-lite"]
+	w, err := RandomWeights(cfg, 5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	T := 3*moekernels.AlignChunk/cfg.TopK + 41
+	x := randomX(T, cfg.HiddenSize, 9)
+	for _, b := range layerBackends(t) {
+		t.Run(b.name, func(t *testing.T) {
+			var outs [2][]byte
+			var sorts [2][3][]int32
+			for i, from := range []int{math.MaxInt, 1} {
+				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, Tile: "m64n64k64w2x2s4"})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				l.align3From = from
+				outs[i] = deviceRun(t, l, x, T, Single, Whole)
+				TK := T * l.routedKS
+				cp := alignCap(TK, l.experts(), 64)
+				for j, buf := range []struct {
+					b *gpuctx.Buffer
+					n int
+				}{{l.scr.sorted, cp}, {l.scr.bexp, cp / 64}, {l.scr.npost, 1}} {
+					host := make([]byte, 4*buf.n)
+					part, err := buf.b.Slice(0, len(host))
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := part.CopyToHost(host); err != nil {
+						t.Fatal(err)
+					}
+					sorts[i][j] = make([]int32, buf.n)
+					for k := range sorts[i][j] {
+						sorts[i][j][k] = int32(binary.LittleEndian.Uint32(host[4*k:]))
+					}
+				}
+			}
+			if TK := T * cfg.TopK; TK <= 2*moekernels.AlignChunk {
+				t.Fatalf("TK = %d spans fewer than three chunks", TK)
+			}
+			for j, what := range []string{"sorted", "block_expert", "npost"} {
+				if !slices.Equal(sorts[0][j], sorts[1][j]) {
+					t.Errorf("%s differs between the one-block and the three-launch align", what)
+				}
+			}
+			if !bytes.Equal(outs[0], outs[1]) {
+				t.Error("outputs differ between the one-block and the three-launch align")
+			}
+		})
 	}
 }

@@ -2,6 +2,7 @@ package moekernels
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/gpuctx/gpuctx/kernels"
 )
@@ -150,6 +151,154 @@ func moeAlign(m kernels.Memory, a *alignArgs) error {
 		}
 	}
 	np[0] = int32(npost)
+	return nil
+}
+
+// AlignChunk is the assignments per block of the three-launch align
+// (gpuctx_moe_align_count, _scan, _scatter): MOE_ALIGN_CHUNK of moe.cu.
+const AlignChunk = 2048
+
+// AlignBlocks is the number of chunks (blocks) the three-launch align uses for
+// TK assignments.
+func AlignBlocks(TK int) int { return max((TK+AlignChunk-1)/AlignChunk, 1) }
+
+type alignCountArgs struct {
+	TopkIdx, Bcnt Ptr
+	TK, E         int32
+}
+
+type alignScanArgs struct {
+	Bcnt, Boff, Sorted, BlockExpert, Npost Ptr
+	TK, E, BM, Cap, NB                     int32
+}
+
+type alignScatterArgs struct {
+	TopkIdx, Boff, Npost, Sorted Ptr
+	TK, E                        int32
+}
+
+// moeAlignCount is gpuctx_moe_align_count: per-chunk expert counts.
+func moeAlignCount(m kernels.Memory, a *alignCountArgs) error {
+	TK, E := int(a.TK), int(a.E)
+	if TK < 0 || E <= 0 || E > MaxExperts {
+		return fmt.Errorf("align_count: TK=%d E=%d: want TK >= 0, 0 < E <= %d", TK, E, MaxExperts)
+	}
+	nb := AlignBlocks(TK)
+	idx, err := kernels.Slice[int32](m, "topk_idx", a.TopkIdx, int64(TK))
+	if err != nil {
+		return err
+	}
+	bcnt, err := kernels.Slice[int32](m, "bcnt", a.Bcnt, int64(nb*E))
+	if err != nil {
+		return err
+	}
+	clear(bcnt)
+	for i, e := range idx {
+		if e >= 0 && int(e) < E {
+			bcnt[i/AlignChunk*E+int(e)]++
+		}
+	}
+	return nil
+}
+
+// moeAlignScan is gpuctx_moe_align_scan: chunk offsets, padding, block
+// experts and npost.
+func moeAlignScan(m kernels.Memory, a *alignScanArgs) error {
+	TK, E, BM, cp, nb := int(a.TK), int(a.E), int(a.BM), int(a.Cap), int(a.NB)
+	if TK < 0 || E <= 0 || E > MaxExperts || BM <= 0 || cp < 0 || cp%BM != 0 || nb <= 0 {
+		return fmt.Errorf("align_scan: TK=%d E=%d BM=%d cap=%d nb=%d: want TK >= 0, 0 < E <= %d, BM > 0, cap >= 0 a multiple of BM, nb > 0",
+			TK, E, BM, cp, nb, MaxExperts)
+	}
+	bcnt, err := kernels.Slice[int32](m, "bcnt", a.Bcnt, int64(nb*E))
+	if err != nil {
+		return err
+	}
+	boff, err := kernels.Slice[int32](m, "boff", a.Boff, int64(nb*E))
+	if err != nil {
+		return err
+	}
+	sorted, err := kernels.Slice[int32](m, "sorted", a.Sorted, int64(cp))
+	if err != nil {
+		return err
+	}
+	blockExpert, err := kernels.Slice[int32](m, "block_expert", a.BlockExpert, int64(cp/BM))
+	if err != nil {
+		return err
+	}
+	np, err := kernels.Slice[int32](m, "npost", a.Npost, 1)
+	if err != nil {
+		return err
+	}
+	starts := make([]int, E+1)
+	for e := range E {
+		run := 0
+		for b := range nb {
+			c := int(bcnt[b*E+e])
+			boff[b*E+e] = int32(run)
+			run += c
+		}
+		starts[e+1] = starts[e] + roundUp(run, BM)
+	}
+	if starts[E] > cp {
+		np[0] = -1
+		return nil
+	}
+	for i := range sorted {
+		sorted[i] = int32(TK)
+	}
+	for b := range blockExpert {
+		blockExpert[b] = -1
+	}
+	for e := range E {
+		for b := range nb {
+			boff[b*E+e] += int32(starts[e])
+		}
+		for b := starts[e] / BM; b < starts[e+1]/BM; b++ {
+			blockExpert[b] = int32(e)
+		}
+	}
+	np[0] = int32(starts[E])
+	return nil
+}
+
+// moeAlignScatter is gpuctx_moe_align_scatter: the rows of each chunk's
+// routed assignments, in increasing order within an expert.
+func moeAlignScatter(m kernels.Memory, a *alignScatterArgs) error {
+	TK, E := int(a.TK), int(a.E)
+	if TK < 0 || E <= 0 || E > MaxExperts {
+		return fmt.Errorf("align_scatter: TK=%d E=%d: want TK >= 0, 0 < E <= %d", TK, E, MaxExperts)
+	}
+	nb := AlignBlocks(TK)
+	np, err := kernels.Slice[int32](m, "npost", a.Npost, 1)
+	if err != nil {
+		return err
+	}
+	if np[0] < 0 {
+		return nil
+	}
+	idx, err := kernels.Slice[int32](m, "topk_idx", a.TopkIdx, int64(TK))
+	if err != nil {
+		return err
+	}
+	boff, err := kernels.Slice[int32](m, "boff", a.Boff, int64(nb*E))
+	if err != nil {
+		return err
+	}
+	sorted, err := kernels.Slice[int32](m, "sorted", a.Sorted, int64(np[0]))
+	if err != nil {
+		return err
+	}
+	next := slices.Clone(boff)
+	for i, e := range idx {
+		if e >= 0 && int(e) < E {
+			r := &next[i/AlignChunk*E+int(e)]
+			if int(*r) >= len(sorted) {
+				return fmt.Errorf("align_scatter: row %d of assignment %d past npost %d", *r, i, np[0])
+			}
+			sorted[*r] = int32(i)
+			*r++
+		}
+	}
 	return nil
 }
 

@@ -522,3 +522,71 @@ func upTileOf(t *testing.T, c MoEGemm) MoEGemm {
 	t.Fatalf("no tile with an up kernel has BM %d (tile %s)", c.BM, c.Tag())
 	return MoEGemm{}
 }
+
+// runAlign3 runs the three-launch align (count, scan, scatter) and returns
+// what runAlign returns for gpuctx_moe_align.
+func runAlign3(t *testing.T, d *device, idx []int32, E, BM, cp int) (sorted, blockExpert []int32, npost int32) {
+	t.Helper()
+	TK, nb := len(idx), AlignBlocks(len(idx))
+	ip := uploadOrAlloc(t, d, asBytes(idx))
+	sp := uploadOrAlloc(t, d, asBytes(filled(cp, poison32)))
+	bp := uploadOrAlloc(t, d, asBytes(filled(cp/BM, poison32)))
+	np := upload(t, d, asBytes([]int32{poison32}))
+	cnt := upload(t, d, asBytes(filled(nb*E, poison32)))
+	off := upload(t, d, asBytes(filled(nb*E, poison32)))
+	for _, l := range []struct {
+		name string
+		args []any
+	}{
+		{"gpuctx_moe_align_count", []any{ip, cnt, int32(TK), int32(E)}},
+		{"gpuctx_moe_align_scan", []any{cnt, off, sp, bp, np, int32(TK), int32(E), int32(BM), int32(cp), int32(nb)}},
+		{"gpuctx_moe_align_scatter", []any{ip, off, np, sp, int32(TK), int32(E)}},
+	} {
+		if err := launchSync(t, d, l.name, l.args...); err != nil {
+			t.Fatalf("%s: %v", l.name, err)
+		}
+	}
+	return fromBytes[int32](download(t, d, sp, 4*cp)), fromBytes[int32](download(t, d, bp, 4*(cp/BM))), fromBytes[int32](download(t, d, np, 4))[0]
+}
+
+// TestMoEAlign3 checks the three-launch align against gpuctx_moe_align:
+// the same sorted rows, block experts and npost, for assignment counts below,
+// at and across chunk boundaries, skewed and out-of-range experts, and a cap
+// too small (npost -1, nothing else written).
+func TestMoEAlign3(t *testing.T) {
+	d := newTestDevice(t)
+	for _, tc := range []struct{ TK, E, BM int }{
+		{1, 4, 16}, {100, 7, 16}, {AlignChunk, 64, 64}, {AlignChunk + 1, 64, 128}, {3*AlignChunk + 77, 160, 192}, {9000, 512, 64},
+	} {
+		t.Run(fmt.Sprintf("TK%d_E%d_BM%d", tc.TK, tc.E, tc.BM), func(t *testing.T) {
+			r := rand.New(rand.NewPCG(uint64(tc.TK), uint64(tc.E)))
+			idx := make([]int32, tc.TK)
+			for i := range idx {
+				switch v := r.IntN(10); {
+				case v == 0:
+					idx[i] = int32(tc.E + r.IntN(3)) // out of range: skipped
+				case v < 4:
+					idx[i] = 0 // a hot expert over several chunks
+				default:
+					idx[i] = int32(r.IntN(tc.E))
+				}
+			}
+			idx[0] = -1
+			cp := alignCap(tc.TK, tc.E, tc.BM)
+			ws, wb, wn, _ := runAlign(t, d, idx, tc.E, tc.BM, cp)
+			gs, gb, gn := runAlign3(t, d, idx, tc.E, tc.BM, cp)
+			if gn != wn || !slices.Equal(gs, ws) || !slices.Equal(gb, wb) {
+				t.Fatalf("three-launch align differs: npost %d vs %d, sorted equal %v, block experts equal %v", gn, wn, slices.Equal(gs, ws), slices.Equal(gb, wb))
+			}
+			// A cap below the padded total: npost -1, sorted untouched.
+			small := (int(wn)/tc.BM - 1) * tc.BM
+			if small < 0 {
+				return
+			}
+			gs, _, gn = runAlign3(t, d, idx, tc.E, tc.BM, small)
+			if gn != -1 || !slices.Equal(gs, filled(small, poison32)) {
+				t.Errorf("cap %d < npost %d: npost %d, sorted written %v", small, wn, gn, !slices.Equal(gs, filled(small, poison32)))
+			}
+		})
+	}
+}

@@ -107,10 +107,12 @@ var MoEGemms = []MoEGemm{
 	{BM: 64, BN: 64, BK: 64, Warpgroups: 1, Stages: 4},
 	{BM: 64, BN: 128, BK: 64, Warpgroups: 1, Stages: 4},
 	{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 4},
+	{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 6},
 	{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 3},
 	{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 4},
 	{BM: 192, BN: 128, BK: 64, Warpgroups: 3, Stages: 3},
 	{BM: 192, BN: 128, BK: 64, Warpgroups: 3, Stages: 4},
+	{BM: 128, BN: 256, BK: 64, Warpgroups: 2, Stages: 3}, // down only
 	{BM: 128, BN: 256, BK: 64, Warpgroups: 2, Stages: 4}, // down only
 	{BM: 192, BN: 256, BK: 64, Warpgroups: 3, Stages: 3}, // down only
 }

@@ -666,6 +666,139 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
     moe_align_block(topk_idx, sorted, block_expert, npost, TK, E, BM, cap, cnt, seg);
 }
 
+// ---- The same sort in three launches, for large TK (one block of
+// gpuctx_moe_align walks every assignment twice on one SM): blocks of
+// MOE_ALIGN_CHUNK assignments count in parallel, one block scans, and the
+// blocks scatter in parallel. Same outputs as gpuctx_moe_align.
+//
+// gpuctx_moe_align_count (topk_idx, bcnt, TK, E): bcnt [nb, E] = the
+//     assignments of expert e in chunk b (nb = ceil(TK / MOE_ALIGN_CHUNK)).
+//     Grid (nb,1,1), block (512,1,1).
+// gpuctx_moe_align_scan (bcnt, boff, sorted, block_expert, npost, TK, E, BM,
+//     cap, nb): boff [nb, E] = the first row of chunk b's assignments of e;
+//     sorted [cap] = TK, block_expert and npost as gpuctx_moe_align (npost -1
+//     and nothing else written when cap is too small). Grid (1,1,1), block (512,1,1).
+// gpuctx_moe_align_scatter (topk_idx, boff, npost, sorted, TK, E): sorted at
+//     the rows of every routed assignment of the chunk, in increasing order.
+//     Grid (nb,1,1), block (512,1,1); nothing when npost[0] < 0.
+#define MOE_ALIGN_CHUNK 2048
+
+extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_align_count(
+    const int* __restrict__ topk_idx, int* __restrict__ bcnt, int TK, int E) {
+    __shared__ int cnt[MOE_MAX_E];
+    if (E <= 0 || E > MOE_MAX_E) return;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    const int a0 = blockIdx.x * MOE_ALIGN_CHUNK, a1 = moe_imin(TK, a0 + MOE_ALIGN_CHUNK);
+    for (int a = a0 + threadIdx.x; a < a1; a += blockDim.x) {
+        const int e = topk_idx[a];
+        if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) bcnt[blockIdx.x * E + e] = cnt[e];
+}
+
+extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_align_scan(
+    const int* __restrict__ bcnt, int* __restrict__ boff, int* __restrict__ sorted, int* __restrict__ block_expert,
+    int* __restrict__ npost, int TK, int E, int BM, int cap, int nb) {
+    __shared__ int seg[MOE_MAX_E + 1];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 || cap % BM != 0) {
+        return;
+    }
+    for (int e = tid; e < E; e += blockDim.x) {
+        int run = 0;
+        for (int b = 0; b < nb; ++b) {
+            const int c = bcnt[b * E + e];
+            boff[b * E + e] = run;
+            run += c;
+        }
+        seg[e] = (run + BM - 1) / BM * BM;
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive scan of the padded sizes
+        const int chunk = (E + 31) / 32;
+        const int lo = lane * chunk;
+        const int hi = moe_imin(E, lo + chunk);
+        int s = 0;
+        for (int e = lo; e < hi; ++e) s += seg[e];
+        int incl = s;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int v = __shfl_up_sync(MOE_FULL, incl, d);
+            if (lane >= d) incl += v;
+        }
+        int acc = incl - s;
+        for (int e = lo; e < hi; ++e) {
+            const int c = seg[e];
+            seg[e] = acc;
+            acc += c;
+        }
+        if (lane == 31) seg[E] = incl;
+    }
+    __syncthreads();
+    const int total = seg[E];
+    if (total > cap) {
+        if (tid == 0) npost[0] = -1;
+        return;
+    }
+    for (int p = tid; p < cap; p += blockDim.x) sorted[p] = TK;
+    for (int b = tid; b < cap / BM; b += blockDim.x) block_expert[b] = -1;
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+        for (int b = 0; b < nb; ++b) boff[b * E + e] += seg[e];
+        for (int b = seg[e] / BM; b < seg[e + 1] / BM; ++b) block_expert[b] = e;
+    }
+    if (tid == 0) npost[0] = total;
+}
+
+extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_align_scatter(
+    const int* __restrict__ topk_idx, const int* __restrict__ boff, const int* __restrict__ npost,
+    int* __restrict__ sorted, int TK, int E) {
+    __shared__ int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (npost[0] < 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E) return;
+    for (int i = tid; i < MOE_ALIGN_WARPS * E; i += blockDim.x) cnt[i / E][i % E] = 0;
+    __syncthreads();
+    // Warp w owns 128 consecutive assignments of the chunk: four rounds of 32.
+    constexpr int PER = MOE_ALIGN_CHUNK / MOE_ALIGN_WARPS;
+    const int s0 = blockIdx.x * MOE_ALIGN_CHUNK + warp * PER;
+    const int s1 = moe_imin(TK, s0 + PER);
+    int ev[PER / 32];
+#pragma unroll
+    for (int u = 0; u < PER / 32; ++u) {
+        const int a = s0 + u * 32 + lane;
+        const int e = a < s1 ? topk_idx[a] : -1;
+        ev[u] = (e >= 0 && e < E) ? e : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < PER / 32; ++u) {
+        const unsigned m = __match_any_sync(MOE_FULL, ev[u]);
+        if (ev[u] >= 0 && lane == __ffs(m) - 1) cnt[warp][ev[u]] += __popc(m);
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+        int run = boff[blockIdx.x * E + e];
+        for (int w = 0; w < MOE_ALIGN_WARPS; ++w) {
+            const int c = cnt[w][e];
+            cnt[w][e] = run;
+            run += c;
+        }
+    }
+    __syncthreads();
+    const unsigned lower = (1u << lane) - 1u;
+#pragma unroll
+    for (int u = 0; u < PER / 32; ++u) {
+        const int a = s0 + u * 32 + lane;
+        const int e = ev[u];
+        const unsigned m = __match_any_sync(MOE_FULL, e);
+        if (e >= 0) sorted[cnt[warp][e] + __popc(m & lower)] = a;
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(m) - 1) cnt[warp][e] += __popc(m);
+        __syncwarp();
+    }
+}
+
 // gpuctx_moe_route_align: the router GEMM, gpuctx_moe_route and
 // gpuctx_moe_align in one block, for small batches with a small router (one
 // launch instead of three): logits[t, e] = x[t, :] . router[e, :] (bf16

@@ -9,9 +9,9 @@
 // the down kernel only (one wgmma is at most 256 wide). Tiles are 64 deep in K (one
 // 128-byte row per tile row, the 128B-swizzle atom: 16-byte chunk c of row r
 // at chunk c ^ (r & 7), atoms of 8 rows 1024 bytes apart); cp.async fills
-// STAGES of them, STAGES-2 ahead, while one group of wgmma runs: at the top
-// of stage kt every thread has waited for stage kt-2's wgmma, so its buffer
-// is free to refill.
+// STAGES of them, STAGES-1 ahead, while one group of wgmma runs: after
+// issuing stage kt, each warpgroup waits for its stage kt-1 and the block
+// meets at a barrier, so stage kt-1's buffer is free to refill.
 //
 // Summation: every output element sums K in increasing 16-wide steps, each
 // through the same instruction shape (m64nNk16), whatever BM, BN or STAGES:
@@ -163,19 +163,16 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
     const int grp = tid >> 7;
 
 #pragma unroll
-    for (int s = 0; s < STAGES - 2; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KT) load(s, s);
         wg_commit();
     }
     for (int kt = 0; kt < KT; ++kt) {
-        wg_cpwait<STAGES - 3>();
+        wg_cpwait<STAGES - 2>();
         // cp.async wrote through the generic proxy; wgmma reads through the
         // async proxy.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        const int nk = kt + STAGES - 2;
-        if (nk < KT) load(nk % STAGES, nk);
-        wg_commit();
         const unsigned st = sbase + (unsigned)(kt % STAGES) * ST_BYTES;
         const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
         wg_fence();
@@ -183,6 +180,12 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
         for (int kk = 0; kk < BK / 16; ++kk) wg_mma<NW>(d, wg_desc(sa + kk * 32), wg_desc(sb + kk * 32));
         wg_commit_mma();
         wg_wait_mma<1>();
+        // Stage kt-1's wgmma is done in every warpgroup: refill its buffer
+        // while stage kt's runs.
+        __syncthreads();
+        const int nk = kt + STAGES - 1;
+        if (nk < KT) load(nk % STAGES, nk);
+        wg_commit();
     }
     wg_wait_mma<0>();
     wg_cpwait<0>();

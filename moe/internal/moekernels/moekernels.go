@@ -57,6 +57,14 @@
 //	    npost [1] = padded row count. E <= MaxExperts, cap a multiple of BM and
 //	    at least npost; size it roundup(TK + min(E,TK)*(BM-1), BM). Grid
 //	    (1,1,1), block (512,1,1).
+//	gpuctx_moe_align_count (topk_idx, bcnt hal.Ptr, TK, E int32)
+//	gpuctx_moe_align_scan  (bcnt, boff, sorted, block_expert, npost hal.Ptr, TK, E, BM, cap, nb int32)
+//	gpuctx_moe_align_scatter (topk_idx, boff, npost, sorted hal.Ptr, TK, E int32)
+//	    gpuctx_moe_align in three launches for large TK (same outputs): nb =
+//	    AlignBlocks(TK) chunks of AlignChunk assignments; count writes bcnt
+//	    [nb, E] (grid nb), scan writes boff [nb, E] (each chunk's first row per
+//	    expert), sorted padding, block_expert and npost (grid 1), scatter
+//	    writes the routed rows (grid nb). Block (512,1,1) each.
 //	gpuctx_moe_route_align (x, router, bias, logits, topk_idx, topk_w, sorted,
 //	                     block_expert, npost hal.Ptr, T, H, E, K, scoring, method,
 //	                     groups, topk_groups, has_bias, norm int32, norm_eps,
@@ -137,6 +145,9 @@ func init() {
 		kernels.Twin("gpuctx_moe_expert_up", moeExpertUp),
 		kernels.Twin("gpuctx_moe_expert_down", moeExpertDown),
 		kernels.Twin("gpuctx_moe_align", moeAlign),
+		kernels.Twin("gpuctx_moe_align_count", moeAlignCount),
+		kernels.Twin("gpuctx_moe_align_scan", moeAlignScan),
+		kernels.Twin("gpuctx_moe_align_scatter", moeAlignScatter),
 		kernels.Twin("gpuctx_moe_route_align", moeRouteAlign),
 		kernels.Twin("gpuctx_moe_combine_rows", moeCombineRows),
 	}})
