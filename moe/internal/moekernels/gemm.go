@@ -106,6 +106,7 @@ var MoEGemms = []MoEGemm{
 	// Warpgroup tiles (moe_wgmma.cu, compute capability 9.0 only).
 	{BM: 64, BN: 64, BK: 64, Warpgroups: 1, Stages: 4},
 	{BM: 64, BN: 128, BK: 64, Warpgroups: 1, Stages: 4},
+	{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 3}, // two blocks per SM
 	{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 4},
 	{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 6},
 	{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 3},
