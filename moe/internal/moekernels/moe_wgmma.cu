@@ -92,9 +92,8 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
     constexpr int B_PER = (NW * CH + THREADS - 1) / THREADS;  // the last round may be partial
     static_assert(A_PER * THREADS == BM * CH, "A tile chunks must split evenly");
 
-    __shared__ int row_src[BM];   // A row of each tile row (-1: zero)
-    __shared__ int row_dst[BM];   // C row of each tile row (-1: not stored)
-    __shared__ int live[GROUPS];  // whether a warpgroup's 64 rows hold a real row
+    __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
+    __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
 
     const int mb = blockIdx.y;
     if (mb * BM >= npost[0]) return;
@@ -102,8 +101,6 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
     const int n0 = blockIdx.x * BN;
     if (e < 0 || n0 >= N) return;
     const int tid = threadIdx.x;
-    if (tid < GROUPS) live[tid] = 0;
-    __syncthreads();
     for (int r = tid; r < BM; r += THREADS) {
         const int p = mb * BM + r;
         const int a = sorted[p];
@@ -115,7 +112,6 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
             row_src[r] = real ? p : -1;
             row_dst[r] = real ? a : -1;
         }
-        if (real) live[r / 64] = 1;
     }
     __syncthreads();
 
@@ -165,10 +161,9 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) d[i] = 0.0f;
     const int grp = tid >> 7;
-    // A warpgroup whose rows are all padding (an expert's last block less
-    // than half full) skips its products: its accumulators stay zero, which
-    // is what its rows hold (up) or it stores nothing (down).
-    const bool mine = live[grp] != 0;
+    // Every warpgroup multiplies, padding rows included: skipping the wgmma of
+    // a warpgroup whose rows are all padding (under a branch) made the tiles
+    // 25-30% slower on the H200 (bench/RESULTS.md, 2026-12-01).
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -185,8 +180,7 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
         const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-            if (mine) wg_mma<NW>(d, wg_desc(sa + kk * 32), wg_desc(sb + kk * 32));
+        for (int kk = 0; kk < BK / 16; ++kk) wg_mma<NW>(d, wg_desc(sa + kk * 32), wg_desc(sb + kk * 32));
         wg_commit_mma();
         wg_wait_mma<1>();
         // Stage kt-1's wgmma is done in every warpgroup: refill its buffer
