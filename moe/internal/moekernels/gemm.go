@@ -88,6 +88,8 @@ func (c MoEGemm) SmemBytes(up bool) int {
 // Package moe picks one per batch size; every config's kernels share one Go
 // twin per direction (the tile shape changes no result).
 var MoEGemms = []MoEGemm{
+	{BM: 16, BN: 16, BK: 128, WarpsM: 1, WarpsN: 1, Stages: 4}, // one warp: the most blocks for 1-8 tokens
+	{BM: 16, BN: 16, BK: 64, WarpsM: 1, WarpsN: 1, Stages: 8},
 	{BM: 16, BN: 32, BK: 64, WarpsM: 1, WarpsN: 2, Stages: 8},
 	{BM: 16, BN: 32, BK: 128, WarpsM: 1, WarpsN: 2, Stages: 4},
 	{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},
