@@ -17,7 +17,7 @@ const archsTestFile = "archs_test.cu"
 
 func init() {
 	kernels.Register(kernels.Source{File: archsTestFile, Archs: []int{10},
-		Text: "extern \"C\" __global__ void gpuctx_test_archs() {}\n",
+		Text:    "extern \"C\" __global__ void gpuctx_test_archs() {}\n",
 		Kernels: []kernels.Kernel{{Name: "gpuctx_test_archs", CPU: func(kernels.Memory, []any) error { return nil }}}})
 }
 

@@ -7,7 +7,9 @@ import (
 )
 
 // MoEGemm is one tile configuration of the fused expert GEMM kernels of
-// moe_gemm.cu (bf16 operands, f32 accumulation on tensor cores):
+// moe_gemm.cu (mma.sync) or moe_wgmma.cu (warpgroup tiles, compute capability
+// 9.0 only), bf16 operands, f32 accumulation on tensor cores; both families
+// compute the same bits:
 //
 //	gpuctx_moe_up_<tag>   (x, gu, sorted, blockExpert, npost, act hal.Ptr, TK, K, H, I int32)
 //	    for every block b of BM sorted rows with e = blockExpert[b] >= 0 and
@@ -20,7 +22,8 @@ import (
 //	    h < H; padding rows write nothing. Grid (ceil(H/BN), cap/BM).
 //
 // Both take block (Threads(), 1, 1) and SmemBytes(up) bytes of dynamic shared
-// memory; H and I must be multiples of 8 and every matrix 16-byte aligned.
+// memory; H and I must be multiples of 8 and every matrix 16-byte aligned. A
+// down-only tile (HasUp false) has no up kernel.
 // sorted, blockExpert and npost come from gpuctx_moe_align with the same BM.
 type MoEGemm struct {
 	BM, BN         int // tile rows (sorted token rows) and columns (output features)
