@@ -746,13 +746,12 @@ func TestLayerGraphReplay(t *testing.T) {
 }
 
 // TestLayerFusedTiles runs the fused path with every tile config forced and
-// checks each gives the bits of its family's reference: the default choice
-// for the mma.sync tiles, the first warpgroup tile for the wgmma tiles (every
-// tile of a family sums each output's K dimension in the same order; the two
-// families round inside a 16-wide step as their instructions do), and the
-// reference within bf16 tolerance, on batches that leave experts empty,
-// partly filled and over several row blocks. On the CPU backend both
-// families are the same Go twin, so every tile must equal the default. A
+// checks each gives the bits of the default choice, on batches that leave
+// experts empty, partly filled and over several row blocks, and the
+// reference within bf16 tolerance. Every tile sums each output's K dimension
+// in the same order, 16 at a time; the warpgroup (wgmma) tiles do it with
+// another instruction than the mma.sync ones, and on the H200 it rounds the
+// same way (bench/RESULTS.md, 2026-12-01), which this test holds it to. A
 // warpgroup tile on a GPU other than compute capability 9.0 is skipped.
 func TestLayerFusedTiles(t *testing.T) {
 	cfg := scaledPresets()["deepseek-v2-lite"]
@@ -760,47 +759,29 @@ func TestLayerFusedTiles(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	Ts := []int{1, 3, 40, 300}
 	for _, b := range layerBackends(t) {
 		ref, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, NoAutotune: true}) // the rule's tile: no timing runs (racecheck)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer ref.Close()
-		var wgRef map[int][]byte // outputs of the first warpgroup tile, per T
 		for _, tile := range moekernels.MoEGemms {
 			t.Run(b.name+"/"+tile.Tag(), func(t *testing.T) {
-				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, Tile: tile.Tag()})
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer l.Close()
 				if tile.Warpgroups > 0 && b.name != "cpu" {
 					if _, err := b.dev.Kernel(tile.DownName()); errors.Is(err, gpuctx.ErrUnavailable) {
 						t.Skipf("warpgroup tile on %s: %v", b.dev.Info().Name, firstLine(err))
 					}
 				}
-				first := tile.Warpgroups > 0 && b.name != "cpu" && wgRef == nil
-				if first {
-					wgRef = map[int][]byte{}
+				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, Tile: tile.Tag()})
+				if err != nil {
+					t.Fatal(err)
 				}
-				for _, T := range Ts {
+				defer l.Close()
+				for _, T := range []int{1, 3, 40, 300} {
 					x := randomX(T, cfg.HiddenSize, uint64(T))
 					want := deviceRun(t, ref, x, T, Single, Whole)
-					got := deviceRun(t, l, x, T, Single, Whole)
-					switch {
-					case tile.Warpgroups == 0 || b.name == "cpu":
-						if !bytes.Equal(got, want) {
-							t.Errorf("T=%d: tile %s differs from the default tile (relative %.3g)", T, tile.Tag(), relErr(l.decode(got), ref.decode(want)))
-						}
-					case first:
-						wgRef[T] = got
-						t.Logf("T=%d: warpgroup tile %s vs the default mma.sync tile: bitwise equal %v (relative %.3g)",
-							T, tile.Tag(), bytes.Equal(got, want), relErr(l.decode(got), ref.decode(want)))
-					default:
-						if !bytes.Equal(got, wgRef[T]) {
-							t.Errorf("T=%d: warpgroup tile %s differs from the first warpgroup tile (relative %.3g)", T, tile.Tag(), relErr(l.decode(got), l.decode(wgRef[T])))
-						}
+					if got := deviceRun(t, l, x, T, Single, Whole); !bytes.Equal(got, want) {
+						t.Errorf("T=%d: tile %s differs from the default tile (relative %.3g)", T, tile.Tag(), relErr(l.decode(got), ref.decode(want)))
 					}
 					wr, xr := roundWeights(w), roundAll(x)
 					refY, err := Reference(cfg, wr, xr, T)
