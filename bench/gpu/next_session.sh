@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
-# What the 2026-12-01 session could not run on the GPU (its device time was
-# spent), in one call of about 5 minutes: every CUDA test binary of the merged
-# tree (handle pool and workspaces moved to internal/handlepool, MoE kernels
-# registered by moe, the ROCm binding rule in context.go, the tracer hooks,
-# the kernel disk cache), racecheck over one fused tile with a longer limit,
-# and moe run -v with a cold then warm kernel cache plus a dual-stream trace
-# rendered as a PNG timeline for the README. SOAK=1 runs only the 5-minute
-# soak instead (a call of its own: is device memory flat now that the pool
-# reuses the handles of closed streams?).
+# Verification of a merged tree in one call of about a minute (run on the H200
+# on 2026-12-01 through s3_verify.sh; bench/RESULTS.md): every CUDA test
+# binary, racecheck on one fused tile, moe run -v with a cold then warm kernel
+# cache, and a dual-stream trace rendered as a PNG timeline. SOAK=1 runs only
+# the 5-minute soak instead (a call of its own).
 # Build: bash bench/gpu/pack.sh . ./backend/cuda/... ./moe ./cmd/gpuctx
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
