@@ -158,7 +158,10 @@ type LayerOptions struct {
 	// then run as grouped GEMMs with host-side group sizes, as before it existed.
 	NoFused bool
 	// Tile forces one tile config of the fused expert GEMMs for every batch
-	// (a tile tag such as "m16n64k64w1x4s6"); empty: tuned per bucket.
+	// (a tile tag such as "m16n64k64w1x4s6", or a warpgroup tile such as
+	// "m128n128k64g2s4", which needs compute capability 9.0 and is refused by
+	// NewLayer elsewhere; a down-only tile forces the down kernel and runs the
+	// up kernel with a tile of its BM); empty: tuned per bucket.
 	Tile string
 	// NoAutotune picks fused tiles by a rule of thumb instead of timing the
 	// candidates on the first forward of each token bucket (timing needs CUDA
@@ -320,6 +323,15 @@ func newLayer(op string, dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOpt
 		t, err := parseTile(o.Tile)
 		if err != nil {
 			return nil, fmt.Errorf("moe: %s: LayerOptions.Tile: %w", op, err)
+		}
+		if t.Warpgroups > 0 && l.fusedOK {
+			// Fail here, not at the first forward, on a GPU without sm_90a.
+			p := forcedPair(t)
+			for _, c := range []moekernels.MoEGemm{p.up, p.down} {
+				if _, _, err := l.fusedKernels(c); err != nil {
+					return nil, fmt.Errorf("moe: %s: LayerOptions.Tile %s: %w", op, o.Tile, err)
+				}
+			}
 		}
 		l.forceTile = &t
 	}

@@ -182,7 +182,7 @@ it and the exit status is 1.`,
 	f.StringVar(&o.out, "out", "", "write the markdown header and table to this file (for bench/RESULTS.md)")
 	f.BoolVar(&o.fullSize, "full-size", false, "on the CPU backend, keep the preset's real shape (slow)")
 	f.BoolVar(&o.noFused, "no-fused", false, "bf16: run the routed experts as grouped GEMMs with host-side sizes instead of the fused kernels")
-	f.StringVar(&o.tile, "tile", "", "force one tile of the fused expert GEMMs (e.g. m16n64k64w1x4s6) instead of tuning per token bucket")
+	f.StringVar(&o.tile, "tile", "", "force one tile of the fused expert GEMMs instead of tuning per token bucket: an mma.sync tile (e.g. m16n64k64w1x4s6) or, on compute capability 9.0, a warpgroup tile (e.g. m128n128k64g2s4)")
 	f.BoolVar(&o.noGraphs, "no-graphs", false, "run every forward eagerly (by default small batches replay a captured graph)")
 	f.StringVar(&o.trace, "trace", "", traceHelp+"; after the timings, one eager forward per token count and mode is traced (implies --no-graphs)")
 	f.StringVar(&o.peer, "peer", "", "after gpuctx's runs, time this peer script with the same preset and tokens (e.g. "+peerDefaultScript+"; CUDA only)")
