@@ -657,3 +657,69 @@ func (c *Config) CheckTokens(T int) error {
 	}
 	return nil
 }
+
+// HFConfig returns a Hugging Face config.json for c: the fields of c's family
+// that ParseConfig reads (model_type, sizes, routing, the layer pattern), so
+// that ParseConfig(HFConfig()) gives c back. It fails on a Config that no
+// config.json of its family can describe: DeepSeek's shared width not a
+// multiple of the routed one, a shared expert on qwen3_moe or mixtral, a
+// Qwen2-MoE shared expert without its gate (or the reverse).
+func (c *Config) HFConfig() ([]byte, error) {
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	m := map[string]any{
+		"model_type":          string(c.Family),
+		"hidden_size":         c.HiddenSize,
+		"num_experts_per_tok": c.TopK,
+		"norm_topk_prob":      c.NormTopKProb,
+		"hidden_act":          c.HiddenAct,
+		"num_hidden_layers":   c.NumHiddenLayers,
+	}
+	noShared := func() error {
+		if c.SharedIntermediate != 0 || c.SharedGate {
+			return fmt.Errorf("moe: HFConfig: %s has no shared expert, this Config has one %d wide", c.Family, c.SharedIntermediate)
+		}
+		return nil
+	}
+	switch c.Family {
+	case DeepseekV2, DeepseekV3:
+		if c.SharedIntermediate%c.Intermediate != 0 || c.SharedGate {
+			return nil, fmt.Errorf("moe: HFConfig: %s describes its shared expert as n_shared_experts x moe_intermediate_size (%d), not %d wide%s",
+				c.Family, c.Intermediate, c.SharedIntermediate, map[bool]string{true: " behind a gate", false: ""}[c.SharedGate])
+		}
+		m["n_routed_experts"] = c.NumExperts
+		m["moe_intermediate_size"] = c.Intermediate
+		m["n_shared_experts"] = c.SharedIntermediate / c.Intermediate
+		m["routed_scaling_factor"] = c.RoutedScalingFactor
+		m["first_k_dense_replace"] = c.FirstKDenseReplace
+		m["moe_layer_freq"] = c.MoELayerFreq
+		m["scoring_func"] = string(c.Scoring)
+		m["topk_method"] = string(c.TopKMethod)
+		if c.TopKMethod != Greedy {
+			m["n_group"], m["topk_group"] = c.NumGroups, c.TopKGroups
+		}
+	case Qwen2MoE, Qwen3MoE:
+		m["num_experts"] = c.NumExperts
+		m["moe_intermediate_size"] = c.Intermediate
+		m["decoder_sparse_step"] = c.DecoderSparseStep
+		if len(c.MLPOnlyLayers) > 0 {
+			m["mlp_only_layers"] = c.MLPOnlyLayers
+		}
+		if c.Family == Qwen2MoE {
+			if c.SharedGate != (c.SharedIntermediate > 0) {
+				return nil, fmt.Errorf("moe: HFConfig: qwen2_moe's shared expert (%d wide) always has its gate: SharedGate must be %v", c.SharedIntermediate, c.SharedIntermediate > 0)
+			}
+			m["shared_expert_intermediate_size"] = c.SharedIntermediate
+		} else if err := noShared(); err != nil {
+			return nil, err
+		}
+	case Mixtral:
+		if err := noShared(); err != nil {
+			return nil, err
+		}
+		m["num_local_experts"] = c.NumExperts
+		m["intermediate_size"] = c.Intermediate
+	}
+	return json.MarshalIndent(m, "", "  ")
+}

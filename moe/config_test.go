@@ -230,3 +230,57 @@ func TestLoadConfigFile(t *testing.T) {
 		t.Fatalf("err = %v", err)
 	}
 }
+
+// TestHFConfigRoundTrip checks that HFConfig writes a config.json ParseConfig
+// reads back to the same Config, for every preset, the scaled presets and the
+// test variants of each family, and that it refuses Configs no config.json of
+// their family can describe.
+func TestHFConfigRoundTrip(t *testing.T) {
+	cases := map[string]*Config{}
+	for _, name := range PresetNames() {
+		c, err := Preset(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cases["preset "+name] = c
+	}
+	for name, c := range scaledPresets() {
+		cases["scaled "+name] = c
+	}
+	for name, c := range variants() {
+		cases["variant "+name] = c
+	}
+	q := Qwen3_30B_A3B()
+	q.DecoderSparseStep, q.MLPOnlyLayers = 2, []int{1, 5}
+	cases["qwen3 sparse step and dense layers"] = q
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			js, err := c.HFConfig()
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := ParseConfig(js)
+			if err != nil {
+				t.Fatalf("ParseConfig(HFConfig()): %v\n%s", err, js)
+			}
+			if !reflect.DeepEqual(got, c) {
+				t.Errorf("round trip changed the Config:\n got %+v\nwant %+v\n%s", *got, *c, js)
+			}
+		})
+	}
+	for _, tc := range []struct {
+		name string
+		edit func(c *Config)
+		want string
+	}{
+		{"deepseek shared not a multiple", func(c *Config) { c.Family = DeepseekV2; c.SharedIntermediate = c.Intermediate + 8 }, "n_shared_experts x moe_intermediate_size"},
+		{"qwen3 with a shared expert", func(c *Config) { c.Family = Qwen3MoE; c.SharedIntermediate = c.Intermediate }, "has no shared expert"},
+		{"qwen2 shared without gate", func(c *Config) { c.Family = Qwen2MoE; c.SharedIntermediate, c.SharedGate = 64, false }, "always has its gate"},
+	} {
+		c := DeepseekV2Lite()
+		tc.edit(c)
+		if _, err := c.HFConfig(); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: HFConfig error %v, want one containing %q", tc.name, err, tc.want)
+		}
+	}
+}

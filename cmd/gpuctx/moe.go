@@ -24,7 +24,8 @@ func newMoeCmd(a *app) *cobra.Command {
 Hugging Face checkpoint on the device (moe run), or times it on random or real
 weights against the floor set by the device's measured copy bandwidth and GEMM
 rate (moe bench). In dual mode the shared expert runs on a side stream while
-the router and the routed experts run on the layer's main stream.
+the router and the routed experts run on the layer's main stream. moe init
+writes a checkpoint of one layer with random weights to try them on.
 
 Supported model_type values: deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe,
 mixtral.`,
@@ -32,7 +33,7 @@ mixtral.`,
 		// "gpuctx moe" alone prints this help and succeeds, like "gpuctx".
 		RunE: func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
 	}
-	cmd.AddCommand(newMoeRunCmd(a), newMoeBenchCmd(a))
+	cmd.AddCommand(newMoeRunCmd(a), newMoeBenchCmd(a), newMoeInitCmd(a))
 	return cmd
 }
 
