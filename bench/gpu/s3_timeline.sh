@@ -13,24 +13,4 @@ timeout 60 .gpu/gpuctx moe bench --preset deepseek-v2-lite --tokens 8,64,256 --m
 echo "bench rc=$?"; grep -E "^\| +[0-9]" "$OUT/dual.md"
 timeout 40 .gpu/gpuctx moe bench --preset deepseek-v2-lite --tokens 64 --mode dual --iters 5 --trace /tmp/dual.json --out /tmp/trace.md > /dev/null 2>&1
 echo "trace rc=$?"
-python3 - /tmp/dual.json "$OUT/timeline.png" <<'PY'
-import json, sys
-import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
-d = json.load(open(sys.argv[1]))
-names = {e["tid"]: e["args"]["name"] for e in d["traceEvents"] if e.get("ph") == "M" and e.get("name") == "thread_name"}
-spans = [e for e in d["traceEvents"] if e.get("ph") == "X" and not e["name"].startswith("moe forward")]
-last = max((e for e in d["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("moe forward")), key=lambda e: e["ts"])
-spans = [e for e in spans if last["ts"] <= e["ts"] <= last["ts"] + last["dur"]]
-tids = sorted({e["tid"] for e in spans})
-fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(tids)))
-for i, tid in enumerate(tids):
-    for e in (e for e in spans if e["tid"] == tid):
-        ax.broken_barh([(e["ts"] - last["ts"], e["dur"])], (i - 0.4, 0.8))
-        if e["dur"] > last["dur"] / 25:
-            ax.text(e["ts"] - last["ts"] + e["dur"] / 2, i, e["name"].replace("gpuctx_moe_", ""), ha="center", va="center", fontsize=7)
-ax.set_yticks(range(len(tids)), [names.get(t, str(t)) for t in tids]); ax.set_xlabel("µs")
-ax.set_title("one dual-stream forward, deepseek-v2-lite, 64 tokens, bf16, H200 (eager, from --trace)")
-fig.tight_layout(); fig.savefig(sys.argv[2], dpi=120)
-for e in sorted(spans, key=lambda e: e["ts"]):
-    print(f'{names.get(e["tid"], e["tid"])[:12]:12s} {e["ts"] - last["ts"]:8.1f} {e["dur"]:8.1f} {e["name"]}')
-PY
+python3 bench/gpu/timeline.py /tmp/dual.json "$OUT/timeline.png"

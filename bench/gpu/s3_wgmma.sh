@@ -31,23 +31,5 @@ echo "qwen3 rc=$?"; tail -3 /tmp/qwen3.txt; grep -E "^\| +[0-9]" "$OUT/qwen3.md"
 echo "== after qwen3: $(( $(date +%s) - t0 )) s"
 timeout 60 .gpu/gpuctx moe bench --preset deepseek-v2-lite --tokens 64 --mode dual --trace /tmp/dual.json --out /tmp/dual.md > /dev/null 2>&1
 echo "trace rc=$?"
-python3 - /tmp/dual.json "$OUT/timeline.png" <<'PY'
-import json, sys
-import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
-d = json.load(open(sys.argv[1]))
-names = {e["tid"]: e["args"]["name"] for e in d["traceEvents"] if e.get("ph") == "M" and e.get("name") == "thread_name"}
-spans = [e for e in d["traceEvents"] if e.get("ph") == "X" and not e["name"].startswith("moe forward")]
-last = max((e for e in d["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("moe forward")), key=lambda e: e["ts"])
-spans = [e for e in spans if last["ts"] <= e["ts"] <= last["ts"] + last["dur"]]
-tids = sorted({e["tid"] for e in spans})
-fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(tids)))
-for i, tid in enumerate(tids):
-    for e in (e for e in spans if e["tid"] == tid):
-        ax.broken_barh([(e["ts"] - last["ts"], e["dur"])], (i - 0.4, 0.8))
-        if e["dur"] > last["dur"] / 25:
-            ax.text(e["ts"] - last["ts"] + e["dur"] / 2, i, e["name"].replace("gpuctx_moe_", ""), ha="center", va="center", fontsize=7)
-ax.set_yticks(range(len(tids)), [names.get(t, str(t)) for t in tids]); ax.set_xlabel("µs")
-ax.set_title("one dual-stream forward, deepseek-v2-lite, 64 tokens, bf16, H200 (eager, from --trace)")
-fig.tight_layout(); fig.savefig(sys.argv[2], dpi=120)
-PY
+python3 bench/gpu/timeline.py /tmp/dual.json "$OUT/timeline.png"
 echo "== total $(( $(date +%s) - t0 )) s"
