@@ -212,6 +212,7 @@ type Layer struct {
 	kAlign      *gpuctx.Kernel
 	kAlign3     [3]*gpuctx.Kernel // gpuctx_moe_align_count, _scan, _scatter
 	align3From  int               // assignments from which the three-launch align runs
+	raTokens    int               // batches of at most this many tokens route in gpuctx_moe_route_align
 	kCombRows   *gpuctx.Kernel
 	kRouteAlign *gpuctx.Kernel
 
@@ -252,6 +253,7 @@ type scratch struct {
 	logits, idx, w, counts, offsets, pos *gpuctx.Buffer // routing
 	xp, h, act, out                      *gpuctx.Buffer // routed experts
 	sorted, bexp, npost                  *gpuctx.Buffer // fused path: aligned sort
+	ticket                               *gpuctx.Buffer // gpuctx_moe_route_align's last-block ticket (0 at rest)
 	bcnt, boff                           *gpuctx.Buffer // three-launch align: per-chunk counts, offsets
 	sh, sact, sout, sg                   *gpuctx.Buffer // shared expert
 	xio, yio                             *gpuctx.Buffer // Forward's input and output
@@ -259,7 +261,7 @@ type scratch struct {
 
 func (s *scratch) all() []**gpuctx.Buffer {
 	return []**gpuctx.Buffer{&s.logits, &s.idx, &s.w, &s.counts, &s.offsets, &s.pos,
-		&s.xp, &s.h, &s.act, &s.out, &s.sorted, &s.bexp, &s.npost, &s.bcnt, &s.boff, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
+		&s.xp, &s.h, &s.act, &s.out, &s.sorted, &s.bexp, &s.npost, &s.ticket, &s.bcnt, &s.boff, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
 }
 
 // NewLayer validates cfg and w, uploads the weights to dev in o.DType
@@ -337,6 +339,7 @@ func newLayer(op string, dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOpt
 	}
 	l.autotune = !o.NoAutotune && dev.Backend() == "cuda"
 	l.align3From = align3From
+	l.raTokens = routeAlignTokens
 	if experts != nil {
 		l.shard, l.expLo, l.expHi = true, experts[0], experts[1]
 	}

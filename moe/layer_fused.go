@@ -128,6 +128,12 @@ func (l *Layer) ensureFused(T, bm int) error {
 			return err
 		}
 	}
+	if s.ticket == nil { // gpuctx_moe_route_align's ticket: 0 before its first launch, and every launch leaves it 0
+		if err := l.grow(&s.ticket, 4, &synced); err != nil {
+			return err
+		}
+		return l.main.Memset(s.ticket, 0)
+	}
 	return nil
 }
 
@@ -199,22 +205,18 @@ func (l *Layer) knownTiles(T int) (tilePair, bool) {
 	return tp, ok
 }
 
-// routeAlignDots bounds the router dot products gpuctx_moe_route_align does in
-// its one block (T*E), and routeAlignBytes the router it reads. Measured on an
-// H200 (bench/RESULTS.md): at 64 dots (DeepSeek-V2-Lite, 1 token) the one
-// launch beat the router GEMM + route + align by 4 us; at 512 dots (8 tokens)
-// it lost 35 us.
-const (
-	routeAlignDots  = 128
-	routeAlignBytes = 512 << 10
-)
+// routeAlignTokens bounds the batches that route in gpuctx_moe_route_align
+// (its last block routes them with four warps); T*E is also bounded by
+// moekernels.RouteAlignMaxDots. The one launch replaces the router GEMM,
+// gpuctx_moe_route and gpuctx_moe_align (bench/RESULTS.md, 2026-12-01
+// evening: measured on an H200).
+const routeAlignTokens = 16
 
 // routeAlignOK reports whether a fused-path batch of T tokens routes and sorts
-// in one launch (gpuctx_moe_route_align): a small batch and a small router.
+// in one launch (gpuctx_moe_route_align).
 func (l *Layer) routeAlignOK(T int) bool {
-	c := &l.cfg
-	return l.fused(T) && T*c.NumExperts <= routeAlignDots &&
-		c.NumExperts*c.HiddenSize*l.es <= routeAlignBytes && l.experts() <= MaxExperts
+	return l.fused(T) && T <= l.raTokens && T*l.cfg.NumExperts <= moekernels.RouteAlignMaxDots &&
+		l.experts() <= MaxExperts
 }
 
 // routedSmall queues the fused routed path of a batch that routeAlignOK
@@ -251,14 +253,16 @@ func (l *Layer) routedSmall(x *gpuctx.Buffer, T, shared int) error {
 }
 
 // launchRouteAlign queues gpuctx_moe_route_align for T tokens with tile rows
-// bm (the fused scratch must be sized for them).
+// bm (the fused scratch must be sized for them) on the main stream: one block
+// per 16 router logits, the last of them routing and sorting.
 func (l *Layer) launchRouteAlign(x *gpuctx.Buffer, T, shared, bm int) error {
 	c, s := &l.cfg, &l.scr
 	scoring, method, eps, scale := l.routeArgs()
 	ks := l.slots(shared)
 	TK, E := T*ks, l.experts()
-	return l.main.Launch(l.kRouteAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
-		x, l.router, l.bias, s.logits, s.idx, s.w, s.sorted, s.bexp, s.npost,
+	grid := gpuctx.Dim3{X: moekernels.RouteAlignBlocks(T * c.NumExperts), Y: 1, Z: 1}
+	return l.main.Launch(l.kRouteAlign, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
+		x, l.router, l.bias, s.logits, s.idx, s.w, s.sorted, s.bexp, s.npost, s.ticket,
 		int32(T), int32(c.HiddenSize), int32(c.NumExperts), int32(c.TopK), scoring, method,
 		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,
 		int32(ks), int32(ks-c.TopK), int32(bm), int32(alignCap(TK, E, bm)))

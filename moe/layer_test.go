@@ -1148,3 +1148,59 @@ func TestAlignThreeLaunch(t *testing.T) {
 		})
 	}
 }
+
+// TestRouteAlignOneLaunch checks the one-launch router + routing + sort
+// (gpuctx_moe_route_align, one block per 16 router logits, the last block
+// routing): its routing equals Route on forwards that alternate two inputs
+// (eager, captured, then replayed: the last-block ticket must be back at 0
+// after every launch, or a later forward keeps a stale routing), and its
+// output matches the three-launch path (router GEMM, route, align).
+func TestRouteAlignOneLaunch(t *testing.T) {
+	for _, b := range layerBackends(t) {
+		for _, name := range []string{"deepseek-v2-lite", "qwen3-30b-a3b", "deepseek-v3"} {
+			cfg := scaledPresets()[name]
+			w, err := RandomWeights(cfg, 21)
+			if err != nil {
+				t.Fatal(err)
+			}
+			wr := roundWeights(w)
+			for _, T := range []int{1, 5, 16} {
+				t.Run(fmt.Sprintf("%s/%s/T=%d", b.name, name, T), func(t *testing.T) {
+					one, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer one.Close()
+					three, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer three.Close()
+					three.raTokens = 0
+					if !one.routeAlignOK(T) || three.routeAlignOK(T) {
+						t.Fatalf("routeAlignOK(%d) = %v and %v, want true and false", T, one.routeAlignOK(T), three.routeAlignOK(T))
+					}
+					xs := [2][]float32{randomX(T, cfg.HiddenSize, 31), randomX(T, cfg.HiddenSize, 32)}
+					var idx [2][]int32
+					for i := range 6 {
+						x := xs[i%2]
+						y := deviceRun(t, one, x, T, Single, Whole)
+						got, _, err := one.LastRouting()
+						if err != nil {
+							t.Fatal(err)
+						}
+						idx[i%2] = got
+						checkRouting(t, one, cfg, wr, roundAll(x), T)
+						if i < 2 {
+							want := deviceRun(t, three, x, T, Single, Whole)
+							checkClose(t, "one launch vs router GEMM + route + align", one.decode(y), three.decode(want), nil, 2e-2)
+						}
+					}
+					if slices.Equal(idx[0], idx[1]) {
+						t.Fatal("the two inputs route alike: the test cannot see a stale routing")
+					}
+				})
+			}
+		}
+	}
+}

@@ -37,10 +37,10 @@ type downArgs struct {
 
 // routeAlignArgs are the parameters of gpuctx_moe_route_align.
 type routeAlignArgs struct {
-	X, Router, Bias, Logits, TopkIdx, TopkW, Sorted, BlockExpert, Npost Ptr
-	T, H, E, K, Scoring, Method, Groups, TopkGroups, HasBias, Norm      int32
-	NormEps, Scale                                                      float32
-	Ks, Ns, BM, Cap                                                     int32
+	X, Router, Bias, Logits, TopkIdx, TopkW, Sorted, BlockExpert, Npost, Ticket Ptr
+	T, H, E, K, Scoring, Method, Groups, TopkGroups, HasBias, Norm              int32
+	NormEps, Scale                                                              float32
+	Ks, Ns, BM, Cap                                                             int32
 }
 
 // combineRowsArgs are the parameters of gpuctx_moe_combine_rows.
@@ -53,12 +53,21 @@ func roundUp(n, m int) int { return (n + m - 1) / m * m }
 
 // moeRouteAlign is gpuctx_moe_route_align: the router logits (bf16 x [T,H]
 // times bf16 router [E,H], f32 sums in ascending h), then the route and the
-// align twins on them, with the arguments the CUDA kernel passes them.
+// align twins on them, with the arguments the CUDA kernel passes them. The
+// ticket is left as the kernel leaves it: 0.
 func moeRouteAlign(m kernels.Memory, a *routeAlignArgs) error {
 	T, H, E := a.T, a.H, a.E
 	ks, ns := a.Ks, a.Ns
-	if T < 0 || H <= 0 || H%8 != 0 || E <= 0 || E > MaxExperts {
-		return fmt.Errorf("route_align: T=%d H=%d E=%d: want T >= 0, H > 0 a multiple of 8, 0 < E <= %d", T, H, E, MaxExperts)
+	if T < 0 || H <= 0 || H%8 != 0 || E <= 0 || E > MaxExperts || int(T)*int(E) > RouteAlignMaxDots {
+		return fmt.Errorf("route_align: T=%d H=%d E=%d: want T >= 0, H > 0 a multiple of 8, 0 < E <= %d, T*E <= %d",
+			T, H, E, MaxExperts, RouteAlignMaxDots)
+	}
+	ticket, err := kernels.Slice[uint32](m, "ticket", a.Ticket, 1)
+	if err != nil {
+		return err
+	}
+	if ticket[0] != 0 {
+		return fmt.Errorf("route_align: ticket is %d, want 0 (zero it once before the first launch)", ticket[0])
 	}
 	x, err := kernels.Slice[uint16](m, "x", a.X, int64(T)*int64(H))
 	if err != nil {

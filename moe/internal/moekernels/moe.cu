@@ -800,22 +800,29 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 }
 
 // gpuctx_moe_route_align: the router GEMM, gpuctx_moe_route and
-// gpuctx_moe_align in one block, for small batches with a small router (one
-// launch instead of three): logits[t, e] = x[t, :] . router[e, :] (bf16
-// operands, f32 sums, stored to logits [T, E]), then the routing of every
-// token (topk_idx, topk_w [T, ks]; the route's arguments) and the aligned sort
-// of its TK = T * ks assignments over E + ns experts (the align's arguments).
-// Launch: grid (1,1,1), block (512,1,1). H a multiple of 8, E <= 512.
+// gpuctx_moe_align in one launch, for small batches (one launch instead of
+// three): logits[t, e] = x[t, :] . router[e, :] (bf16 operands, f32 sums,
+// stored to logits [T, E]), then the routing of every token (topk_idx, topk_w
+// [T, ks]; the route's arguments) and the aligned sort of its TK = T * ks
+// assignments over E + ns experts (the align's arguments).
+// Every block computes logits, one warp per (token, expert) in the same order
+// whatever the grid (lanes stride over h, 16-byte loads, butterfly sum), so
+// the router is read by as many SMs as there are blocks; the last block to
+// finish (a ticket taken with atomicInc on ticket[0], which it leaves at 0
+// for the next launch) routes and sorts. ticket must be 0 before the first
+// launch. Launch: grid (ceil(T*E/16),1,1) (any grid works), block (512,1,1).
+// H a multiple of 8, E + ns <= 512, T*E <= MOE_RA_MAX_DOTS.
 #define MOE_RA_ROUTE_WARPS 4
 
 extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_route_align(
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ router, const float* __restrict__ bias,
     float* __restrict__ logits, int* __restrict__ topk_idx, float* __restrict__ topk_w, int* __restrict__ sorted,
-    int* __restrict__ block_expert, int* __restrict__ npost, int T, int H, int E, int K, int scoring, int method,
-    int groups, int topk_groups, int has_bias, int norm, float norm_eps, float scale, int ks, int ns, int BM,
-    int cap) {
+    int* __restrict__ block_expert, int* __restrict__ npost, unsigned int* __restrict__ ticket, int T, int H, int E,
+    int K, int scoring, int method, int groups, int topk_groups, int has_bias, int norm, float norm_eps,
+    float scale, int ks, int ns, int BM, int cap) {
     union Smem {
         struct {
+            float lg[MOE_RA_MAX_DOTS];
             float sc[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
             float ch[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
             float gs[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
@@ -829,20 +836,21 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_ro
         } a;
     };
     __shared__ Smem sm;
+    __shared__ bool last;
     const int Ex = E + ns;
-    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || T < 0 || H % 8 != 0 || Ex > MOE_MAX_E ||
+    if (blockDim.x != 32 * MOE_ALIGN_WARPS || T < 0 || H % 8 != 0 || Ex > MOE_MAX_E || T * E > MOE_RA_MAX_DOTS ||
         BM <= 0 || cap % BM != 0 || !moe_route_args_ok(E, K, method, groups, topk_groups, ks, ns)) {
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Logits: one warp per (token, expert), 16-byte loads, butterfly sum.
-    for (int d = warp; d < T * E; d += MOE_ALIGN_WARPS) {
+    for (int d = blockIdx.x * MOE_ALIGN_WARPS + warp; d < T * E; d += gridDim.x * MOE_ALIGN_WARPS) {
         const int t = d / E, e = d - t * E;
         const unsigned short* xr = x + (long long)t * H;
         const unsigned short* wr = router + (long long)e * H;
         float acc = 0.0f;
-#pragma unroll 4
-        for (int h = lane * 8; h < H; h += 32 * 8) {  // four 16-byte loads in flight per lane
+#pragma unroll 8
+        for (int h = lane * 8; h < H; h += 32 * 8) {  // eight 16-byte loads of each operand in flight per lane
             const uint4 a = *(const uint4*)(xr + h);
             const uint4 b = *(const uint4*)(wr + h);
             const unsigned int av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
@@ -855,12 +863,24 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_ro
         acc = moe_warp_sum(acc);
         if (lane == 0) logits[(long long)t * E + e] = acc;
     }
+    // The last block to get here routes and sorts: every block's logits are
+    // in global memory before its ticket (release), and the last block reads
+    // them from L2 after its own (acquire).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicInc(ticket, gridDim.x - 1) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < T * E; i += blockDim.x) sm.r.lg[i] = __ldcg(logits + i);
     __syncthreads();
     if (warp < MOE_RA_ROUTE_WARPS) {
         for (int t = warp; t < T; t += MOE_RA_ROUTE_WARPS) {
-            moe_route_token(logits + (long long)t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups,
-                            topk_groups, has_bias, norm, norm_eps, scale, ks, ns, sm.r.sc[warp], sm.r.ch[warp],
-                            sm.r.gs[warp], sm.r.keep[warp], sm.r.taken[warp], sm.r.wsel[warp], lane);
+            moe_route_token(sm.r.lg + t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups, topk_groups,
+                            has_bias, norm, norm_eps, scale, ks, ns, sm.r.sc[warp], sm.r.ch[warp], sm.r.gs[warp],
+                            sm.r.keep[warp], sm.r.taken[warp], sm.r.wsel[warp], lane);
         }
     }
     __syncthreads();
@@ -889,15 +909,25 @@ extern "C" __global__ void gpuctx_moe_combine_rows(const void* __restrict__ out,
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
             if (has_routed) {
-                for (int k = 0; k < K; ++k) {
-                    const long long a = (long long)t * K + k;
-                    const float wk = w[a];
-                    const uint4 q = *(const uint4*)((const unsigned short*)out + a * H + h);
-                    const unsigned int u[4] = {q.x, q.y, q.z, q.w};
+                // Four rows' loads in flight, then their sums in k order.
+                for (int k0 = 0; k0 < K; k0 += 4) {
+                    uint4 q[4];
+                    float wk[4];
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        acc[2 * j] += wk * __uint_as_float(u[j] << 16);
-                        acc[2 * j + 1] += wk * __uint_as_float(u[j] & 0xffff0000u);
+                    for (int u = 0; u < 4; ++u) {
+                        const long long a = (long long)t * K + moe_imin(k0 + u, K - 1);
+                        wk[u] = w[a];
+                        q[u] = *(const uint4*)((const unsigned short*)out + a * H + h);
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        if (k0 + u >= K) break;
+                        const unsigned int v[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            acc[2 * j] += wk[u] * __uint_as_float(v[j] << 16);
+                            acc[2 * j + 1] += wk[u] * __uint_as_float(v[j] & 0xffff0000u);
+                        }
                     }
                 }
             }
