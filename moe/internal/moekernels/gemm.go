@@ -92,16 +92,11 @@ func (c MoEGemm) SmemBytes(up bool) int {
 // twin per direction (the tile shape changes no result).
 var MoEGemms = []MoEGemm{
 	{BM: 16, BN: 16, BK: 128, WarpsM: 1, WarpsN: 1, Stages: 4}, // one warp: the most blocks for 1-8 tokens
-	{BM: 16, BN: 16, BK: 128, WarpsM: 1, WarpsN: 1, Stages: 8},
 	{BM: 16, BN: 16, BK: 64, WarpsM: 1, WarpsN: 1, Stages: 8},
 	{BM: 16, BN: 32, BK: 64, WarpsM: 1, WarpsN: 2, Stages: 8},
 	{BM: 16, BN: 32, BK: 128, WarpsM: 1, WarpsN: 2, Stages: 4},
-	// Deep pipelines for the weight streaming of 1-8 tokens: 7 or 5 stages of
-	// 16-32 KiB in flight per block.
-	{BM: 16, BN: 32, BK: 128, WarpsM: 1, WarpsN: 2, Stages: 8},
 	{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},
 	{BM: 16, BN: 64, BK: 128, WarpsM: 1, WarpsN: 4, Stages: 4},
-	{BM: 16, BN: 64, BK: 128, WarpsM: 1, WarpsN: 4, Stages: 6},
 	{BM: 16, BN: 128, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 4},
 	{BM: 32, BN: 128, BK: 64, WarpsM: 1, WarpsN: 8, Stages: 4},
 	{BM: 32, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},

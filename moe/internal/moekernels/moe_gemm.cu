@@ -31,12 +31,6 @@ static __device__ __forceinline__ void mg_cp16(unsigned dst, const void* src, in
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
-// mg_cp16w copies a chunk of a weight row: the next stage reads the rest of the
-// row's 256-byte segment, so L2 is asked to fetch the segment whole.
-static __device__ __forceinline__ void mg_cp16w(unsigned dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
 static __device__ __forceinline__ void mg_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>
@@ -169,7 +163,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
             const bool ok = kok && gb[i] >= 0;
-            mg_cp16w(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
+            mg_cp16(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
         }
     };
 
