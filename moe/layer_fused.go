@@ -206,7 +206,7 @@ func (l *Layer) knownTiles(T int) (tilePair, bool) {
 }
 
 // routeAlignTokens bounds the batches that route in gpuctx_moe_route_align
-// (its last block routes them with four warps); T*E is also bounded by
+// (its last block routes them with a warp per token); T*E is also bounded by
 // moekernels.RouteAlignMaxDots. The one launch replaces the router GEMM,
 // gpuctx_moe_route and gpuctx_moe_align (bench/RESULTS.md, 2026-12-01
 // evening: measured on an H200).
@@ -261,7 +261,7 @@ func (l *Layer) launchRouteAlign(x *gpuctx.Buffer, T, shared, bm int) error {
 	ks := l.slots(shared)
 	TK, E := T*ks, l.experts()
 	grid := gpuctx.Dim3{X: moekernels.RouteAlignBlocks(T * c.NumExperts), Y: 1, Z: 1}
-	return l.main.Launch(l.kRouteAlign, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
+	return l.main.Launch(l.kRouteAlign, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, moekernels.RouteAlignSmem(T, c.NumExperts),
 		x, l.router, l.bias, s.logits, s.idx, s.w, s.sorted, s.bexp, s.npost, s.ticket,
 		int32(T), int32(c.HiddenSize), int32(c.NumExperts), int32(c.TopK), scoring, method,
 		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,

@@ -97,3 +97,29 @@ func TestSources(t *testing.T) {
 		t.Errorf("kernels.Archs(%s) = %v, want none (every architecture)", GemmFile, got)
 	}
 }
+
+// TestRouteAlignSmem checks RouteAlignSmem against the sizes moe.cu's
+// moe_ra_smem computes (the same formula, written out) and the 48 KiB a
+// launch gets without opting in, over every T*E the kernel accepts.
+func TestRouteAlignSmem(t *testing.T) {
+	tests := []struct{ T, E, want int }{
+		{1, 64, 34820},                          // the align's counters are larger
+		{16, 128, 8192 + 16*1856},               // 16 routing warps: 37888
+		{8, 256, 8192 + 8*3648},                 // 37376
+		{4, 512, 8192 + 4*7232},                 // 37120
+		{0, 16, 34820},                          // no tokens
+		{2048, 1, 8192 + 16*((14+64+15)/16*16)}, // one expert: 9632
+	}
+	for _, tc := range tests {
+		if got := RouteAlignSmem(tc.T, tc.E); got != max(tc.want, 34820) {
+			t.Errorf("RouteAlignSmem(%d, %d) = %d, want %d", tc.T, tc.E, got, max(tc.want, 34820))
+		}
+	}
+	for E := 1; E <= MaxExperts; E++ {
+		for T := 0; T*E <= RouteAlignMaxDots; T++ {
+			if n := RouteAlignSmem(T, E); n > 48<<10 {
+				t.Fatalf("RouteAlignSmem(%d, %d) = %d bytes, more than 48 KiB", T, E, n)
+			}
+		}
+	}
+}

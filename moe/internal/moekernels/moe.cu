@@ -809,10 +809,22 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 // whatever the grid (lanes stride over h, 16-byte loads, butterfly sum), so
 // the router is read by as many SMs as there are blocks; the last block to
 // finish (a ticket taken with atomicInc on ticket[0], which it leaves at 0
-// for the next launch) routes and sorts. ticket must be 0 before the first
-// launch. Launch: grid (ceil(T*E/16),1,1) (any grid works), block (512,1,1).
-// H a multiple of 8, E + ns <= 512, T*E <= MOE_RA_MAX_DOTS.
-#define MOE_RA_ROUTE_WARPS 4
+// for the next launch) routes the tokens, one warp per token, and sorts.
+// ticket must be 0 before the first launch. Launch: grid (ceil(T*E/16),1,1)
+// (any grid works), block (512,1,1), dynamic shared memory
+// moe_ra_smem(T, E) bytes (RouteAlignSmem in Go). H a multiple of 8,
+// E + ns <= 512, T*E <= MOE_RA_MAX_DOTS.
+#define MOE_RA_ALIGN_BYTES (MOE_ALIGN_WARPS * MOE_MAX_E * 4 + (MOE_MAX_E + 1) * 4)
+
+// Bytes of one routing warp's arrays (sc, ch, gs, wsel, then keep and taken)
+// and of the whole dynamic shared memory: the logits and min(T, 16) warps'
+// arrays while routing, the align's counters afterwards.
+static __host__ __device__ __forceinline__ int moe_ra_warp_bytes(int E) { return (12 * E + 4 * MOE_MAX_K + 2 * E + 15) / 16 * 16; }
+static __host__ __device__ __forceinline__ int moe_ra_smem(int T, int E) {
+    const int rw = T < MOE_ALIGN_WARPS ? (T > 0 ? T : 1) : MOE_ALIGN_WARPS;
+    const int route = (4 * T * E + 15) / 16 * 16 + rw * moe_ra_warp_bytes(E);
+    return route > MOE_RA_ALIGN_BYTES ? route : MOE_RA_ALIGN_BYTES;
+}
 
 extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_route_align(
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ router, const float* __restrict__ bias,
@@ -820,26 +832,14 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_ro
     int* __restrict__ block_expert, int* __restrict__ npost, unsigned int* __restrict__ ticket, int T, int H, int E,
     int K, int scoring, int method, int groups, int topk_groups, int has_bias, int norm, float norm_eps,
     float scale, int ks, int ns, int BM, int cap) {
-    union Smem {
-        struct {
-            float lg[MOE_RA_MAX_DOTS];
-            float sc[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
-            float ch[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
-            float gs[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
-            unsigned char keep[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
-            unsigned char taken[MOE_RA_ROUTE_WARPS][MOE_MAX_E];
-            float wsel[MOE_RA_ROUTE_WARPS][MOE_MAX_K];
-        } r;
-        struct {
-            int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
-            int seg[MOE_MAX_E + 1];
-        } a;
-    };
-    __shared__ Smem sm;
+    extern __shared__ __align__(16) unsigned char ra_dyn[];
     __shared__ bool last;
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     const int Ex = E + ns;
     if (blockDim.x != 32 * MOE_ALIGN_WARPS || T < 0 || H % 8 != 0 || Ex > MOE_MAX_E || T * E > MOE_RA_MAX_DOTS ||
-        BM <= 0 || cap % BM != 0 || !moe_route_args_ok(E, K, method, groups, topk_groups, ks, ns)) {
+        BM <= 0 || cap % BM != 0 || !moe_route_args_ok(E, K, method, groups, topk_groups, ks, ns) ||
+        dyn < (unsigned)moe_ra_smem(T, E)) {
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -874,17 +874,26 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_ro
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int i = threadIdx.x; i < T * E; i += blockDim.x) sm.r.lg[i] = __ldcg(logits + i);
+    float* lg = (float*)ra_dyn;
+    for (int i = threadIdx.x; i < T * E; i += blockDim.x) lg[i] = __ldcg(logits + i);
     __syncthreads();
-    if (warp < MOE_RA_ROUTE_WARPS) {
-        for (int t = warp; t < T; t += MOE_RA_ROUTE_WARPS) {
-            moe_route_token(sm.r.lg + t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups, topk_groups,
-                            has_bias, norm, norm_eps, scale, ks, ns, sm.r.sc[warp], sm.r.ch[warp], sm.r.gs[warp],
-                            sm.r.keep[warp], sm.r.taken[warp], sm.r.wsel[warp], lane);
+    const int rw = T < MOE_ALIGN_WARPS ? T : MOE_ALIGN_WARPS;
+    if (warp < rw) {
+        unsigned char* mine = ra_dyn + (4 * T * E + 15) / 16 * 16 + warp * moe_ra_warp_bytes(E);
+        float* sc = (float*)mine;
+        float* ch = sc + E;
+        float* gs = ch + E;
+        float* wsel = gs + E;
+        unsigned char* keep = (unsigned char*)(wsel + MOE_MAX_K);
+        unsigned char* taken = keep + E;
+        for (int t = warp; t < T; t += rw) {
+            moe_route_token(lg + t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups, topk_groups,
+                            has_bias, norm, norm_eps, scale, ks, ns, sc, ch, gs, keep, taken, wsel, lane);
         }
     }
     __syncthreads();
-    moe_align_block(topk_idx, sorted, block_expert, npost, T * ks, Ex, BM, cap, sm.a.cnt, sm.a.seg);
+    moe_align_block(topk_idx, sorted, block_expert, npost, T * ks, Ex, BM, cap, (int(*)[MOE_MAX_E])ra_dyn,
+                    (int*)(ra_dyn + MOE_ALIGN_WARPS * MOE_MAX_E * 4));
 }
 
 // gpuctx_moe_combine_rows: gpuctx_moe_combine with the routed rows in

@@ -74,8 +74,9 @@
 //	    over T*ks assignments of E+ns experts). T*E <= RouteAlignMaxDots. Every
 //	    block computes logits (one warp each, the same sums whatever the grid);
 //	    the last block to finish, found with a ticket (uint32, 0 before the
-//	    first launch, left 0 by every launch), routes and sorts. Grid
-//	    (RouteAlignBlocks(T*E),1,1), block (512,1,1).
+//	    first launch, left 0 by every launch), routes (a warp per token) and
+//	    sorts. Grid (RouteAlignBlocks(T*E),1,1), block (512,1,1), dynamic
+//	    shared memory RouteAlignSmem(T, E) bytes.
 //	gpuctx_moe_combine_rows (out, w, shared, gate, y hal.Ptr, T, K, H, has_routed,
 //	                     has_shared, has_gate, bf16 int32)
 //	    gpuctx_moe_combine with pos[t,k] = t*K+k: y[t,:] = sum_k w[t,k]*out[t*K+k,:]
@@ -112,6 +113,18 @@ const (
 // RouteAlignBlocks is the grid of gpuctx_moe_route_align for dots = T*E
 // router logits: one warp per logit, 16 warps per block.
 func RouteAlignBlocks(dots int) int { return max((dots+15)/16, 1) }
+
+// RouteAlignSmem is the dynamic shared memory of gpuctx_moe_route_align for T
+// tokens over E routed experts (moe_ra_smem of moe.cu): the logits and
+// min(T, 16) routing warps' arrays, or the align's counters if larger. It is
+// under 48 KiB for every T*E <= RouteAlignMaxDots.
+func RouteAlignSmem(T, E int) int {
+	const alignWarps = 16 // MOE_ALIGN_WARPS
+	rw := min(max(T, 1), alignWarps)
+	warp := (12*E + 4*MaxTopK + 2*E + 15) / 16 * 16
+	route := (4*T*E+15)/16*16 + rw*warp
+	return max(route, alignWarps*MaxExperts*4+(MaxExperts+1)*4)
+}
 
 // File names of the registered sources.
 const (
