@@ -27,7 +27,7 @@ import (
 // sorted, blockExpert and npost come from gpuctx_moe_align with the same BM.
 type MoEGemm struct {
 	BM, BN         int // tile rows (sorted token rows) and columns (output features)
-	BK             int // K depth of one pipeline stage: 64 or 128 (64 for warpgroup tiles)
+	BK             int // K depth of one pipeline stage: 64, 128 or 256 (64 for warpgroup tiles)
 	WarpsM, WarpsN int // warp grid; each warp owns a (BM/WarpsM) x (BN/WarpsN) tile
 	Stages         int // cp.async pipeline depth
 	// Warpgroups > 0 makes a warpgroup tile of moe_wgmma.cu (wgmma, sm_90a
@@ -95,6 +95,11 @@ var MoEGemms = []MoEGemm{
 	{BM: 16, BN: 16, BK: 64, WarpsM: 1, WarpsN: 1, Stages: 8},
 	{BM: 16, BN: 32, BK: 64, WarpsM: 1, WarpsN: 2, Stages: 8},
 	{BM: 16, BN: 32, BK: 128, WarpsM: 1, WarpsN: 2, Stages: 4},
+	// 512-byte row segments per stage: longer contiguous weight reads for
+	// 1-64 tokens.
+	{BM: 16, BN: 16, BK: 256, WarpsM: 1, WarpsN: 1, Stages: 4},
+	{BM: 16, BN: 32, BK: 256, WarpsM: 1, WarpsN: 2, Stages: 3},
+	{BM: 16, BN: 64, BK: 256, WarpsM: 1, WarpsN: 4, Stages: 3},
 	{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},
 	{BM: 16, BN: 64, BK: 128, WarpsM: 1, WarpsN: 4, Stages: 4},
 	{BM: 16, BN: 128, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 4},
@@ -149,8 +154,8 @@ func (c MoEGemm) Check() error {
 		return nil
 	}
 	switch {
-	case c.BK != 64 && c.BK != 128:
-		return fmt.Errorf("tile %s: BK = %d, want 64 or 128", c.Tag(), c.BK)
+	case c.BK != 64 && c.BK != 128 && c.BK != 256:
+		return fmt.Errorf("tile %s: BK = %d, want 64, 128 or 256", c.Tag(), c.BK)
 	case c.WarpsM < 1 || c.WarpsN < 1 || c.BM%(16*c.WarpsM) != 0 || c.BN%(16*c.WarpsN) != 0:
 		return fmt.Errorf("tile %s: each warp's tile must be a multiple of 16x16", c.Tag())
 	case c.BM*c.BK/8 < th || (c.BM*c.BK/8)%th != 0:

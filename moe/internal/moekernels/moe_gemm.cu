@@ -91,7 +91,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     constexpr int ST_EL = A_EL + B_EL;
     constexpr int CH = BK / 8;  // 16-byte chunks per tile row
     static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be a multiple of 16x16");
-    static_assert(BK == 64 || BK == 128, "BK must be 64 or 128");
+    static_assert(BK == 64 || BK == 128 || BK == 256, "BK must be 64, 128 or 256");
 
     __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
     __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
