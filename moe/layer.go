@@ -326,7 +326,7 @@ func newLayer(op string, dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOpt
 		if err != nil {
 			return nil, fmt.Errorf("moe: %s: LayerOptions.Tile: %w", op, err)
 		}
-		if t.ArchSpecific() && l.fusedOK {
+		if t.Warpgroups > 0 && l.fusedOK {
 			// Fail here, not at the first forward, on a GPU without sm_90a.
 			p := forcedPair(t)
 			for _, c := range []moekernels.MoEGemm{p.up, p.down} {

@@ -751,9 +751,8 @@ func TestLayerGraphReplay(t *testing.T) {
 // reference within bf16 tolerance. Every tile sums each output's K dimension
 // in the same order, 16 at a time; the warpgroup (wgmma) tiles do it with
 // another instruction than the mma.sync ones, and on the H200 it rounds the
-// same way (bench/RESULTS.md, 2026-12-01), which this test holds it to. An
-// sm_90a tile (warpgroup or bulk-copy) on a GPU other than compute
-// capability 9.0 is skipped.
+// same way (bench/RESULTS.md, 2026-12-01), which this test holds it to. A
+// warpgroup tile on a GPU other than compute capability 9.0 is skipped.
 func TestLayerFusedTiles(t *testing.T) {
 	cfg := scaledPresets()["deepseek-v2-lite"]
 	w, err := RandomWeights(cfg, 8)
@@ -768,9 +767,9 @@ func TestLayerFusedTiles(t *testing.T) {
 		defer ref.Close()
 		for _, tile := range moekernels.MoEGemms {
 			t.Run(b.name+"/"+tile.Tag(), func(t *testing.T) {
-				if tile.ArchSpecific() && b.name != "cpu" {
+				if tile.Warpgroups > 0 && b.name != "cpu" {
 					if _, err := b.dev.Kernel(tile.DownName()); errors.Is(err, gpuctx.ErrUnavailable) {
-						t.Skipf("sm_90a tile on %s: %v", b.dev.Info().Name, firstLine(err))
+						t.Skipf("warpgroup tile on %s: %v", b.dev.Info().Name, firstLine(err))
 					}
 				}
 				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, Tile: tile.Tag()})

@@ -34,29 +34,15 @@ type MoEGemm struct {
 	// only): BM = 64*Warpgroups, each warpgroup of 128 threads owns 64 rows
 	// and all columns; WarpsM and WarpsN are unused (zero).
 	Warpgroups int
-	// Bulk makes an mma.sync tile whose weight tiles arrive by cp.async.bulk
-	// (one copy per tile row, counted on an mbarrier): moe_gemm.cu's BULK
-	// instances, compiled for sm_90a only (BulkFile).
-	Bulk bool
 }
 
-// ArchSpecific reports whether c's kernels exist only on compute capability
-// 9.0 (sm_90a): warpgroup and bulk-copy tiles. Elsewhere they are
-// gpuctx.ErrUnavailable.
-func (c MoEGemm) ArchSpecific() bool { return c.Warpgroups > 0 || c.Bulk }
-
-// Tag is the suffix of the config's kernel names, e.g. "m16n64k64w1x4s4",
-// "m16n64k64w1x4s4t" for a bulk-copy tile, or "m128n128k64g2s4" for a
-// warpgroup tile.
+// Tag is the suffix of the config's kernel names, e.g. "m16n64k64w1x4s4", or
+// "m128n128k64g2s4" for a warpgroup tile.
 func (c MoEGemm) Tag() string {
 	if c.Warpgroups > 0 {
 		return fmt.Sprintf("m%dn%dk%dg%ds%d", c.BM, c.BN, c.BK, c.Warpgroups, c.Stages)
 	}
-	t := fmt.Sprintf("m%dn%dk%dw%dx%ds%d", c.BM, c.BN, c.BK, c.WarpsM, c.WarpsN, c.Stages)
-	if c.Bulk {
-		t += "t"
-	}
-	return t
+	return fmt.Sprintf("m%dn%dk%dw%dx%ds%d", c.BM, c.BN, c.BK, c.WarpsM, c.WarpsN, c.Stages)
 }
 
 // HasUp reports whether the config has an up kernel: every mma.sync tile, and
@@ -66,11 +52,8 @@ func (c MoEGemm) HasUp() bool { return c.Warpgroups == 0 || 2*c.BN <= 256 }
 
 // File is the source file that defines the config's kernels.
 func (c MoEGemm) File() string {
-	switch {
-	case c.Warpgroups > 0:
+	if c.Warpgroups > 0 {
 		return WgmmaFile
-	case c.Bulk:
-		return BulkFile
 	}
 	return GemmFile
 }
@@ -90,19 +73,14 @@ func (c MoEGemm) Threads() int {
 }
 
 // SmemBytes is the dynamic shared memory of the up (gate and up tiles) or
-// down kernel: Stages copies of an A tile and one or two B tiles (a bulk-copy
-// tile's B rows are padded to BK+8 elements), and for a warpgroup tile 1024
-// bytes more (its tiles start at a 1024-byte boundary).
+// down kernel: Stages copies of an A tile and one or two B tiles, and for a
+// warpgroup tile 1024 bytes more (its tiles start at a 1024-byte boundary).
 func (c MoEGemm) SmemBytes(up bool) int {
 	b := c.BN
 	if up && c.HasUp() {
 		b = 2 * c.BN
 	}
-	bk := c.BK
-	if c.Bulk {
-		bk += 8
-	}
-	n := c.Stages * (c.BM*c.BK + b*bk) * 2
+	n := c.Stages * (c.BM + b) * c.BK * 2
 	if c.Warpgroups > 0 {
 		n += 1024
 	}
@@ -118,18 +96,10 @@ var MoEGemms = []MoEGemm{
 	{BM: 16, BN: 32, BK: 64, WarpsM: 1, WarpsN: 2, Stages: 8},
 	{BM: 16, BN: 32, BK: 128, WarpsM: 1, WarpsN: 2, Stages: 4},
 	// 512-byte row segments per stage: longer contiguous weight reads for
-	// 1-64 tokens.
-	{BM: 16, BN: 16, BK: 256, WarpsM: 1, WarpsN: 1, Stages: 4},
+	// 1-64 tokens (the tuner picked them for Qwen3-30B-A3B's up at 1 token and
+	// DeepSeek-V2-Lite's down at 1 token on the H200, s4_run3).
 	{BM: 16, BN: 32, BK: 256, WarpsM: 1, WarpsN: 2, Stages: 3},
 	{BM: 16, BN: 64, BK: 256, WarpsM: 1, WarpsN: 4, Stages: 3},
-	// Bulk-copy tiles (sm_90a only): the weight rows of a stage arrive as one
-	// cp.async.bulk each.
-	{BM: 16, BN: 16, BK: 128, WarpsM: 1, WarpsN: 1, Stages: 4, Bulk: true},
-	{BM: 16, BN: 32, BK: 128, WarpsM: 1, WarpsN: 2, Stages: 4, Bulk: true},
-	{BM: 16, BN: 32, BK: 256, WarpsM: 1, WarpsN: 2, Stages: 3, Bulk: true},
-	{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6, Bulk: true},
-	{BM: 16, BN: 64, BK: 128, WarpsM: 1, WarpsN: 4, Stages: 4, Bulk: true},
-	{BM: 32, BN: 128, BK: 64, WarpsM: 1, WarpsN: 8, Stages: 4, Bulk: true},
 	{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6},
 	{BM: 16, BN: 64, BK: 128, WarpsM: 1, WarpsN: 4, Stages: 4},
 	{BM: 16, BN: 128, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 4},
@@ -190,12 +160,12 @@ func (c MoEGemm) Check() error {
 		return fmt.Errorf("tile %s: each warp's tile must be a multiple of 16x16", c.Tag())
 	case c.BM*c.BK/8 < th || (c.BM*c.BK/8)%th != 0:
 		return fmt.Errorf("tile %s: the A tile's %d 16-byte chunks do not split evenly over %d threads", c.Tag(), c.BM*c.BK/8, th)
-	case !c.Bulk && (c.BN*c.BK/8 < th || (c.BN*c.BK/8)%th != 0):
+	case c.BN*c.BK/8 < th || (c.BN*c.BK/8)%th != 0:
 		return fmt.Errorf("tile %s: the B tile's %d 16-byte chunks do not split evenly over %d threads", c.Tag(), c.BN*c.BK/8, th)
 	case c.Stages < 2:
 		return fmt.Errorf("tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
-	case c.SmemBytes(true)+8*c.BM+8*c.Stages > MoEGemmSmemLimit:
-		return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+8*c.BM+8*c.Stages, MoEGemmSmemLimit)
+	case c.SmemBytes(true)+8*c.BM > MoEGemmSmemLimit:
+		return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+8*c.BM, MoEGemmSmemLimit)
 	}
 	return nil
 }
@@ -207,33 +177,19 @@ func (c MoEGemm) Check() error {
 func moeGemmInstances() string {
 	var b strings.Builder
 	b.WriteString("\n// ---- Generated by kernels.moeGemmInstances from kernels.MoEGemms.\n")
-	b.WriteString(mmaInstances(false))
-	return b.String()
-}
-
-// bulkInstances returns the extern "C" instances of moe_gemm.cu's BULK
-// template for every bulk-copy tile of MoEGemms (BulkSource's tail).
-func bulkInstances() string {
-	return "\n// ---- Generated by moekernels.bulkInstances from moekernels.MoEGemms.\n" + mmaInstances(true)
-}
-
-// mmaInstances returns the extern "C" instances of the mma.sync tiles of
-// MoEGemms with Bulk == bulk.
-func mmaInstances(bulk bool) string {
-	var b strings.Builder
 	for _, c := range MoEGemms {
-		if c.Warpgroups > 0 || c.Bulk != bulk {
+		if c.Warpgroups > 0 {
 			continue
 		}
 		t := fmt.Sprintf("%d, %d, %d, %d, %d, %d", c.BM, c.BN, c.BK, c.WarpsM, c.WarpsN, c.Stages)
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ x, const unsigned short* __restrict__ gu, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
-    moe_gemm<%s, true, %v>(x, gu, sorted, block_expert, npost, act, TK, K, H, I);
+    moe_gemm<%s, true>(x, gu, sorted, block_expert, npost, act, TK, K, H, I);
 }
-`, c.Threads(), c.UpName(), t, bulk)
+`, c.Threads(), c.UpName(), t)
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ act, const unsigned short* __restrict__ down, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
-    moe_gemm<%s, false, %v>(act, down, sorted, block_expert, npost, out, TK, 1, I, H);
+    moe_gemm<%s, false>(act, down, sorted, block_expert, npost, out, TK, 1, I, H);
 }
-`, c.Threads(), c.DownName(), t, bulk)
+`, c.Threads(), c.DownName(), t)
 	}
 	return b.String()
 }

@@ -33,37 +33,6 @@ static __device__ __forceinline__ void mg_cp16(unsigned dst, const void* src, in
 
 static __device__ __forceinline__ void mg_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
-// Bulk copies (sm_90: cp.async.bulk, completion counted in bytes on an
-// mbarrier); only the BULK instances, compiled for sm_90a, use these.
-static __device__ __forceinline__ void mg_bar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-static __device__ __forceinline__ void mg_bar_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-static __device__ __forceinline__ void mg_bar_expect(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-static __device__ __forceinline__ void mg_bar_wait(unsigned bar, unsigned parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nMG_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra MG_WAIT;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-
-static __device__ __forceinline__ void mg_fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-static __device__ __forceinline__ void mg_bulk(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-
 template <int N>
 static __device__ __forceinline__ void mg_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -104,13 +73,7 @@ static __device__ __forceinline__ int mg_swz(int r, int ch) {
 
 extern __shared__ __align__(128) unsigned char mg_dyn[];
 
-// BULK (sm_90a instances only): the weight (B) tile of a stage is filled by
-// one cp.async.bulk per tile row (BK*2 contiguous bytes of the weight row),
-// issued by thread 0 and counted on the stage's mbarrier, into rows padded to
-// BK+8 elements (conflict-free ldmatrix without a swizzle); rows past N and
-// the K tail are zeroed with ordinary stores. The A tile is loaded as in the
-// other instances. Same mma sequence, same bits.
-template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool UP, bool BULK = false>
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool UP>
 static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict__ A,
                                                 const unsigned short* __restrict__ B,
                                                 const int* __restrict__ sorted,
@@ -123,9 +86,8 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     constexpr int MT = WM / 16;
     constexpr int NT = WN / 8;
     constexpr int NB = UP ? 2 : 1;  // B tiles per stage: gate and up, or down
-    constexpr int BKP = BULK ? BK + 8 : BK;  // B tile row pitch in elements
     constexpr int A_EL = BM * BK;
-    constexpr int B_EL = NB * BN * BKP;
+    constexpr int B_EL = NB * BN * BK;
     constexpr int ST_EL = A_EL + B_EL;
     constexpr int CH = BK / 8;  // 16-byte chunks per tile row
     static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be a multiple of 16x16");
@@ -133,7 +95,6 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
 
     __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
     __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
-    __shared__ __align__(8) unsigned long long bar[BULK ? STAGES : 1];  // BULK: B tile of each stage arrived
 
     const int mb = blockIdx.y;
     if (mb * BM >= npost[0]) return;
@@ -165,7 +126,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     constexpr int A_PER = BM * CH / THREADS;
     constexpr int B_PER = NB * BN * CH / THREADS;
     static_assert(A_PER >= 1 && (BM * CH) % THREADS == 0, "A tile chunks must split evenly over the threads");
-    static_assert(BULK || (B_PER >= 1 && (NB * BN * CH) % THREADS == 0), "B tile chunks must split evenly over the threads");
+    static_assert(B_PER >= 1 && (NB * BN * CH) % THREADS == 0, "B tile chunks must split evenly over the threads");
     const int kch = (tid % CH) * 8;
     // Element offsets (32-bit: the layer keeps T*H and one expert's weights
     // under 2^31 elements) from A and from this expert's B; -1: a zero row.
@@ -179,27 +140,17 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
         oa[i] = 2u * (unsigned)mg_swz<BK>(r, c % CH);
     }
     const unsigned short* Be = B + b_base * Kdim;
-    constexpr int B_N = BULK ? 1 : B_PER;
-    int gb[B_N];
-    unsigned ob[B_N];
-    if constexpr (!BULK) {
+    int gb[B_PER];
+    unsigned ob[B_PER];
 #pragma unroll
-        for (int i = 0; i < B_PER; ++i) {
-            const int c = tid + i * THREADS, r = c / CH;
-            const int half = UP ? r / BN : 0;
-            const int n = n0 + (UP ? r % BN : r);
-            gb[i] = n < N ? (half * N + n) * Kdim + kch : -1;
-            ob[i] = 2u * (unsigned)(A_EL + mg_swz<BK>(r, c % CH));
-        }
+    for (int i = 0; i < B_PER; ++i) {
+        const int c = tid + i * THREADS, r = c / CH;
+        const int half = UP ? r / BN : 0;
+        const int n = n0 + (UP ? r % BN : r);
+        gb[i] = n < N ? (half * N + n) * Kdim + kch : -1;
+        ob[i] = 2u * (unsigned)(A_EL + mg_swz<BK>(r, c % CH));
     }
     const unsigned sbase = mg_smem(sm);
-    if constexpr (BULK) {
-        if (tid == 0) {
-            for (int s = 0; s < STAGES; ++s) mg_bar_init(mg_smem(&bar[s]), 1);
-            mg_bar_init_fence();
-        }
-        __syncthreads();
-    }
     auto load = [&](int slot, int kt) {
         const unsigned st = sbase + 2u * (unsigned)(slot * ST_EL);
         const int k0 = kt * BK;
@@ -209,37 +160,12 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
             const bool ok = kok && ga[i] >= 0;
             mg_cp16(st + oa[i], A + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
         }
-        if constexpr (BULK) {
-            if (tid == 0) {
-                const int kb = Kdim - k0 < BK ? Kdim - k0 : BK;  // elements of each row in range, a multiple of 8
-                const unsigned sb = st + 2u * A_EL;
-                unsigned short* tb = sm + slot * ST_EL + A_EL;
-                unsigned total = 0;
-                for (int r = 0; r < NB * BN; ++r) {
-                    const int n = n0 + (UP ? r % BN : r);
-                    const int from = n < N ? kb : 0;  // zero the row from here
-                    if (n < N) total += 2u * kb;
-                    for (int c = from; c < BK; c += 8) *(uint4*)(tb + r * BKP + c) = make_uint4(0, 0, 0, 0);
-                }
-                const unsigned b = mg_smem(&bar[slot]);
-                mg_fence_async();
-                mg_bar_expect(b, total);
-                for (int r = 0; r < NB * BN; ++r) {
-                    const int half = UP ? r / BN : 0;
-                    const int n = n0 + (UP ? r % BN : r);
-                    if (n < N) mg_bulk(sb + 2u * (unsigned)(r * BKP), Be + (long long)(half * N + n) * Kdim + k0, 2u * kb, b);
-                }
-            }
-        } else {
 #pragma unroll
-            for (int i = 0; i < B_PER; ++i) {
-                const bool ok = kok && gb[i] >= 0;
-                mg_cp16(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
-            }
+        for (int i = 0; i < B_PER; ++i) {
+            const bool ok = kok && gb[i] >= 0;
+            mg_cp16(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
         }
     };
-    // Element offset of 16-byte chunk ch of B tile row r.
-    auto boff = [&](int r, int ch) { return BULK ? r * BKP + ch * 8 : mg_swz<BK>(r, ch); };
 
     const int warp = tid >> 5, lane = tid & 31;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
@@ -264,7 +190,6 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
         const int nk = kt + STAGES - 1;
         if (nk < KT) load(nk % STAGES, nk);
         mg_commit();
-        if constexpr (BULK) mg_bar_wait(mg_smem(&bar[kt % STAGES]), (unsigned)(kt / STAGES) & 1u);
         const unsigned short* sa = sm + (kt % STAGES) * ST_EL;
         const unsigned short* sb = sa + A_EL;
 #pragma unroll
@@ -281,7 +206,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
                 for (int j = 0; j < NT; j += 2) {
                     unsigned bf[4];
                     const int r = q * BN + wn * WN + j * 8 + (lane & 7) + ((lane >> 4) << 3);
-                    mg_ldsm4(bf, mg_smem(sb + boff(r, kk * 2 + ((lane >> 3) & 1))));
+                    mg_ldsm4(bf, mg_smem(sb + mg_swz<BK>(r, kk * 2 + ((lane >> 3) & 1))));
 #pragma unroll
                     for (int i = 0; i < MT; ++i) {
                         mg_mma(acc[q][i][j], af[i], bf[0], bf[1]);

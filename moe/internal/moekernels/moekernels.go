@@ -131,9 +131,6 @@ const (
 	RouteFile = "moe.cu"
 	GemmFile  = "moe_gemm.cu"
 	WgmmaFile = "moe_wgmma.cu"
-	// BulkFile names moe_gemm.cu compiled for sm_90a with the instances of
-	// the bulk-copy tiles (BulkSource); no file of its own.
-	BulkFile = "moe_gemm_bulk.cu"
 )
 
 //go:embed moe.cu
@@ -158,10 +155,6 @@ func RouteSource() string { return Prelude() + routeSource }
 // extern "C" instances of its templates for every config of MoEGemms.
 func GemmSource() string { return gemmSource + moeGemmInstances() }
 
-// BulkSource returns what BulkFile compiles: moe_gemm.cu, then the extern "C"
-// instances of its BULK template for every bulk-copy tile of MoEGemms.
-func BulkSource() string { return gemmSource + bulkInstances() }
-
 // WgmmaSource returns moe_wgmma.cu as it is compiled: the file, then its
 // generated wgmma wrappers and the instances of every warpgroup tile.
 func WgmmaSource() string { return wgmmaSource + wgmmaInstances() }
@@ -182,7 +175,7 @@ func init() {
 		kernels.Twin("gpuctx_moe_route_align", moeRouteAlign),
 		kernels.Twin("gpuctx_moe_combine_rows", moeCombineRows),
 	}})
-	var gemms, wgs, bulks []kernels.Kernel
+	var gemms, wgs []kernels.Kernel
 	for _, c := range MoEGemms {
 		bm := c.BM // the tile shape changes no result: one body per BM
 		var ks []kernels.Kernel
@@ -190,16 +183,12 @@ func init() {
 			ks = append(ks, kernels.Twin(c.UpName(), func(m kernels.Memory, a *upArgs) error { return moeFusedUp(m, a, bm) }))
 		}
 		ks = append(ks, kernels.Twin(c.DownName(), func(m kernels.Memory, a *downArgs) error { return moeFusedDown(m, a, bm) }))
-		switch c.File() {
-		case WgmmaFile:
+		if c.Warpgroups > 0 {
 			wgs = append(wgs, ks...)
-		case BulkFile:
-			bulks = append(bulks, ks...)
-		default:
+		} else {
 			gemms = append(gemms, ks...)
 		}
 	}
 	kernels.Register(kernels.Source{File: GemmFile, Text: GemmSource(), Kernels: gemms})
 	kernels.Register(kernels.Source{File: WgmmaFile, Text: WgmmaSource(), Kernels: wgs, Archs: []int{90}})
-	kernels.Register(kernels.Source{File: BulkFile, Text: BulkSource(), Kernels: bulks, Archs: []int{90}})
 }
