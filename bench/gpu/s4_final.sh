@@ -44,7 +44,7 @@ timeout 150 .gpu/gpuctx moe bench --preset deepseek-v3 --tokens 1,64,1024 --mode
   --out "$OUT/moe-deepseek-v3.md" > /dev/null 2>> /tmp/bench.log
 echo "== deepseek-v3 rc=$? $(( $(date +%s) - t0 )) s"; row "$OUT/moe-deepseek-v3.md"; grep -E "^speed vs peer|^peer: [0-9]+ " /tmp/bench.log
 rm -f "$OUT/triton_moe_anchor.json"
-timeout 90 ncu --clock-control none --launch-skip 12 --launch-count 12 --section SpeedOfLight \
+timeout 120 ncu --clock-control none --launch-count 40 --section SpeedOfLight \
   .gpu/gpuctx moe bench --preset deepseek-v2-lite --tokens 8 --mode single --small-batch -1 --tile m16n16k128w1x1s4 --iters 3 --warmup 1 > /tmp/ncu8.txt 2>&1
-echo "ncu rc=$?"; grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput" /tmp/ncu8.txt | paste - - - | awk '{print $1, $(NF-4), $(NF-3), $NF}' | head -24
+echo "ncu rc=$?"; grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput" /tmp/ncu8.txt | paste - - - | awk '{print $1, $(NF-4), $(NF-3), $NF}' | head -40
 echo "== total $(( $(date +%s) - t0 )) s"
