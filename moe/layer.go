@@ -270,7 +270,8 @@ func (s *scratch) all() []**gpuctx.Buffer {
 // Errors name the bad value: a nil device, an invalid config or weights, a
 // dtype other than F32/BF16, more than MaxExperts experts or MaxTopK experts per
 // token, a negative AutoThreshold, an unknown Mode, or a stream of another
-// device. On error everything made so far is released.
+// device. On error everything made so far is released. LoadLayer builds the
+// same layer straight from a checkpoint.
 func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Layer, error) {
 	return newLayer("NewLayer", dev, cfg, w, o, nil)
 }
@@ -284,20 +285,37 @@ func newLayer(op string, dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOpt
 	if err := w.Check(cfg); err != nil {
 		return nil, fmt.Errorf("moe: %s: %w", op, err)
 	}
+	return buildLayer("moe: "+op, dev, cfg, memWeights{w}, o, experts)
+}
+
+// checkLayerOptions checks o against dev and a valid cfg; the error names the
+// bad value and has no prefix.
+func checkLayerOptions(dev *gpuctx.Device, cfg *Config, o LayerOptions) error {
 	if o.DType != gpuctx.F32 && o.DType != gpuctx.BF16 {
-		return nil, fmt.Errorf("moe: %s: dtype %v is not supported; use gpuctx.F32 or gpuctx.BF16: %w", op, o.DType, gpuctx.ErrInvalid)
+		return fmt.Errorf("dtype %v is not supported; use gpuctx.F32 or gpuctx.BF16: %w", o.DType, gpuctx.ErrInvalid)
 	}
 	if cfg.NumExperts > MaxExperts || cfg.TopK > MaxTopK {
-		return nil, fmt.Errorf("moe: %s: %d experts, top-%d: the MoE kernels support at most %d experts and top-%d: %w", op, cfg.NumExperts, cfg.TopK, MaxExperts, MaxTopK, gpuctx.ErrInvalid)
+		return fmt.Errorf("%d experts, top-%d: the MoE kernels support at most %d experts and top-%d: %w", cfg.NumExperts, cfg.TopK, MaxExperts, MaxTopK, gpuctx.ErrInvalid)
 	}
 	if o.Mode < Single || o.Mode > FusedShared {
-		return nil, fmt.Errorf("moe: %s: unknown mode %v; use Single, Dual, Auto or FusedShared: %w", op, o.Mode, gpuctx.ErrInvalid)
+		return fmt.Errorf("unknown mode %v; use Single, Dual, Auto or FusedShared: %w", o.Mode, gpuctx.ErrInvalid)
 	}
 	if o.AutoThreshold < 0 {
-		return nil, fmt.Errorf("moe: %s: AutoThreshold = %d: must be >= 0 (0 means DefaultAutoThreshold): %w", op, o.AutoThreshold, gpuctx.ErrInvalid)
+		return fmt.Errorf("AutoThreshold = %d: must be >= 0 (0 means DefaultAutoThreshold): %w", o.AutoThreshold, gpuctx.ErrInvalid)
 	}
 	if o.Stream != nil && o.Stream.Device() != dev {
-		return nil, fmt.Errorf("moe: %s: LayerOptions.Stream belongs to another device: %w", op, gpuctx.ErrWrongDevice)
+		return fmt.Errorf("LayerOptions.Stream belongs to another device: %w", gpuctx.ErrWrongDevice)
+	}
+	return nil
+}
+
+// buildLayer makes a layer of cfg on dev (not nil) with options o and fills
+// its weight buffers from src, which holds weights valid for cfg. Errors are
+// prefixed with prefix ("moe: NewLayer", "moe.LoadLayer"); on error everything
+// made so far is released.
+func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource, o LayerOptions, experts *[2]int) (*Layer, error) {
+	if err := checkLayerOptions(dev, cfg, o); err != nil {
+		return nil, fmt.Errorf("%s: %w", prefix, err)
 	}
 	l := &Layer{dev: dev, cfg: *cfg, dt: o.DType, es: o.DType.Size(), mode: o.Mode, thresh: o.AutoThreshold,
 		flav: gpuctx.Default, main: o.Stream}
@@ -324,14 +342,14 @@ func newLayer(op string, dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOpt
 	if o.Tile != "" {
 		t, err := parseTile(o.Tile)
 		if err != nil {
-			return nil, fmt.Errorf("moe: %s: LayerOptions.Tile: %w", op, err)
+			return nil, fmt.Errorf("%s: LayerOptions.Tile: %w", prefix, err)
 		}
 		if t.Warpgroups > 0 && l.fusedOK {
 			// Fail here, not at the first forward, on a GPU without sm_90a.
 			p := forcedPair(t)
 			for _, c := range []moekernels.MoEGemm{p.up, p.down} {
 				if _, _, err := l.fusedKernels(c); err != nil {
-					return nil, fmt.Errorf("moe: %s: LayerOptions.Tile %s: %w", op, o.Tile, err)
+					return nil, fmt.Errorf("%s: LayerOptions.Tile %s: %w", prefix, o.Tile, err)
 				}
 			}
 		}
@@ -343,14 +361,14 @@ func newLayer(op string, dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOpt
 	if experts != nil {
 		l.shard, l.expLo, l.expHi = true, experts[0], experts[1]
 	}
-	if err := l.init(w); err != nil {
+	if err := l.init(src); err != nil {
 		_ = l.release()
-		return nil, fmt.Errorf("moe: %s: %w", op, err)
+		return nil, fmt.Errorf("%s: %w", prefix, err)
 	}
 	return l, nil
 }
 
-func (l *Layer) init(w *Weights) error {
+func (l *Layer) init(src weightSource) error {
 	var err error
 	if l.main == nil {
 		if l.main, err = l.dev.NewStream(gpuctx.StreamOptions{}); err != nil {
@@ -396,72 +414,81 @@ func (l *Layer) init(w *Weights) error {
 		l.expLo, l.expHi = 0, E
 	}
 	lo, hi := l.expLo, l.expHi
-	if l.fusedOK && w.Shared != nil && w.SharedGate == nil && Is > 0 && Is%I == 0 && Is/I <= MaxTopK {
+	if l.fusedOK && Is > 0 && !l.cfg.SharedGate && Is%I == 0 && Is/I <= MaxTopK {
 		l.ns = Is / I
 	}
 	if l.countsHost, err = l.dev.AllocHost(4 * E); err != nil {
 		return err
 	}
-	if l.router, err = l.upload(w.Router); err != nil {
-		return err
-	}
-	bias := w.Bias
-	if bias == nil {
-		bias = make([]float32, E)
-	}
-	if l.bias, err = l.alloc(4 * E); err != nil {
-		return err
-	}
-	if err := l.bias.CopyFromHost(f32Bytes(bias)); err != nil {
-		return err
-	}
+	// Allocate every weight buffer, then fill them all.
 	// With a fused shared expert, gu and down hold l.ns more experts after the
 	// routed ones: chunk j of the shared expert's width as expert E+j.
-	if l.gu, err = l.alloc((hi - lo + l.ns) * 2 * I * H * l.es); err != nil {
-		return err
+	for _, b := range []struct {
+		dst **gpuctx.Buffer
+		n   int
+		ok  bool
+	}{{&l.router, E * H * l.es, true}, {&l.bias, 4 * E, true},
+		{&l.gu, (hi - lo + l.ns) * 2 * I * H * l.es, true}, {&l.down, (hi - lo + l.ns) * H * I * l.es, true},
+		{&l.sgu, 2 * Is * H * l.es, Is > 0}, {&l.sdown, H * Is * l.es, Is > 0},
+		{&l.sgate, H * l.es, l.cfg.SharedGate}} {
+		if b.ok {
+			if *b.dst, err = l.alloc(b.n); err != nil {
+				return err
+			}
+		}
 	}
-	if l.down, err = l.alloc((hi - lo + l.ns) * H * I * l.es); err != nil {
-		return err
+	if !l.cfg.HasBias() {
+		if err := l.bias.CopyFromHost(make([]byte, 4*E)); err != nil { // zeros
+			return err
+		}
+	}
+	var copies []weightCopy
+	put := func(b *gpuctx.Buffer, off int, c weightCopy) { // off: elements of b
+		es := l.es
+		if c.f32 {
+			es = 4
+		}
+		if err == nil {
+			c.dst, err = b.Slice(off*es, (c.r1-c.r0)*(c.c1-c.c0)*es)
+			copies = append(copies, c)
+		}
+	}
+	whole := func(p weightPart, e, rows, cols int) weightCopy {
+		return weightCopy{part: p, expert: e, cols: cols, r1: rows, c1: cols}
+	}
+	put(l.router, 0, whole(wRouter, 0, E, H))
+	if l.cfg.HasBias() {
+		c := whole(wBias, 0, 1, E)
+		c.f32 = true
+		put(l.bias, 0, c)
 	}
 	for j := 0; j < l.ns; j++ {
-		sh := w.Shared
-		if err := l.copyInto(l.gu, (E+j)*2*I*H, sh.Gate[j*I*H:(j+1)*I*H], sh.Up[j*I*H:(j+1)*I*H]); err != nil {
-			return err
-		}
-		d := make([]float32, H*I) // columns j*I.. of the [H, Is] down projection
-		for h := 0; h < H; h++ {
-			copy(d[h*I:(h+1)*I], sh.Down[h*Is+j*I:h*Is+(j+1)*I])
-		}
-		if err := l.copyInto(l.down, (E+j)*H*I, d); err != nil {
-			return err
-		}
+		g, u := whole(wSharedGateProj, 0, (j+1)*I, H), whole(wSharedUpProj, 0, (j+1)*I, H)
+		g.r0, u.r0 = j*I, j*I
+		put(l.gu, (E+j)*2*I*H, g)
+		put(l.gu, (E+j)*2*I*H+I*H, u)
+		// Columns j*I.. of the [H, Is] down projection.
+		d := whole(wSharedDownProj, 0, H, Is)
+		d.c0, d.c1 = j*I, (j+1)*I
+		put(l.down, (E+j)*H*I, d)
 	}
 	for e := lo; e < hi; e++ {
-		ex := &w.Experts[e]
-		if err := l.copyInto(l.gu, (e-lo)*2*I*H, ex.Gate, ex.Up); err != nil {
-			return err
-		}
-		if err := l.copyInto(l.down, (e-lo)*H*I, ex.Down); err != nil {
-			return err
-		}
+		put(l.gu, (e-lo)*2*I*H, whole(wGate, e, I, H))
+		put(l.gu, (e-lo)*2*I*H+I*H, whole(wUp, e, I, H))
+		put(l.down, (e-lo)*H*I, whole(wDown, e, H, I))
 	}
-	if w.Shared != nil {
-		if l.sgu, err = l.alloc(2 * Is * H * l.es); err != nil {
-			return err
-		}
-		if err := l.copyInto(l.sgu, 0, w.Shared.Gate, w.Shared.Up); err != nil {
-			return err
-		}
-		if l.sdown, err = l.upload(w.Shared.Down); err != nil {
-			return err
-		}
+	if Is > 0 {
+		put(l.sgu, 0, whole(wSharedGateProj, 0, Is, H))
+		put(l.sgu, Is*H, whole(wSharedUpProj, 0, Is, H))
+		put(l.sdown, 0, whole(wSharedDownProj, 0, H, Is))
 	}
-	if w.SharedGate != nil {
-		if l.sgate, err = l.upload(w.SharedGate); err != nil {
-			return err
-		}
+	if l.cfg.SharedGate {
+		put(l.sgate, 0, whole(wSharedExpertGate, 0, 1, H))
 	}
-	return nil
+	if err != nil {
+		return err
+	}
+	return src.upload(l, copies)
 }
 
 func (l *Layer) alloc(n int) (*gpuctx.Buffer, error) {
@@ -473,30 +500,99 @@ func (l *Layer) alloc(n int) (*gpuctx.Buffer, error) {
 	return b, nil
 }
 
-// upload copies v to a new device buffer in the layer's dtype.
-func (l *Layer) upload(v []float32) (*gpuctx.Buffer, error) {
-	b, err := l.alloc(len(v) * l.es)
-	if err != nil {
-		return nil, err
-	}
-	return b, l.copyInto(b, 0, v)
+// weightPart names one weight tensor of a layer, as Layer.init asks a
+// weightSource for it. Each is a row-major matrix (a vector is one row).
+type weightPart uint8
+
+const (
+	wRouter           weightPart = iota // router [E, H]
+	wBias                               // correction bias [1, E]
+	wGate                               // routed expert's gate projection [I, H]
+	wUp                                 // routed expert's up projection [I, H]
+	wDown                               // routed expert's down projection [H, I]
+	wSharedGateProj                     // shared expert's gate projection [Is, H]
+	wSharedUpProj                       // shared expert's up projection [Is, H]
+	wSharedDownProj                     // shared expert's down projection [H, Is]
+	wSharedExpertGate                   // Qwen2-MoE shared_expert_gate [1, H]
+)
+
+// weightCopy is one copy Layer.init asks of a weightSource: rows [r0, r1) and
+// columns [c0, c1) of weight part (of routed expert `expert` for wGate, wUp
+// and wDown), a row-major matrix of cols columns, written row after row to
+// dst, which holds exactly (r1-r0)*(c1-c0) elements, in the layer's dtype, or
+// in f32 when f32 is set (the correction bias).
+type weightCopy struct {
+	part           weightPart
+	expert         int
+	cols           int
+	r0, r1, c0, c1 int
+	dst            *gpuctx.Buffer
+	f32            bool
 }
 
-// copyInto writes the concatenation of parts, in the layer's dtype, into b
-// starting at element off.
-func (l *Layer) copyInto(b *gpuctx.Buffer, off int, parts ...[]float32) error {
-	for _, p := range parts {
-		if len(p) == 0 {
-			continue
+// full reports whether c takes whole rows (its source elements are contiguous).
+func (c *weightCopy) full() bool { return c.c0 == 0 && c.c1 == c.cols }
+
+// weightSource supplies a layer's weights to Layer.init: memWeights (NewLayer)
+// or fileWeights (LoadLayer). The values it writes for a part are those of
+// the part in float32 (Weights), converted to the destination's dtype.
+type weightSource interface {
+	// upload performs copies with synchronous host-to-device copies that wait
+	// for nothing queued, in any order, and returns the first error.
+	upload(l *Layer, copies []weightCopy) error
+}
+
+// memWeights is a weightSource over *Weights (checked against the config).
+type memWeights struct{ w *Weights }
+
+// part returns the values of part p (of routed expert e).
+func (m memWeights) part(p weightPart, e int) []float32 {
+	w := m.w
+	switch p {
+	case wRouter:
+		return w.Router
+	case wBias:
+		return w.Bias
+	case wGate:
+		return w.Experts[e].Gate
+	case wUp:
+		return w.Experts[e].Up
+	case wDown:
+		return w.Experts[e].Down
+	case wSharedGateProj:
+		return w.Shared.Gate
+	case wSharedUpProj:
+		return w.Shared.Up
+	case wSharedDownProj:
+		return w.Shared.Down
+	case wSharedExpertGate:
+		return w.SharedGate
+	}
+	panic(fmt.Sprintf("moe: unknown weight part %d", p))
+}
+
+// upload converts each copy's values to its dtype (bf16 rounds to nearest
+// even) and copies them, one copy at a time, on the calling goroutine.
+func (m memWeights) upload(l *Layer, copies []weightCopy) error {
+	for i := range copies {
+		c := &copies[i]
+		v := m.part(c.part, c.expert)
+		if c.full() {
+			v = v[c.r0*c.cols : c.r1*c.cols]
+		} else {
+			w := make([]float32, 0, (c.r1-c.r0)*(c.c1-c.c0))
+			for r := c.r0; r < c.r1; r++ {
+				w = append(w, v[r*c.cols+c.c0:r*c.cols+c.c1]...)
+			}
+			v = w
 		}
-		v, err := b.Slice(off*l.es, len(p)*l.es)
-		if err != nil {
+		b := f32Bytes(v)
+		if !c.f32 {
+			b = l.encode(v)
+		}
+		if err := c.dst.CopyFromHost(b); err != nil {
 			return err
 		}
-		if err := v.CopyFromHost(l.encode(p)); err != nil {
-			return err
-		}
-		off += len(p)
 	}
 	return nil
 }

@@ -458,17 +458,6 @@ func (c *checkpoint) info(name string, shape ...int) (*safetensors.File, safeten
 	return f, info, nil
 }
 
-// read loads tensor name, checking its shape; the error names the tensor and the
-// shape expected.
-func (c *checkpoint) read(name string, shape ...int) ([]float32, DType, error) {
-	f, info, err := c.info(name, shape...)
-	if err != nil {
-		return nil, "", err
-	}
-	v, _, err := f.Float32(name)
-	return v, info.DType, err
-}
-
 // LoadWeights loads MoE layer `layer` of the checkpoint in dir (model.safetensors,
 // or model.safetensors.index.json and its shards) for cfg. It first checks that
 // every tensor the layer needs is present with the right shape and dtype (reading
@@ -477,7 +466,8 @@ func (c *checkpoint) read(name string, shape ...int) ([]float32, DType, error) {
 // (experts.gate_up_proj [E,2I,H], experts.down_proj [E,H,I]) or, for Mixtral,
 // under block_sparse_moe with w1/w3/w2. A dense layer, a missing or misshaped
 // tensor, a missing shard or an unsupported dtype is an error naming it. It runs
-// on the calling goroutine and touches no device.
+// on the calling goroutine and touches no device. To put the layer on a
+// device, LoadLayer reads the same tensors without the float32 copy.
 func LoadWeights(dir string, cfg *Config, layer int) (*Weights, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("moe.LoadWeights: %w", err)
@@ -502,51 +492,66 @@ type tensorSpec struct {
 	shape []int
 }
 
-func loadLayer(ck *checkpoint, cfg *Config, layer int) (*Weights, error) {
+// checkedTensor is a tensor of a checkpoint whose header entry was checked.
+type checkedTensor struct {
+	f    *safetensors.File
+	info safetensors.TensorInfo
+}
+
+// layerLayout is how one MoE layer's tensors are stored in a checkpoint, every
+// tensor checked against the headers (present, with the shape cfg wants and a
+// dtype that converts to float32).
+type layerLayout struct {
+	layout  Layout
+	prefix  string                   // LayerPrefix(layer, layout)
+	g, u, d string                   // routed projections: gate_proj, up_proj, down_proj or w1, w3, w2
+	specs   []tensorSpec             // every tensor the layer needs, in load order
+	tensors map[string]checkedTensor // by name relative to prefix
+}
+
+// resolveLayer finds layer's layout in the checkpoint (per expert, fused, or
+// Mixtral's block_sparse_moe) and checks every tensor it needs against the
+// headers; nothing but headers is read. The error names the first missing or
+// misshaped tensor, its file and what was expected.
+func resolveLayer(ck *checkpoint, cfg *Config, layer int) (*layerLayout, error) {
 	H, E, I := cfg.HiddenSize, cfg.NumExperts, cfg.Intermediate
-	layout := PerExpert
-	p := LayerPrefix(layer, PerExpert)
+	ll := &layerLayout{layout: PerExpert, prefix: LayerPrefix(layer, PerExpert), g: "gate_proj", u: "up_proj", d: "down_proj"}
 	if cfg.Family == Mixtral {
 		ok, err := ck.has(LayerPrefix(layer, MixtralHub) + "gate.weight")
 		if err != nil {
 			return nil, err
 		}
 		if ok {
-			layout, p = MixtralHub, LayerPrefix(layer, MixtralHub)
+			ll.layout, ll.prefix = MixtralHub, LayerPrefix(layer, MixtralHub)
+			ll.g, ll.u, ll.d = "w1", "w3", "w2"
 		}
 	}
-	if layout == PerExpert {
-		ok, err := ck.has(p + "experts.gate_up_proj")
+	if ll.layout == PerExpert {
+		ok, err := ck.has(ll.prefix + "experts.gate_up_proj")
 		if err != nil {
 			return nil, err
 		}
 		if ok {
-			layout = Fused
+			ll.layout = Fused
 		}
 	}
-	var specs []tensorSpec
-	add := func(name string, shape ...int) { specs = append(specs, tensorSpec{name, shape}) }
+	add := func(name string, shape ...int) { ll.specs = append(ll.specs, tensorSpec{name, shape}) }
 	add("gate.weight", E, H)
 	if cfg.HasBias() {
 		add("gate.e_score_correction_bias", E)
 	}
-	g, u, d := "gate_proj", "up_proj", "down_proj"
-	if layout == MixtralHub {
-		g, u, d = "w1", "w3", "w2"
-	}
-	switch layout {
+	switch ll.layout {
 	case Fused:
 		add("experts.gate_up_proj", E, 2*I, H)
 		add("experts.down_proj", E, H, I)
 	default:
 		for e := 0; e < E; e++ {
-			add(fmt.Sprintf("experts.%d.%s.weight", e, g), I, H)
-			add(fmt.Sprintf("experts.%d.%s.weight", e, u), I, H)
-			add(fmt.Sprintf("experts.%d.%s.weight", e, d), H, I)
+			add(ll.expertName(e, ll.g), I, H)
+			add(ll.expertName(e, ll.u), I, H)
+			add(ll.expertName(e, ll.d), H, I)
 		}
 	}
-	S := cfg.SharedIntermediate
-	if S > 0 {
+	if S := cfg.SharedIntermediate; S > 0 {
 		s := sharedName(cfg.Family)
 		add(s+".gate_proj.weight", S, H)
 		add(s+".up_proj.weight", S, H)
@@ -555,24 +560,43 @@ func loadLayer(ck *checkpoint, cfg *Config, layer int) (*Weights, error) {
 	if cfg.SharedGate {
 		add("shared_expert_gate.weight", 1, H)
 	}
-	// Check everything against the headers before allocating anything.
-	for _, sp := range specs {
-		if _, _, err := ck.info(p+sp.name, sp.shape...); err != nil {
-			return nil, err
-		}
-	}
-	w := &Weights{DTypes: map[string]DType{}, Experts: make([]Expert, E)}
-	vals := make(map[string][]float32, len(specs))
-	for _, sp := range specs {
-		v, dt, err := ck.read(p+sp.name, sp.shape...)
+	ll.tensors = make(map[string]checkedTensor, len(ll.specs))
+	for _, sp := range ll.specs {
+		f, info, err := ck.info(ll.prefix+sp.name, sp.shape...)
 		if err != nil {
 			return nil, err
 		}
-		vals[sp.name], w.DTypes[sp.name] = v, dt
+		ll.tensors[sp.name] = checkedTensor{f, info}
+	}
+	return ll, nil
+}
+
+// expertName returns the name of routed expert e's projection proj (per-expert
+// layouts), relative to the layer prefix.
+func (ll *layerLayout) expertName(e int, proj string) string {
+	return fmt.Sprintf("experts.%d.%s.weight", e, proj)
+}
+
+func loadLayer(ck *checkpoint, cfg *Config, layer int) (*Weights, error) {
+	// Check everything against the headers before allocating anything.
+	ll, err := resolveLayer(ck, cfg, layer)
+	if err != nil {
+		return nil, err
+	}
+	H, E, I := cfg.HiddenSize, cfg.NumExperts, cfg.Intermediate
+	w := &Weights{DTypes: map[string]DType{}, Experts: make([]Expert, E)}
+	vals := make(map[string][]float32, len(ll.specs))
+	for _, sp := range ll.specs {
+		t := ll.tensors[sp.name]
+		v, _, err := t.f.Float32(ll.prefix + sp.name)
+		if err != nil {
+			return nil, err
+		}
+		vals[sp.name], w.DTypes[sp.name] = v, t.info.DType
 	}
 	w.Router = vals["gate.weight"]
 	w.Bias = vals["gate.e_score_correction_bias"]
-	switch layout {
+	switch ll.layout {
 	case Fused:
 		gu, down := vals["experts.gate_up_proj"], vals["experts.down_proj"]
 		for e := range w.Experts {
@@ -583,14 +607,14 @@ func loadLayer(ck *checkpoint, cfg *Config, layer int) (*Weights, error) {
 	default:
 		for e := range w.Experts {
 			w.Experts[e] = Expert{
-				Gate: vals[fmt.Sprintf("experts.%d.%s.weight", e, g)],
-				Up:   vals[fmt.Sprintf("experts.%d.%s.weight", e, u)],
-				Down: vals[fmt.Sprintf("experts.%d.%s.weight", e, d)],
+				Gate: vals[ll.expertName(e, ll.g)],
+				Up:   vals[ll.expertName(e, ll.u)],
+				Down: vals[ll.expertName(e, ll.d)],
 			}
 		}
-		w.DType = w.DTypes[fmt.Sprintf("experts.0.%s.weight", g)]
+		w.DType = w.DTypes[ll.expertName(0, ll.g)]
 	}
-	if S > 0 {
+	if cfg.SharedIntermediate > 0 {
 		s := sharedName(cfg.Family)
 		w.Shared = &Expert{Gate: vals[s+".gate_proj.weight"], Up: vals[s+".up_proj.weight"], Down: vals[s+".down_proj.weight"]}
 	}

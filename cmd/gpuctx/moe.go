@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -128,6 +129,26 @@ func loadLayerWeights(dir string, cfg *moe.Config, layer int) (*moe.Weights, err
 	return w, nil
 }
 
+// loadLayerError turns a moe.LoadLayer error into advice: one that wraps a
+// gpuctx error (out of memory, a kernel, the device) is about building the
+// layer on the device, any other about the checkpoint.
+func loadLayerError(dir string, layer int, dt gpuctx.DType, err error) error {
+	if errors.Is(err, gpuctx.ErrOutOfMemory) {
+		fix := "free device memory, or use a device with more"
+		if dt == gpuctx.F32 {
+			fix = "try --dtype bf16 (half the bytes), or " + fix
+		}
+		return fail("building the MoE layer on the device", fix, err)
+	}
+	for _, dev := range []error{gpuctx.ErrDeviceLost, gpuctx.ErrNoKernel, gpuctx.ErrUnavailable,
+		gpuctx.ErrInvalid, gpuctx.ErrSize, gpuctx.ErrClosed, gpuctx.ErrFreed, gpuctx.ErrWrongDevice} {
+		if errors.Is(err, dev) {
+			return fail("building the MoE layer on the device", "try --dtype f32, or check 'gpuctx info'", err)
+		}
+	}
+	return fail(fmt.Sprintf("loading the weights of layer %d from %s", layer, dir), "check that the checkpoint matches config.json and holds that layer (--layer)", err)
+}
+
 // readInput reads the input activations from a safetensors file: the tensor
 // named x, or the only tensor; F32, BF16 or F16; shape [T, H] with T >= 1 and
 // within the kernels' limit, checked from the header before anything is decoded.
@@ -176,6 +197,7 @@ type moeRunOpts struct {
 	trace                string
 	verbose              bool
 	gpus                 int
+	autotune             bool
 }
 
 // moeRunReport is what moe run prints with --json.
@@ -226,6 +248,14 @@ where the wall time went (open, parse, load, compile, forward, write) to
 stderr; compiled kernels are cached on disk (GPUCTX_KERNEL_CACHE), so the
 compile phase is long only on a machine's first run.
 
+The layer is read straight from the checkpoint onto the device
+(moe.LoadLayer): tensors whose dtype is --dtype's are copied as they are,
+others are converted a chunk at a time. On a GPU the fused bf16 expert GEMMs
+use rule-of-thumb tiles: timing the candidate tiles (about 150 ms on an H200,
+at the first forward of each token bucket) cannot pay off in a run of one
+forward, and the tile changes no output bit. --autotune times them, as a
+long-lived moe.Layer does by default.
+
 --gpus N (N > 1) runs the layer expert parallel on devices 0..N-1 (moe.ExpertParallel):
 rank r holds routed experts [r*E/N, (r+1)*E/N) and a replica of the router and
 the shared expert, routes tokens [r*T/N, (r+1)*T/N), and the ranks exchange
@@ -252,6 +282,7 @@ above the small-batch size (16 tokens on the grouped-GEMM path).`,
 	f.StringVar(&o.trace, "trace", "", traceHelp)
 	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, forward, write) to stderr")
 	f.IntVar(&o.gpus, "gpus", 1, "devices to run the layer on, expert parallel when above 1 (the CPU backend opens one runtime per device)")
+	f.BoolVar(&o.autotune, "autotune", false, "time the fused expert GEMM tiles on the first forward (CUDA, bf16) instead of picking them by rule of thumb; same output, slower one-shot run")
 	return cmd
 }
 
@@ -306,10 +337,20 @@ func (a *app) runMoe(o moeRunOpts) error {
 	if err != nil {
 		return err
 	}
-	ph.begin("load")
-	w, err := loadLayerWeights(o.model, cfg, layer)
-	if err != nil {
-		return err
+	if o.gpus > 1 {
+		// The expert-parallel shards are built from the weights on the host.
+		ph.begin("load")
+		w, err := loadLayerWeights(o.model, cfg, layer)
+		if err != nil {
+			return err
+		}
+		ph.begin("open")
+		rt, _, err := a.openDevice()
+		if err != nil {
+			return err
+		}
+		defer rt.Close()
+		return a.runMoeParallel(o, moeParallelRun{rt: rt, cfg: cfg, w: w, layer: layer, x: x, T: T, name: name, reads: reads, dt: dt, start: start})
 	}
 	ph.begin("open")
 	rt, dev, err := a.openDevice()
@@ -317,22 +358,20 @@ func (a *app) runMoe(o moeRunOpts) error {
 		return err
 	}
 	defer rt.Close()
-	if o.gpus > 1 {
-		return a.runMoeParallel(o, moeParallelRun{rt: rt, cfg: cfg, w: w, layer: layer, x: x, T: T, name: name, reads: reads, dt: dt, start: start})
-	}
 	warmBlas(dev)
 	ph.begin("load")
 	k0 := dev.KernelStats()
 	// With --trace the forward runs eagerly, so that its kernels show (a graph
 	// replay is one span). One forward runs eagerly anyway: graphs are
 	// captured from the second run of a shape.
-	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold, NoGraphs: o.trace != ""})
+	l, err := moe.LoadLayer(dev, o.model, cfg, layer, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold,
+		NoGraphs: o.trace != "", NoAutotune: !o.autotune})
 	if err != nil {
-		return fail("building the MoE layer on the device", "try --dtype f32, or check 'gpuctx info'", err)
+		return loadLayerError(o.model, layer, dt, err)
 	}
 	defer l.Close()
 	k1 := dev.KernelStats()
-	ph.move("load", "compile", k1.Time-k0.Time) // NewLayer's kernel lookups
+	ph.move("load", "compile", k1.Time-k0.Time) // LoadLayer's kernel lookups
 	load := time.Since(start)
 	tr, err := startTrace(dev, o.trace, reads, map[string]string{
 		"command": "gpuctx moe run", "model": o.model, "model_type": string(cfg.Family), "layer": fmt.Sprint(layer),
@@ -393,7 +432,7 @@ func (a *app) runMoe(o moeRunOpts) error {
 	}
 	ph.end()
 	if o.verbose {
-		ph.print(a.errOut, kernelNote(dev, k0, k2), dev.Backend())
+		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "forward": forwardNote(dev.Backend(), dt, o.autotune)}, dev.Backend())
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(cfg.Family), Layer: layer,
 		Input: o.input, Tensor: name, Output: o.output, Tokens: T, Hidden: cfg.HiddenSize, DType: dt.String(), Mode: mode.String(),

@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/backend/cpu"
 	"github.com/gpuctx/gpuctx/internal/benchkit"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
@@ -435,5 +436,160 @@ func TestFloorModel(t *testing.T) {
 	}
 	if m := benchkit.Median([]float64{3, 1, 2, 10}); m != 3 {
 		t.Errorf("median %v, want the upper median 3", m)
+	}
+}
+
+// TestMoeRunLoadLayer: moe run builds the layer with moe.LoadLayer, and its
+// output equals bit for bit that of moe.NewLayer on moe.LoadWeights, from an
+// F32 and a BF16 checkpoint into f32 and bf16 layers, with the shared expert
+// on the side stream and fused into the routed kernels; --autotune changes no
+// bit.
+func TestMoeRunLoadLayer(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	cfg, err := moe.LoadConfig(fixture)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := moe.LoadWeights(fixture, cfg, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bf16 := t.TempDir()
+	ts, err := moe.LayerTensors(cfg, w, 1, moe.Fused, safetensors.BF16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := safetensors.Write(filepath.Join(bf16, "model.safetensors"), ts, nil); err != nil {
+		t.Fatal(err)
+	}
+	cj, err := os.ReadFile(filepath.Join(fixture, "config.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(bf16, "config.json"), cj, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	in := filepath.Join(t.TempDir(), "x.safetensors")
+	const T = 40
+	writeX(t, in, []int{T, cfg.HiddenSize})
+	x, _ := readTensor(t, in, "x")
+	rt, err := gpuctx.OpenBackend("cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Close()
+	dev, err := rt.Device(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, model := range []struct{ name, dir string }{{"f32 file", fixture}, {"bf16 file", bf16}} {
+		wm, err := moe.LoadWeights(model.dir, cfg, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, dtype := range []string{"f32", "bf16"} {
+			for _, mode := range []string{"dual", "fused"} {
+				t.Run(model.name+"/"+dtype+"/"+mode, func(t *testing.T) {
+					dt, _ := parseLayerDType(dtype)
+					m, _ := moe.ParseMode(mode)
+					l, err := moe.NewLayer(dev, cfg, wm, moe.LayerOptions{DType: dt, Mode: m, AutoThreshold: moe.DefaultAutoThreshold})
+					if err != nil {
+						t.Fatal(err)
+					}
+					want, err := l.Forward(x, T)
+					_ = l.Close()
+					if err != nil {
+						t.Fatal(err)
+					}
+					for _, extra := range [][]string{nil, {"--autotune"}} {
+						out := filepath.Join(t.TempDir(), "y.safetensors")
+						args := append([]string{"moe", "run", "--model", model.dir, "--input", in, "--output", out, "--dtype", dtype, "--mode", mode}, extra...)
+						code, _, stderr := execute(t, args...)
+						if code != 0 || stderr != "" {
+							t.Fatalf("%v: exit code %d, stderr %q", args, code, stderr)
+						}
+						got, _ := readTensor(t, out, "y")
+						if len(got) != len(want) {
+							t.Fatalf("%v: %d values, want %d", extra, len(got), len(want))
+						}
+						for i := range want {
+							if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+								t.Fatalf("%v: y[%d] = %v, NewLayer on LoadWeights gives %v", extra, i, got[i], want[i])
+							}
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
+// TestForwardNote: moe run -v says how the fused tiles were picked where
+// there are fused tiles to pick (CUDA, bf16).
+func TestForwardNote(t *testing.T) {
+	for _, c := range []struct {
+		backend  string
+		dt       gpuctx.DType
+		autotune bool
+		want     string
+	}{
+		{"cuda", gpuctx.BF16, false, "rule of thumb (--autotune times them)"},
+		{"cuda", gpuctx.BF16, true, "includes timing the fused GEMM tiles (--autotune)"},
+		{"cuda", gpuctx.F32, false, "kernel lookups excluded"},
+		{"cpu", gpuctx.BF16, false, "kernel lookups excluded"},
+	} {
+		got := forwardNote(c.backend, c.dt, c.autotune)
+		if !strings.HasSuffix(got, c.want) {
+			t.Errorf("forwardNote(%s, %v, %v) = %q, want it to end %q", c.backend, c.dt, c.autotune, got, c.want)
+		}
+	}
+}
+
+// TestMoeRunLoadErrors: a checkpoint that does not match config.json is a
+// loading error naming the tensor; a device too small for the layer is a
+// device error.
+func TestMoeRunLoadErrors(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	cfg, err := moe.LoadConfig(fixture)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := moe.LoadWeights(fixture, cfg, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts, err := moe.LayerTensors(cfg, w, 1, moe.PerExpert, safetensors.BF16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	missing := copyModel(t)
+	var keep []safetensors.Tensor
+	for _, x := range ts {
+		if x.Name != "model.layers.1.mlp.experts.3.up_proj.weight" {
+			keep = append(keep, x)
+		}
+	}
+	if err := safetensors.Write(filepath.Join(missing, "model.safetensors"), keep, nil); err != nil {
+		t.Fatal(err)
+	}
+	in := filepath.Join(fixture, "input.safetensors")
+	for _, c := range []struct {
+		name, model, memory string
+		want                []string
+	}{
+		{"missing tensor", missing, "", []string{"loading the weights of layer 1", "experts.3.up_proj.weight (shape [32 64] expected) is missing", "check that the checkpoint matches config.json"}},
+		{"device too small", fixture, "40000", []string{"building the MoE layer on the device", "out of device memory", "try --dtype bf16"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if c.memory != "" {
+				t.Setenv(cpu.MemoryLimitEnv, c.memory)
+			}
+			out := filepath.Join(t.TempDir(), "y.safetensors")
+			code, stdout, stderr := execute(t, "moe", "run", "--model", c.model, "--input", in, "--output", out, "--layer", "1")
+			wantOneLineFailure(t, code, stdout, stderr, c.want...)
+			if _, err := os.Stat(out); err == nil {
+				t.Errorf("%s was written by a failing run", out)
+			}
+		})
 	}
 }

@@ -47,7 +47,7 @@ func (p *phases) move(from, to string, d time.Duration) {
 var moeRunPhases = []struct{ name, what string }{
 	{"open", "backend, device 0 and the BLAS library (first handle)"},
 	{"parse", "config.json, safetensors headers, the input x"},
-	{"load", "weights read, converted and uploaded"},
+	{"load", "weights read and uploaded (converted where the file's dtype is not --dtype)"},
 	{"compile", ""},
 	{"forward", "one forward, host in and out, kernel lookups excluded"},
 	{"trace", "reading the timing events, writing --trace"},
@@ -55,7 +55,9 @@ var moeRunPhases = []struct{ name, what string }{
 }
 
 // print writes the breakdown to w: one line per phase, then the total.
-func (p *phases) print(w io.Writer, compileNote, backend string) {
+// notes replaces the description of the phases it names (the compile
+// phase's is empty otherwise).
+func (p *phases) print(w io.Writer, notes map[string]string, backend string) {
 	var total time.Duration
 	fmt.Fprintf(w, "wall time (%s backend):\n", backend)
 	for _, ph := range moeRunPhases {
@@ -64,13 +66,27 @@ func (p *phases) print(w io.Writer, compileNote, backend string) {
 			continue
 		}
 		what := ph.what
-		if ph.name == "compile" {
-			what = compileNote
+		if n, ok := notes[ph.name]; ok {
+			what = n
 		}
 		total += d
 		fmt.Fprintf(w, "  %-8s %10.1f ms  %s\n", ph.name, float64(d.Microseconds())/1e3, what)
 	}
 	fmt.Fprintf(w, "  %-8s %10.1f ms\n", "total", float64(total.Microseconds())/1e3)
+}
+
+// forwardNote describes moe run's forward phase: on CUDA a bf16 layer's fused
+// expert GEMMs pick their tiles by rule of thumb unless --autotune times them
+// (which the forward then includes).
+func forwardNote(backend string, dt gpuctx.DType, autotune bool) string {
+	const what = "one forward, host in and out, kernel lookups excluded"
+	switch {
+	case backend != "cuda" || dt != gpuctx.BF16:
+		return what
+	case autotune:
+		return what + "; includes timing the fused GEMM tiles (--autotune)"
+	}
+	return what + "; fused GEMM tiles by rule of thumb (--autotune times them)"
 }
 
 // kernelNote says where the kernels between two KernelStats came from.

@@ -76,6 +76,9 @@ func TestTruncatedWhileOpen(t *testing.T) {
 	if _, _, err := f.Bytes("w"); err == nil {
 		t.Fatal("Bytes after truncation: want an error")
 	}
+	if err := f.ReadRaw("w", make([]byte, 16), 4096); err == nil || !strings.Contains(err.Error(), "truncated") {
+		t.Fatalf("ReadRaw after truncation: err = %v, want a 'truncated' error", err)
+	}
 }
 
 func TestParseStructureErrors(t *testing.T) {

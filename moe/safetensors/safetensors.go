@@ -396,6 +396,27 @@ func (f *File) Bytes(name string) ([]byte, TensorInfo, error) {
 	return b, t, nil
 }
 
+// ReadRaw fills dst with bytes [off, off+len(dst)) of tensor name's raw
+// little-endian data (offsets relative to the tensor's first byte), with one
+// pread. A range outside the tensor is an error naming it; so is a file that
+// was truncated after Open. Safe for concurrent use, like every read of a File.
+func (f *File) ReadRaw(name string, dst []byte, off int64) error {
+	if f == nil || f.Header == nil {
+		return errors.New("safetensors: ReadRaw on a nil File")
+	}
+	t, ok := f.Header.Tensors[name]
+	if !ok {
+		return fmt.Errorf("safetensors: tensor %q not found in %s", name, f.Path)
+	}
+	if size := t.End - t.Begin; off < 0 || off > size || int64(len(dst)) > size-off {
+		return fmt.Errorf("safetensors: tensor %q: bytes [%d,%d) are outside its %d bytes (in %s)", name, off, off+int64(len(dst)), size, f.Path)
+	}
+	if len(dst) == 0 {
+		return nil
+	}
+	return f.readAt(dst, f.Header.DataOffset+t.Begin+off, name)
+}
+
 // Float32 converts tensor name to a new float32 slice (F32, F16, BF16 or F64 on
 // disk; F16 and BF16 convert exactly, F64 rounds to nearest). The data is read in
 // chunks, so the only large allocation is the result.

@@ -224,3 +224,69 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+// TestReadRaw reads byte ranges of tensors as they are in the file, and refuses
+// ranges outside a tensor, unknown names, and closed or nil Files.
+func TestReadRaw(t *testing.T) {
+	a, err := FromFloat32("a", BF16, []int{3, 4}, []float32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := FromFloat32("b", F32, []int{5}, []float32{-1, -2, -3, -4, -5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(t.TempDir(), "w.safetensors")
+	if err := Write(p, []Tensor{a, b}, nil); err != nil {
+		t.Fatal(err)
+	}
+	f, err := Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for _, c := range []struct {
+		name    string
+		tensor  string
+		off, n  int64
+		want    []byte // nil: an error containing wantErr
+		wantErr string
+	}{
+		{"whole a", "a", 0, 24, a.Data, ""},
+		{"row 1 of a", "a", 8, 8, a.Data[8:16], ""},
+		{"one byte", "b", 19, 1, b.Data[19:], ""},
+		{"whole b", "b", 0, 20, b.Data, ""},
+		{"empty at the end", "b", 20, 0, []byte{}, ""},
+		{"past the end", "a", 20, 8, nil, `tensor "a": bytes [20,28) are outside its 24 bytes`},
+		{"negative offset", "b", -4, 4, nil, "outside its 20 bytes"},
+		{"offset past the end", "b", 21, 0, nil, "outside"},
+		{"unknown tensor", "c", 0, 1, nil, `tensor "c" not found`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dst := make([]byte, c.n)
+			err := f.ReadRaw(c.tensor, dst, c.off)
+			if c.want == nil {
+				if err == nil || !strings.Contains(err.Error(), c.wantErr) {
+					t.Fatalf("err = %v, want one containing %q", err, c.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if string(dst) != string(c.want) {
+				t.Fatalf("got % x, want % x", dst, c.want)
+			}
+		})
+	}
+	var nilFile *File
+	if err := nilFile.ReadRaw("a", make([]byte, 1), 0); err == nil {
+		t.Error("ReadRaw on a nil File: want an error")
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.ReadRaw("a", make([]byte, 2), 0); err == nil || !strings.Contains(err.Error(), "closed") {
+		t.Errorf("ReadRaw after Close: err = %v, want a 'closed' error", err)
+	}
+}
