@@ -165,7 +165,10 @@ type LayerOptions struct {
 	Tile string
 	// NoAutotune picks fused tiles by a rule of thumb instead of timing the
 	// candidates on the first forward of each token bucket (timing needs CUDA
-	// events and waits for the main stream once per bucket).
+	// events and waits for the main stream once per bucket), and has Auto
+	// pick FusedShared or Dual by the token count (autoRuleTokens) instead of
+	// timing both. For one-shot runs, where the timing would cost more than it
+	// saves; the tile changes no result.
 	NoAutotune bool
 }
 
@@ -223,6 +226,7 @@ type Layer struct {
 	kDown       map[moekernels.MoEGemm]*gpuctx.Kernel // fused down kernels by tile
 	forceTile   *moekernels.MoEGemm                   // LayerOptions.Tile
 	autotune    bool                                  // time the tiles per bucket
+	noTune      bool                                  // LayerOptions.NoAutotune: no timing runs at all (tiles, Auto's mode)
 	tiles       map[tileKey]tilePair                  // chosen tiles by token bucket and shared fusion
 	tuneLog     []string                              // what tune chose (TileChoices)
 	autoModes   map[int]Mode                          // Auto's measured choice by token bucket
@@ -356,6 +360,7 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 		l.forceTile = &t
 	}
 	l.autotune = !o.NoAutotune && dev.Backend() == "cuda"
+	l.noTune = o.NoAutotune
 	l.align3From = align3From
 	l.raTokens = routeAlignTokens
 	if experts != nil {

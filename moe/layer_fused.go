@@ -403,15 +403,31 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 
 func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
+// autoRuleTokens is the largest batch for which Auto picks FusedShared
+// without timing (LayerOptions.NoAutotune): on the H200 the timed choice was
+// FusedShared at 1 and 8 tokens and Dual from 64 tokens (DeepSeek-V2-Lite,
+// bench/RESULTS.md).
+const autoRuleTokens = 16
+
 // autoMode returns the mode Auto runs for a fused-path batch of T tokens whose
 // shared expert can be fused: Dual or FusedShared, whichever replayed faster
 // on the first Auto forward of T's bucket (each mode's graph captured, then
 // timed over three replays with events on the main stream; that first forward
 // waits for the main stream). The choice is kept per bucket and listed by
-// TileChoices.
+// TileChoices. With LayerOptions.NoAutotune it times nothing: FusedShared up
+// to autoRuleTokens tokens, Dual above.
 func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, part Part) (Mode, error) {
 	b := tileBucket(T)
 	if m, ok := l.autoModes[b]; ok {
+		return m, nil
+	}
+	if l.noTune {
+		m := Dual
+		if T <= autoRuleTokens {
+			m = FusedShared
+		}
+		l.autoModes[b] = m
+		l.tuneLog = append(l.tuneLog, fmt.Sprintf("T=%d (bucket %d): auto runs %v (rule, NoAutotune: fused up to %d tokens)", T, b, m, autoRuleTokens))
 		return m, nil
 	}
 	start, stop := l.evTune[0], l.evTune[1]

@@ -984,6 +984,43 @@ func TestLayerAutoMeasured(t *testing.T) {
 	}
 }
 
+// TestLayerAutoRule checks Auto under NoAutotune: no timing runs, FusedShared
+// up to autoRuleTokens tokens and Dual above, with that mode's bits.
+func TestLayerAutoRule(t *testing.T) {
+	cfg := scaledPresets()["deepseek-v2-lite"]
+	w, err := RandomWeights(cfg, 29)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range layerBackends(t) {
+		t.Run(b.name, func(t *testing.T) {
+			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, NoAutotune: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			for _, tc := range []struct {
+				T    int
+				want Mode
+			}{{1, FusedShared}, {autoRuleTokens, FusedShared}, {autoRuleTokens + 1, Dual}, {40, Dual}} {
+				x := randomX(tc.T, cfg.HiddenSize, uint64(tc.T)+3)
+				got := deviceRun(t, l, x, tc.T, Auto, Whole)
+				if m := l.autoModes[tileBucket(tc.T)]; m != tc.want {
+					t.Errorf("T=%d: Auto picked %v, want %v", tc.T, m, tc.want)
+				}
+				if want := deviceRun(t, l, x, tc.T, tc.want, Whole); !bytes.Equal(got, want) {
+					t.Errorf("T=%d: Auto differs from %v", tc.T, tc.want)
+				}
+			}
+			for _, line := range l.TileChoices() {
+				if strings.Contains(line, "auto runs") && !strings.Contains(line, "rule") {
+					t.Errorf("NoAutotune layer timed Auto's modes: %q", line)
+				}
+			}
+		})
+	}
+}
+
 // TestLayerMisalignedBuffers runs x and y at an offset of 2 bytes (bf16) or 4
 // bytes (f32) into their allocations: the device-planned kernels need 16-byte
 // rows, so the layer stages them, and the result equals the aligned run's.

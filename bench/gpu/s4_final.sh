@@ -23,9 +23,10 @@ FIX=/tmp/dsv2
 timeout 90 .gpu/gpuctx moe init --preset deepseek-v2-lite --dir $FIX > /dev/null 2>&1 || echo "moe init failed"
 export GPUCTX_KERNEL_CACHE=/tmp/kcache
 TIMEFORMAT="wall %R s"
-for run in cold warm warm; do
-  echo "== moe run -v, $run kernel cache"
-  time timeout 60 .gpu/gpuctx moe run --model $FIX --input $FIX/input.safetensors --output /tmp/y.safetensors --dtype bf16 --mode dual -v 2>&1 >/dev/null
+for run in "cold auto" "warm auto" "warm auto" "warm dual"; do
+  set -- $run
+  echo "== moe run -v --mode $2, $1 kernel cache"
+  time timeout 60 .gpu/gpuctx moe run --model $FIX --input $FIX/input.safetensors --output /tmp/y.safetensors --dtype bf16 --mode $2 -v 2>&1 >/dev/null
 done
 echo "== after moe run: $(( $(date +%s) - t0 )) s"
 } > "$S" 2>&1
