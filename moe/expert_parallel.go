@@ -309,7 +309,7 @@ func (s *ExpertShard) ForwardDevice(x, y *gpuctx.Buffer, T int) error {
 		if err := l.ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error { return h.GemmGrouped(gateUp) }); err != nil {
 			return fmt.Errorf("moe: expert gate/up grouped GEMM: %w", err)
 		}
-		if err := l.main.Launch(l.kSwiglu, gpuctx.Dim3{X: gridFor(R), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(I), Y: 1, Z: 1}, 0,
+		if err := l.main.Launch(l.kSwiglu, eltGrid(R*I), eltBlock, 0,
 			sc.h, sc.act, int32(R), int32(I), flag(l.dt == gpuctx.BF16)); err != nil {
 			return err
 		}

@@ -400,7 +400,7 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 	if err := l.ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error { return h.GemmGrouped(gateUp) }); err != nil {
 		return fmt.Errorf("moe: expert gate/up grouped GEMM: %w", err)
 	}
-	if err := l.main.Launch(l.kSwiglu, gpuctx.Dim3{X: gridFor(TK), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(I), Y: 1, Z: 1}, 0,
+	if err := l.main.Launch(l.kSwiglu, eltGrid(TK*I), eltBlock, 0,
 		s.h, s.act, int32(TK), int32(I), flag(l.dt == gpuctx.BF16)); err != nil {
 		return err
 	}
@@ -446,7 +446,7 @@ func (l *Layer) sharedExpert(ctx *gpuctx.Context, st *gpuctx.Stream, x *gpuctx.B
 	if err != nil {
 		return fmt.Errorf("moe: shared expert gate/up GEMM: %w", err)
 	}
-	if err := st.Launch(l.kSwiglu, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(Is), Y: 1, Z: 1}, 0,
+	if err := st.Launch(l.kSwiglu, eltGrid(T*Is), eltBlock, 0,
 		s.sh, s.sact, int32(T), int32(Is), flag(l.dt == gpuctx.BF16)); err != nil {
 		return err
 	}
@@ -571,6 +571,12 @@ func (l *Layer) LastRouting() (idx []int32, w []float32, err error) {
 
 // gridFor returns a grid width for n rows (blocks stride over the rest).
 func gridFor(n int) int { return max(1, min(n, 65535)) }
+
+// eltBlock and eltGrid launch an elementwise kernel over n outputs with one
+// thread each (gpuctx_moe_swiglu): every load in flight at once.
+var eltBlock = gpuctx.Dim3{X: 256, Y: 1, Z: 1}
+
+func eltGrid(n int) gpuctx.Dim3 { return gpuctx.Dim3{X: max(1, min((n+255)/256, 65535)), Y: 1, Z: 1} }
 
 // blockFor returns a block width for rows of n columns: a multiple of 32, at
 // most 256.

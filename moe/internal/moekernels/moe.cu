@@ -344,17 +344,17 @@ extern "C" __global__ void gpuctx_moe_gather(const void* __restrict__ x, const i
 // gpuctx_moe_swiglu: act[r, i] = silu(h[r, i]) * h[r, I + i] for r < rows,
 // i < I, where h is [rows, 2I] (gate columns then up columns) and act is
 // [rows, I]; silu(g) = g / (1 + exp(-g)); f32 math, stored f32 or bf16.
+// Threads stride over the rows*I outputs, one each per grid pass (size the
+// grid to ceil(rows*I / block) so that every load is in flight at once).
 // Launch: any grid and block.
 extern "C" __global__ void gpuctx_moe_swiglu(const void* __restrict__ h, void* __restrict__ act, int rows, int I,
                                              int bf16) {
-    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
-        const long long hb = (long long)r * 2 * I;
-        const long long ab = (long long)r * I;
-        for (int i = threadIdx.x; i < I; i += blockDim.x) {
-            const float g = moe_ld(h, hb + i, bf16);
-            const float u = moe_ld(h, hb + I + i, bf16);
-            moe_st(act, ab + i, (g / (1.0f + expf(-g))) * u, bf16);
-        }
+    const long long n = (long long)rows * I;
+    for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v < n; v += (long long)gridDim.x * blockDim.x) {
+        const long long r = v / I, i = v - r * I;
+        const float g = moe_ld(h, r * 2 * I + i, bf16);
+        const float u = moe_ld(h, r * 2 * I + I + i, bf16);
+        moe_st(act, v, (g / (1.0f + expf(-g))) * u, bf16);
     }
 }
 
