@@ -1241,3 +1241,115 @@ func TestRouteAlignOneLaunch(t *testing.T) {
 		}
 	}
 }
+
+// TestRouteKernelTies runs gpuctx_moe_route on every backend with logits that
+// tie, scores that are zero or negative (masked groups, negative bias) and
+// -inf, and checks the experts it picks against Route's rule (larger choice
+// first, ties to the lower index) as the CPU backend's Go body computes it:
+// on CUDA the selection takes the warp-reduction path (no NaN), which must
+// pick what the shuffle path picks.
+func TestRouteKernelTies(t *testing.T) {
+	const E, K = 64, 6
+	ninf := float32(math.Inf(-1))
+	type tc struct {
+		name                    string
+		logits, bias            []float32
+		scoring, method, groups int32
+		topkGroups              int32
+	}
+	same := make([]float32, E)
+	pairs := make([]float32, E)
+	steps := make([]float32, E)
+	withInf := make([]float32, E)
+	negBias := make([]float32, E)
+	for e := range E {
+		pairs[e] = float32(e / 2 % 5)   // ties in pairs and across the warp's lanes
+		steps[e] = float32((E - e) % 3) // three values, many ties
+		withInf[e] = ninf
+		negBias[e] = -2 - float32(e%4)/4
+	}
+	withInf[40], withInf[7], withInf[9] = 1, 1, 0.5
+	cases := []tc{
+		{"all equal", same, nil, 0, 0, 1, 1},
+		{"pairs", pairs, nil, 0, 0, 1, 1},
+		{"three values", steps, nil, 0, 0, 1, 1},
+		{"minus infinity", withInf, nil, 0, 0, 1, 1},
+		{"sigmoid, negative bias, masked groups", steps, negBias, 1, 2, 8, 2},
+		{"group limited ties", pairs, nil, 0, 1, 8, 3},
+	}
+	var want map[string][]int32
+	for _, b := range layerBackends(t) {
+		got := map[string][]int32{}
+		for _, c := range cases {
+			t.Run(b.name+"/"+c.name, func(t *testing.T) {
+				k, err := b.dev.Kernel("gpuctx_moe_route")
+				if err != nil {
+					t.Fatal(err)
+				}
+				st, err := b.dev.NewStream(gpuctx.StreamOptions{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer st.Close()
+				bias := c.bias
+				if bias == nil {
+					bias = make([]float32, E)
+				}
+				var bufs []*gpuctx.Buffer
+				mk := func(data []byte, n int) *gpuctx.Buffer {
+					buf, err := b.dev.Alloc(n)
+					if err != nil {
+						t.Fatal(err)
+					}
+					bufs = append(bufs, buf)
+					if data != nil {
+						if err := buf.CopyFromHost(data); err != nil {
+							t.Fatal(err)
+						}
+					}
+					return buf
+				}
+				defer func() {
+					for _, buf := range bufs {
+						_ = buf.Free()
+					}
+				}()
+				lg, bb := mk(f32Bytes(c.logits), 4*E), mk(f32Bytes(bias), 4*E)
+				idx, w := mk(nil, 4*K), mk(nil, 4*K)
+				hasBias := int32(0)
+				if c.bias != nil {
+					hasBias = 1
+				}
+				if err := st.Launch(k, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0,
+					lg, bb, idx, w, int32(1), int32(E), int32(K), c.scoring, c.method, c.groups, c.topkGroups,
+					hasBias, int32(0), float32(0), float32(1), int32(K), int32(0)); err != nil {
+					t.Fatal(err)
+				}
+				if err := st.Synchronize(); err != nil {
+					t.Fatal(err)
+				}
+				host := make([]byte, 4*K)
+				if err := idx.CopyToHost(host); err != nil {
+					t.Fatal(err)
+				}
+				ids := make([]int32, K)
+				for i := range ids {
+					ids[i] = int32(binary.LittleEndian.Uint32(host[4*i:]))
+				}
+				got[c.name] = ids
+				if want != nil && !slices.Equal(ids, want[c.name]) {
+					t.Errorf("picked %v, the CPU backend %v", ids, want[c.name])
+				}
+			})
+		}
+		if want == nil {
+			want = got
+		}
+	}
+	if !slices.Equal(want["all equal"], []int32{0, 1, 2, 3, 4, 5}) {
+		t.Errorf("all equal: picked %v, want the lowest indices 0..5", want["all equal"])
+	}
+	if !slices.Equal(want["minus infinity"], []int32{7, 40, 9, 0, 1, 2}) {
+		t.Errorf("minus infinity: picked %v, want 7 40 9 0 1 2", want["minus infinity"])
+	}
+}

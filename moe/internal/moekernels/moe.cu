@@ -172,6 +172,15 @@ static __device__ void moe_route_token(const float* __restrict__ lg, const float
         }
         __syncwarp();
     }
+#if __CUDA_ARCH__ >= 800
+    // Without NaNs the order (larger value, then lower index) is total, so
+    // the butterfly's answer is the one maximum: two warp reductions find it
+    // (redux.sync), instead of five shuffle rounds. -0 counts as +0, as in
+    // moe_better.
+    bool nan = false;
+    for (int e = lane; e < E; e += 32) nan |= isnan(ch[e]);
+    const bool fast = !__any_sync(MOE_FULL, nan);
+#endif
     for (int k = 0; k < K; ++k) {
         float bv = neg_inf;
         int bi = -1;
@@ -181,7 +190,20 @@ static __device__ void moe_route_token(const float* __restrict__ lg, const float
                 bi = e;
             }
         }
+#if __CUDA_ARCH__ >= 800
+        if (fast) {
+            // Orderable key of bv (0: no candidate in this lane).
+            const unsigned u = __float_as_uint(bv + 0.0f);
+            const unsigned key = bi < 0 ? 0u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
+            const unsigned best = __reduce_max_sync(MOE_FULL, key);
+            bi = (int)__reduce_min_sync(MOE_FULL, (key == best && bi >= 0) ? (unsigned)bi : 0xffffffffu);
+            if (best == 0u) bi = -1;
+        } else {
+            moe_warp_argmax(bv, bi);
+        }
+#else
         moe_warp_argmax(bv, bi);
+#endif
         if (bi < 0) bi = 0;  // unreachable: K <= E leaves an untaken expert
         __syncwarp();
         if (lane == 0) {
