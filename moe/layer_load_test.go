@@ -182,18 +182,6 @@ func TestLoadLayerErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	good3, _ := LayerTensors(v3, w3, 1, Fused, safetensors.F32)
-	drop := func(ts []safetensors.Tensor, name string) []safetensors.Tensor {
-		var out []safetensors.Tensor
-		for _, x := range ts {
-			if x.Name != name {
-				out = append(out, x)
-			}
-		}
-		return out
-	}
-	replace := func(ts []safetensors.Tensor, x safetensors.Tensor) []safetensors.Tensor {
-		return append(drop(ts, x.Name), x)
-	}
 	p := "model.layers.1.mlp."
 	badShape, _ := safetensors.FromFloat32(p+"experts.3.down_proj.weight", safetensors.BF16, []int{8, 16}, make([]float32, 128))
 	badDType, _ := safetensors.FromInt32(p+"experts.2.up_proj.weight", []int{8, 16}, make([]int32, 128))
@@ -225,19 +213,19 @@ func TestLoadLayerErrors(t *testing.T) {
 		want    []string
 	}
 	cases := []tc{
-		{name: "missing expert", cfg: cfg, tensors: drop(good, p+"experts.5.up_proj.weight"), layer: 1, o: f32,
+		{name: "missing expert", cfg: cfg, tensors: dropTensor(good, p+"experts.5.up_proj.weight"), layer: 1, o: f32,
 			want: []string{"moe.LoadLayer layer 1: tensor model.layers.1.mlp.experts.5.up_proj.weight (shape [8 16] expected) is missing from", "model.safetensors"}},
-		{name: "missing shared gate", cfg: cfg, tensors: drop(good, p+"shared_expert_gate.weight"), layer: 1, o: f32,
+		{name: "missing shared gate", cfg: cfg, tensors: dropTensor(good, p+"shared_expert_gate.weight"), layer: 1, o: f32,
 			want: []string{"shared_expert_gate.weight (shape [1 16] expected) is missing"}},
-		{name: "missing bias", cfg: v3, tensors: drop(good3, p+"gate.e_score_correction_bias"), layer: 1, o: f32,
+		{name: "missing bias", cfg: v3, tensors: dropTensor(good3, p+"gate.e_score_correction_bias"), layer: 1, o: f32,
 			want: []string{"gate.e_score_correction_bias (shape [8] expected) is missing"}},
-		{name: "wrong shape", cfg: cfg, tensors: replace(good, badShape), layer: 1, o: f32,
+		{name: "wrong shape", cfg: cfg, tensors: replaceTensor(good, badShape), layer: 1, o: f32,
 			want: []string{"experts.3.down_proj.weight has shape [8 16], expected [16 8]", "model.safetensors"}},
-		{name: "wrong fused shape", cfg: v3, tensors: replace(good3, badFused), layer: 1, o: f32,
+		{name: "wrong fused shape", cfg: v3, tensors: replaceTensor(good3, badFused), layer: 1, o: f32,
 			want: []string{"experts.gate_up_proj has shape [8 32 8], expected [8 16 16]"}},
-		{name: "I32 tensor", cfg: cfg, tensors: replace(good, badDType), layer: 1, o: f32,
+		{name: "I32 tensor", cfg: cfg, tensors: replaceTensor(good, badDType), layer: 1, o: f32,
 			want: []string{"experts.2.up_proj.weight has dtype I32; want F32, BF16 or F16", "model.safetensors"}},
-		{name: "F64 tensor", cfg: cfg, tensors: replace(good, f64), layer: 1, o: f32,
+		{name: "F64 tensor", cfg: cfg, tensors: replaceTensor(good, f64), layer: 1, o: f32,
 			want: []string{"gate.weight has dtype F64"}},
 		{name: "missing shard", cfg: cfg, tensors: good, shards: 3, layer: 1, o: f32,
 			prepare: func(t *testing.T, dir string) { mustRemove(t, filepath.Join(dir, "model-00002-of-00003.safetensors")) },

@@ -177,6 +177,22 @@ func TestRandomWeightsDeterministic(t *testing.T) {
 	}
 }
 
+// dropTensor returns ts without the tensor called name.
+func dropTensor(ts []safetensors.Tensor, name string) []safetensors.Tensor {
+	var out []safetensors.Tensor
+	for _, x := range ts {
+		if x.Name != name {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// replaceTensor returns ts with x in place of the tensor of x's name.
+func replaceTensor(ts []safetensors.Tensor, x safetensors.Tensor) []safetensors.Tensor {
+	return append(dropTensor(ts, x.Name), x)
+}
+
 func TestLoadWeightsErrors(t *testing.T) {
 	cfg := variants()["qwen2_moe"]
 	v3 := variants()["deepseek_v3"]
@@ -187,18 +203,6 @@ func TestLoadWeightsErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	good3, _ := LayerTensors(v3, w3, 1, Fused, safetensors.F32)
-	drop := func(ts []safetensors.Tensor, name string) []safetensors.Tensor {
-		var out []safetensors.Tensor
-		for _, x := range ts {
-			if x.Name != name {
-				out = append(out, x)
-			}
-		}
-		return out
-	}
-	replace := func(ts []safetensors.Tensor, x safetensors.Tensor) []safetensors.Tensor {
-		return append(drop(ts, x.Name), x)
-	}
 	p := "model.layers.1.mlp."
 	badShape, _ := safetensors.FromFloat32(p+"experts.3.down_proj.weight", safetensors.F32, []int{8, 16}, make([]float32, 128))
 	badDType, _ := safetensors.FromInt32(p+"gate.weight", []int{8, 16}, make([]int32, 128))
@@ -210,14 +214,14 @@ func TestLoadWeightsErrors(t *testing.T) {
 		layer   int
 		want    string
 	}{
-		{"missing expert", cfg, drop(good, p+"experts.5.up_proj.weight"), 1, "tensor model.layers.1.mlp.experts.5.up_proj.weight (shape [8 16] expected) is missing"},
-		{"missing router", cfg, drop(good, p+"gate.weight"), 1, "model.layers.1.mlp.gate.weight (shape [8 16] expected) is missing"},
-		{"missing shared gate", cfg, drop(good, p+"shared_expert_gate.weight"), 1, "shared_expert_gate.weight (shape [1 16] expected)"},
-		{"missing shared", cfg, drop(good, p+"shared_expert.down_proj.weight"), 1, "shared_expert.down_proj.weight (shape [16 24] expected)"},
-		{"missing bias", v3, drop(good3, p+"gate.e_score_correction_bias"), 1, "gate.e_score_correction_bias (shape [8] expected)"},
-		{"wrong shape", cfg, replace(good, badShape), 1, "experts.3.down_proj.weight has shape [8 16], expected [16 8]"},
-		{"wrong fused shape", v3, replace(good3, badFused), 1, "experts.gate_up_proj has shape [8 32 8], expected [8 16 16]"},
-		{"bad dtype", cfg, replace(good, badDType), 1, "gate.weight has dtype I32"},
+		{"missing expert", cfg, dropTensor(good, p+"experts.5.up_proj.weight"), 1, "tensor model.layers.1.mlp.experts.5.up_proj.weight (shape [8 16] expected) is missing"},
+		{"missing router", cfg, dropTensor(good, p+"gate.weight"), 1, "model.layers.1.mlp.gate.weight (shape [8 16] expected) is missing"},
+		{"missing shared gate", cfg, dropTensor(good, p+"shared_expert_gate.weight"), 1, "shared_expert_gate.weight (shape [1 16] expected)"},
+		{"missing shared", cfg, dropTensor(good, p+"shared_expert.down_proj.weight"), 1, "shared_expert.down_proj.weight (shape [16 24] expected)"},
+		{"missing bias", v3, dropTensor(good3, p+"gate.e_score_correction_bias"), 1, "gate.e_score_correction_bias (shape [8] expected)"},
+		{"wrong shape", cfg, replaceTensor(good, badShape), 1, "experts.3.down_proj.weight has shape [8 16], expected [16 8]"},
+		{"wrong fused shape", v3, replaceTensor(good3, badFused), 1, "experts.gate_up_proj has shape [8 32 8], expected [8 16 16]"},
+		{"bad dtype", cfg, replaceTensor(good, badDType), 1, "gate.weight has dtype I32"},
 		{"wrong layer", cfg, good, 0, "(shape [8 16] expected) is missing"},
 		{"layer out of range", cfg, good, 2, "out of range"},
 	}

@@ -5,6 +5,8 @@
 # against the Triton peer for the three target presets in the same invocation,
 # and ncu's per-kernel durations of one graph-replayed DeepSeek-V2-Lite forward
 # at 8 tokens.
+#   MEMCHECK=REGEXP  the moe tests memcheck runs (default: the session's new ones)
+#   NORUN=1          leaves out moe run and the timeline (s4_final2.sh)
 # Build: bash bench/gpu/pack.sh . ./backend/cuda/... ./moe ./cmd/gpuctx
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,9 +18,10 @@ echo "pass=$(grep -c -- '--- PASS' "$OUT/gpu-tests.log") fail=$(grep -c -- '--- 
 grep -E -A3 -- '--- FAIL|panic' "$OUT/gpu-tests.log" | head -30
 echo "== after tests: $(( $(date +%s) - t0 )) s"
 (cd moe && timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 ../.gpu/moe.test -test.count=1 \
-  -test.run 'TestRouteAlignOneLaunch|TestLoadLayer|TestLayerFusedTiles/cuda/m16n(32k256w1x2s3|64k256w1x4s3)') > /tmp/memcheck.log 2>&1
+  -test.run "${MEMCHECK:-TestRouteAlignOneLaunch|TestLoadLayer|TestLayerFusedTiles/cuda/m16n(32k256w1x2s3|64k256w1x4s3)}") > /tmp/memcheck.log 2>&1
 echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY' /tmp/memcheck.log | tail -1)"; grep -E -A8 "Invalid|Error:|FAIL" /tmp/memcheck.log | head -20
 echo "== after memcheck: $(( $(date +%s) - t0 )) s"
+if [ -z "${NORUN:-}" ]; then
 FIX=/tmp/dsv2
 timeout 90 .gpu/gpuctx moe init --preset deepseek-v2-lite --dir $FIX > /dev/null 2>&1 || echo "moe init failed"
 export GPUCTX_KERNEL_CACHE=/tmp/kcache
@@ -29,10 +32,13 @@ for run in "cold auto" "warm auto" "warm auto" "warm dual"; do
   time timeout 60 .gpu/gpuctx moe run --model $FIX --input $FIX/input.safetensors --output /tmp/y.safetensors --dtype bf16 --mode $2 -v 2>&1 >/dev/null
 done
 echo "== after moe run: $(( $(date +%s) - t0 )) s"
+fi
 } > "$S" 2>&1
 cat "$S"
+if [ -z "${NORUN:-}" ]; then
 timeout 60 .gpu/gpuctx moe bench --preset deepseek-v2-lite --tokens 64 --mode dual --trace /tmp/dual.json --out /tmp/dual.md > /dev/null 2>&1
 python3 bench/gpu/timeline.py /tmp/dual.json "$OUT/timeline.png" > /tmp/timeline.txt 2>&1; echo "timeline rc=$?"; tail -12 /tmp/timeline.txt
+fi
 row() { grep -E "^\| +[0-9]" "$1"; }
 P="--peer .gpu/peers/triton_fused_moe.py"
 timeout 150 .gpu/gpuctx moe bench --preset deepseek-v2-lite --tokens 1,8,64,256,1024,4096 --mode single,dual,fused,auto \
