@@ -305,12 +305,20 @@ const (
 // that it never competes with the router chain the host is waiting for: on the
 // main stream it fills the host's wait and delays the routed experts by what is
 // left of it; on the side stream (Dual) it fills the wait and then runs beside
-// the routed experts. The caller joins the side stream (evJoin).
+// the routed experts. On the fused path nothing waits for the host, and the
+// side stream forks before the router (evFork): the shared expert overlaps the
+// routing kernels too, which leave DRAM idle. The caller joins the side
+// stream (evJoin).
 func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 	c := &l.cfg
 	H, E, K, I := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate
 	TK, es, s := T*K, l.es, &l.scr
 	l.routedKS = l.slots(shared)
+	if shared == sharedSide && l.fused(T) {
+		if err := l.evFork.Record(l.main); err != nil { // x is ready: the shared expert may start
+			return err
+		}
+	}
 	if l.routeAlignOK(T) { // router, routing and sort in one launch
 		return l.routedSmall(x, T, shared)
 	}

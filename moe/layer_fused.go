@@ -521,21 +521,19 @@ func (l *Layer) routedFused(x *gpuctx.Buffer, T int, shared int) error {
 }
 
 // expertsFused queues, after the aligned sort, the fused expert kernels on the
-// main stream, then the shared expert: forked onto the side stream from the
-// point before those kernels (Dual), or after them on the main stream (Single).
+// main stream, then the shared expert: on the side stream from evFork, which
+// routed recorded before the router (Dual), or after them on the main stream
+// (Single).
 func (l *Layer) expertsFused(x *gpuctx.Buffer, T int, shared int, tp tilePair) error {
-	if err := l.evCounts.Record(l.main); err != nil {
-		return err
-	}
-	// The routed kernels are queued before the side stream's shared expert:
-	// both start from evCounts, but an eager forward would otherwise leave the
-	// main stream idle while the host queues the shared expert's BLAS calls.
+	// The routed kernels are queued before the side stream's shared expert: an
+	// eager forward would otherwise leave the main stream idle while the host
+	// queues the shared expert's BLAS calls.
 	if err := l.launchExperts(x, T, tp); err != nil {
 		return err
 	}
 	switch shared {
 	case sharedSide:
-		return l.sharedOnSide(l.evCounts, x, T)
+		return l.sharedOnSide(l.evFork, x, T)
 	case sharedMain:
 		return l.sharedExpert(l.ctx, l.main, x, T)
 	}
