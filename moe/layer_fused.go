@@ -170,10 +170,6 @@ func (l *Layer) launchAlign(T, bm int) error {
 // launchExperts queues the up and down kernels of tiles tp on the main stream
 // (gpuctx_moe_align with tp's BM must have run).
 func (l *Layer) launchExperts(x *gpuctx.Buffer, T int, tp tilePair) error {
-	c, s := &l.cfg, &l.scr
-	H, I, K, E := c.HiddenSize, c.Intermediate, l.routedKS, l.experts()
-	TK := T * K
-	cp := alignCap(TK, E, tp.up.BM)
 	kUp, _, err := l.fusedKernels(tp.up)
 	if err != nil {
 		return err
@@ -182,13 +178,31 @@ func (l *Layer) launchExperts(x *gpuctx.Buffer, T int, tp tilePair) error {
 	if err != nil {
 		return err
 	}
-	if err := l.main.Launch(kUp, gpuctx.Dim3{X: (I + tp.up.BN - 1) / tp.up.BN, Y: cp / tp.up.BM, Z: 1},
-		gpuctx.Dim3{X: tp.up.Threads(), Y: 1, Z: 1}, tp.up.SmemBytes(true),
-		x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I)); err != nil {
+	if err := l.launchUp(kUp, tp.up, x, T); err != nil {
 		return err
 	}
-	return l.main.Launch(kDown, gpuctx.Dim3{X: (H + tp.down.BN - 1) / tp.down.BN, Y: cp / tp.down.BM, Z: 1},
-		gpuctx.Dim3{X: tp.down.Threads(), Y: 1, Z: 1}, tp.down.SmemBytes(false),
+	return l.launchDown(kDown, tp.down, T)
+}
+
+// launchUp queues kUp, the up kernel of tile c, over T tokens on the main
+// stream (gpuctx_moe_align with c's BM must have run).
+func (l *Layer) launchUp(kUp *gpuctx.Kernel, c moekernels.MoEGemm, x *gpuctx.Buffer, T int) error {
+	cfg, s := &l.cfg, &l.scr
+	H, I, K := cfg.HiddenSize, cfg.Intermediate, l.routedKS
+	TK := T * K
+	gx, gy := c.Grid(I, alignCap(TK, l.experts(), c.BM), l.dev.Info().SMCount)
+	return l.main.Launch(kUp, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(true),
+		x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I))
+}
+
+// launchDown queues kDown, the down kernel of tile c, over T tokens on the
+// main stream, after the up kernel.
+func (l *Layer) launchDown(kDown *gpuctx.Kernel, c moekernels.MoEGemm, T int) error {
+	cfg, s := &l.cfg, &l.scr
+	H, I, K := cfg.HiddenSize, cfg.Intermediate, l.routedKS
+	TK := T * K
+	gx, gy := c.Grid(H, alignCap(TK, l.experts(), c.BM), l.dev.Info().SMCount)
+	return l.main.Launch(kDown, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(false),
 		s.act, l.down, s.sorted, s.bexp, s.npost, s.out, int32(TK), int32(H), int32(I))
 }
 
@@ -295,9 +309,6 @@ func (l *Layer) tilesFor(x *gpuctx.Buffer, T int) (tilePair, error) {
 // runs each after one warm-up, median) and returns the fastest up and the
 // fastest down of the fastest BM. It runs on the main stream and waits for it.
 func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
-	c := &l.cfg
-	H, I, K, E := c.HiddenSize, c.Intermediate, l.routedKS, l.experts()
-	TK := T * K
 	start, stop := l.evTune[0], l.evTune[1]
 	timeIt := func(launch func() error) (time.Duration, error) {
 		var ts []time.Duration
@@ -346,8 +357,6 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 		if err := l.launchAlign(T, bm); err != nil {
 			return tilePair{}, err
 		}
-		cp := alignCap(TK, E, bm)
-		s := &l.scr
 		up, down := best{d: -1}, best{d: -1}
 		for _, cand := range moekernels.MoEGemms {
 			if cand.BM != bm {
@@ -362,20 +371,12 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 			}
 			du := time.Duration(-1) // a down-only tile
 			if kUp != nil {
-				du, err = timeIt(func() error {
-					return l.main.Launch(kUp, gpuctx.Dim3{X: (I + cand.BN - 1) / cand.BN, Y: cp / bm, Z: 1},
-						gpuctx.Dim3{X: cand.Threads(), Y: 1, Z: 1}, cand.SmemBytes(true),
-						x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I))
-				})
+				du, err = timeIt(func() error { return l.launchUp(kUp, cand, x, T) })
 				if err != nil {
 					return tilePair{}, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
 				}
 			}
-			dd, err := timeIt(func() error {
-				return l.main.Launch(kDown, gpuctx.Dim3{X: (H + cand.BN - 1) / cand.BN, Y: cp / bm, Z: 1},
-					gpuctx.Dim3{X: cand.Threads(), Y: 1, Z: 1}, cand.SmemBytes(false),
-					s.act, l.down, s.sorted, s.bexp, s.npost, s.out, int32(TK), int32(H), int32(I))
-			})
+			dd, err := timeIt(func() error { return l.launchDown(kDown, cand, T) })
 			if err != nil {
 				return tilePair{}, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
 			}

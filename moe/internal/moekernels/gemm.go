@@ -45,6 +45,13 @@ func (c MoEGemm) Tag() string {
 	return fmt.Sprintf("m%dn%dk%dw%dx%ds%d", c.BM, c.BN, c.BK, c.WarpsM, c.WarpsN, c.Stages)
 }
 
+// Grid is the launch grid of the config's up (n = I) or down (n = H) kernel
+// over cap sorted rows on a device of sms multiprocessors: one block per
+// BM x BN tile, (ceil(n/BN), cap/BM).
+func (c MoEGemm) Grid(n, cap, sms int) (x, y int) {
+	return (n + c.BN - 1) / c.BN, cap / c.BM
+}
+
 // HasUp reports whether the config has an up kernel: every mma.sync tile, and
 // the warpgroup tiles whose gate and up columns fit one wgmma (2*BN <= 256).
 // The others are down-only tiles.
