@@ -223,7 +223,24 @@ func (k *Kernel) Name() string { return k.k.Name() }
 // uint32, int64, uint64, float32 or float64. Go's int is refused because the
 // kernel's C type must be explicit.
 func (s *Stream) Launch(k *Kernel, grid, block Dim3, sharedMem int, args ...any) error {
-	const op = "Stream.Launch"
+	return s.launch("Stream.Launch", false, k, grid, block, sharedMem, args)
+}
+
+// LaunchEarly is Launch for a kernel that may start before the kernel queued
+// ahead of it on s has finished: on CUDA devices of compute capability 9.0
+// and later it is a programmatic dependent launch (the environment variable
+// GPUCTX_EARLY_LAUNCH=0 turns that off); elsewhere it is Launch. The kernel
+// must execute griddepcontrol.wait (kernels.GridWait in CUDA C:
+// gpuctx_grid_wait()) before it reads memory that earlier work on s writes or
+// writes memory that earlier work reads; the wait returns once the kernels
+// ahead of it have completed and their writes are visible. Work before the
+// wait overlaps the previous kernel's tail. Inside a stream capture the
+// overlap is kept in the graph.
+func (s *Stream) LaunchEarly(k *Kernel, grid, block Dim3, sharedMem int, args ...any) error {
+	return s.launch("Stream.LaunchEarly", true, k, grid, block, sharedMem, args)
+}
+
+func (s *Stream) launch(op string, early bool, k *Kernel, grid, block Dim3, sharedMem int, args []any) error {
 	unlock, err := s.use(op)
 	if err != nil {
 		return err
@@ -258,6 +275,9 @@ func (s *Stream) Launch(k *Kernel, grid, block Dim3, sharedMem int, args ...any)
 	}
 	if t := s.dev.tracer.Load(); t != nil {
 		defer t.begin(s, k.Name(), "kernel", map[string]any{"grid": grid, "block": block, "shared bytes": sharedMem})()
+	}
+	if el, ok := s.hs.(hal.EarlyLauncher); ok && early {
+		return el.LaunchEarly(k.k, hal.Dim3(grid), hal.Dim3(block), sharedMem, conv...)
 	}
 	return s.hs.Launch(k.k, hal.Dim3(grid), hal.Dim3(block), sharedMem, conv...)
 }

@@ -282,7 +282,7 @@ func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared b
 		if l.dt == gpuctx.BF16 && H%8 == 0 { // the kernel's 16-byte path: eight elements a thread
 			per = 8
 		}
-		return l.main.Launch(l.kCombRows, gpuctx.Dim3{X: max(1, min((n/per+255)/256, 8192)), Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
+		return l.launchEarly(l.kCombRows, gpuctx.Dim3{X: max(1, min((n/per+255)/256, 8192)), Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
 			out, w, sout, sg, yv, int32(T), int32(ks), int32(H),
 			flag(doRouted), flag(sep), flag(sep && l.sgate != nil), flag(l.dt == gpuctx.BF16))
 	}
@@ -331,7 +331,7 @@ func (l *Layer) routed(x *gpuctx.Buffer, T int, shared int) error {
 	}
 	scoring, method, eps, scale := l.routeArgs()
 	one := gpuctx.Dim3{X: 1, Y: 1, Z: 1}
-	if err := l.main.Launch(l.kRoute, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0,
+	if err := l.launchEarly(l.kRoute, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0,
 		s.logits, l.bias, s.idx, s.w, int32(T), int32(E), int32(K), scoring, method,
 		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,
 		int32(l.slots(shared)), int32(l.slots(shared)-K)); err != nil {

@@ -154,17 +154,27 @@ func (l *Layer) launchAlign(T, bm int) error {
 	if TK >= l.align3From {
 		nb := moekernels.AlignBlocks(TK)
 		blk := gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}
-		if err := l.main.Launch(l.kAlign3[0], gpuctx.Dim3{X: nb, Y: 1, Z: 1}, blk, 0, s.idx, s.bcnt, int32(TK), int32(E)); err != nil {
+		if err := l.launchEarly(l.kAlign3[0], gpuctx.Dim3{X: nb, Y: 1, Z: 1}, blk, 0, s.idx, s.bcnt, int32(TK), int32(E)); err != nil {
 			return err
 		}
-		if err := l.main.Launch(l.kAlign3[1], gpuctx.Dim3{X: 1, Y: 1, Z: 1}, blk, 0, s.bcnt, s.boff, s.sorted, s.bexp, s.npost,
+		if err := l.launchEarly(l.kAlign3[1], gpuctx.Dim3{X: 1, Y: 1, Z: 1}, blk, 0, s.bcnt, s.boff, s.sorted, s.bexp, s.npost,
 			int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)), int32(nb)); err != nil {
 			return err
 		}
-		return l.main.Launch(l.kAlign3[2], gpuctx.Dim3{X: nb, Y: 1, Z: 1}, blk, 0, s.idx, s.boff, s.npost, s.sorted, int32(TK), int32(E))
+		return l.launchEarly(l.kAlign3[2], gpuctx.Dim3{X: nb, Y: 1, Z: 1}, blk, 0, s.idx, s.boff, s.npost, s.sorted, int32(TK), int32(E))
 	}
-	return l.main.Launch(l.kAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
+	return l.launchEarly(l.kAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
 		s.idx, s.sorted, s.bexp, s.npost, int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)))
+}
+
+// launchEarly queues k on the main stream with gpuctx.Stream.LaunchEarly
+// when k waits for the kernels ahead of it before it touches memory
+// (moekernels.WaitsFirst), otherwise with Launch.
+func (l *Layer) launchEarly(k *gpuctx.Kernel, grid, block gpuctx.Dim3, sharedMem int, args ...any) error {
+	if moekernels.WaitsFirst(k.Name()) {
+		return l.main.LaunchEarly(k, grid, block, sharedMem, args...)
+	}
+	return l.main.Launch(k, grid, block, sharedMem, args...)
 }
 
 // launchExperts queues the up and down kernels of tiles tp on the main stream
@@ -191,7 +201,7 @@ func (l *Layer) launchUp(kUp *gpuctx.Kernel, c moekernels.MoEGemm, x *gpuctx.Buf
 	H, I, K := cfg.HiddenSize, cfg.Intermediate, l.routedKS
 	TK := T * K
 	gx, gy := c.Grid(I, alignCap(TK, l.experts(), c.BM), l.dev.Info().SMCount)
-	return l.main.Launch(kUp, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(true),
+	return l.launchEarly(kUp, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(true),
 		x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I))
 }
 
@@ -202,7 +212,7 @@ func (l *Layer) launchDown(kDown *gpuctx.Kernel, c moekernels.MoEGemm, T int) er
 	H, I, K := cfg.HiddenSize, cfg.Intermediate, l.routedKS
 	TK := T * K
 	gx, gy := c.Grid(H, alignCap(TK, l.experts(), c.BM), l.dev.Info().SMCount)
-	return l.main.Launch(kDown, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(false),
+	return l.launchEarly(kDown, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(false),
 		s.act, l.down, s.sorted, s.bexp, s.npost, s.out, int32(TK), int32(H), int32(I))
 }
 
@@ -275,7 +285,7 @@ func (l *Layer) launchRouteAlign(x *gpuctx.Buffer, T, shared, bm int) error {
 	ks := l.slots(shared)
 	TK, E := T*ks, l.experts()
 	grid := gpuctx.Dim3{X: moekernels.RouteAlignBlocks(T * c.NumExperts), Y: 1, Z: 1}
-	return l.main.Launch(l.kRouteAlign, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, moekernels.RouteAlignSmem(T, c.NumExperts),
+	return l.launchEarly(l.kRouteAlign, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, moekernels.RouteAlignSmem(T, c.NumExperts),
 		x, l.router, l.bias, s.logits, s.idx, s.w, s.sorted, s.bexp, s.npost, s.ticket,
 		int32(T), int32(c.HiddenSize), int32(c.NumExperts), int32(c.TopK), scoring, method,
 		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,

@@ -3,6 +3,7 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -31,6 +32,10 @@ type device struct {
 	streams map[*stream]struct{}
 	events  map[*event]struct{}
 	handles []destroyer // BLAS and Lt handles made here
+
+	// early: LaunchEarly uses programmatic dependent launch (compute
+	// capability >= 9.0, cuLaunchKernelEx present, GPUCTX_EARLY_LAUNCH != "0").
+	early bool
 
 	modMu   sync.Mutex         // guards modules and kernels; held while loading a module
 	modules map[string]uintptr // source file -> CUmodule
@@ -86,6 +91,7 @@ func openDevice(b *backend, i int) (*device, error) {
 	}
 	info.TotalMemory = uint64(total)
 	d.info = info
+	d.early = info.ComputeMajor >= 9 && api.cuLaunchKernelEx != nil && os.Getenv("GPUCTX_EARLY_LAUNCH") != "0"
 
 	if err := check(api, "cuDevicePrimaryCtxRetain", api.cuDevicePrimaryCtxRetain(&d.ctx, d.dev)); err != nil {
 		return nil, fmt.Errorf("cuda: Device(%d): %w", i, err)

@@ -74,6 +74,10 @@ type driverSyms struct {
 	// The per-launch path calls cuLaunchKernel through driverAPI.launchKernel
 	// (purego.SyscallN); this field is for tests and the bare baseline.
 	cuLaunchKernel func(f uintptr, gx uint32, gy uint32, gz uint32, bx uint32, by uint32, bz uint32, shared uint32, s uintptr, params unsafe.Pointer, extra unsafe.Pointer) int32
+
+	// Programmatic dependent launch (stream.launchEarly): the launch attribute
+	// PROGRAMMATIC_STREAM_SERIALIZATION needs cuLaunchKernelEx (CUDA >= 12.0).
+	cuLaunchKernelEx func(config unsafe.Pointer, f uintptr, params unsafe.Pointer, extra unsafe.Pointer) int32 // optional
 }
 
 // symbols is the one table that maps C symbol names to the fields of a.
@@ -131,5 +135,6 @@ func (a *driverSyms) symbols() []dynload.Symbol {
 		{Name: "cuFuncSetAttribute", Fn: &a.cuFuncSetAttribute},
 		{Name: "cuFuncGetParamInfo", Fn: &a.cuFuncGetParamInfo, Optional: true},
 		{Name: "cuLaunchKernel", Fn: &a.cuLaunchKernel},
+		{Name: "cuLaunchKernelEx", Fn: &a.cuLaunchKernelEx, Optional: true},
 	}
 }

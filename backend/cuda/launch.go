@@ -39,7 +39,33 @@ const maxKernelArgs = 32
 type paramBlock struct {
 	vals [maxKernelArgs]uint64
 	ptrs [maxKernelArgs]unsafe.Pointer
+	// cfg and attr are cuLaunchKernelEx's arguments for an early launch.
+	cfg  launchConfig
+	attr launchAttribute
 }
+
+// launchConfig is CUlaunchConfig (cuda.h, 64-bit): 56 bytes.
+type launchConfig struct {
+	grid     [3]uint32
+	block    [3]uint32
+	shared   uint32
+	_        uint32
+	stream   uintptr
+	attrs    *launchAttribute
+	numAttrs uint32
+	_        uint32
+}
+
+// launchAttribute is CUlaunchAttribute: an id, padding to 8 bytes, and a
+// 64-byte value union.
+type launchAttribute struct {
+	id    uint32
+	_     uint32
+	value [64]byte
+}
+
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
+const launchAttrProgrammaticStreamSerialization = 6
 
 var paramPool = sync.Pool{New: func() any { return new(paramBlock) }}
 
@@ -107,8 +133,11 @@ func dim(what string, v int) (uint32, error) {
 	return uint32(v), nil
 }
 
-// launch packs args and calls cuLaunchKernel on s.
-func (s *stream) launch(k *kernel, grid, block hal.Dim3, sharedMem int, args []any) error {
+// launch packs args and calls cuLaunchKernel on s; with early (and
+// s.d.early) it calls cuLaunchKernelEx with programmatic stream
+// serialisation instead, so that k may start before the kernel ahead of it on
+// s has finished.
+func (s *stream) launch(k *kernel, grid, block hal.Dim3, sharedMem int, args []any, early bool) error {
 	var g, b [3]uint32
 	var err error
 	names := [6]string{"grid.X", "grid.Y", "grid.Z", "block.X", "block.Y", "block.Z"}
@@ -147,6 +176,14 @@ func (s *stream) launch(k *kernel, grid, block hal.Dim3, sharedMem int, args []a
 			if err := k.raiseDynShared(int32(sharedMem)); err != nil {
 				return err
 			}
+		}
+		if early && s.d.early {
+			pb.attr = launchAttribute{id: launchAttrProgrammaticStreamSerialization}
+			pb.attr.value[0] = 1 // programmaticStreamSerializationAllowed (int)
+			pb.cfg = launchConfig{grid: g, block: b, shared: uint32(sharedMem), stream: s.h, attrs: &pb.attr, numAttrs: 1}
+			r := s.d.api.cuLaunchKernelEx(unsafe.Pointer(&pb.cfg), k.fn, params, nil)
+			runtime.KeepAlive(pb)
+			return check(s.d.api, "cuLaunchKernelEx", r)
 		}
 		r := s.d.api.launchKernel(k.fn, g, b, uint32(sharedMem), s.h, params)
 		runtime.KeepAlive(pb)

@@ -85,7 +85,27 @@ func (s *stream) Launch(k hal.Kernel, grid, block hal.Dim3, sharedMem int, args 
 	if kk.d != s.d {
 		return fmt.Errorf("cuda: Launch %s: kernel belongs to device %d, stream %d to device %d", kk.name, kk.d.info.Index, s.id, s.d.info.Index)
 	}
-	return s.launch(kk, grid, block, sharedMem, args)
+	return s.launch(kk, grid, block, sharedMem, args, false)
+}
+
+// LaunchEarly queues kernel k on s so that it may start before the kernel
+// queued ahead of it on s has finished (programmatic dependent launch,
+// cuLaunchKernelEx with PROGRAMMATIC_STREAM_SERIALIZATION) where the device
+// supports it (compute capability 9.0 and later, a driver with
+// cuLaunchKernelEx, GPUCTX_EARLY_LAUNCH not "0"); elsewhere it is Launch.
+// k must execute griddepcontrol.wait before it touches memory that earlier
+// work on s writes, or writes memory that earlier work reads: the wait
+// returns when the kernels ahead of it have completed and their writes are
+// visible.
+func (s *stream) LaunchEarly(k hal.Kernel, grid, block hal.Dim3, sharedMem int, args ...any) error {
+	kk, ok := k.(*kernel)
+	if !ok || kk == nil {
+		return fmt.Errorf("cuda: LaunchEarly: kernel %T is not a CUDA kernel from this backend", k)
+	}
+	if kk.d != s.d {
+		return fmt.Errorf("cuda: LaunchEarly %s: kernel belongs to device %d, stream %d to device %d", kk.name, kk.d.info.Index, s.id, s.d.info.Index)
+	}
+	return s.launch(kk, grid, block, sharedMem, args, true)
 }
 
 // Wait makes later work on s wait for e's recorded work (cuStreamWaitEvent).

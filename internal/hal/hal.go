@@ -137,6 +137,15 @@ type Stream interface {
 	ID() uint64
 }
 
+// EarlyLauncher is implemented by streams that can start a kernel before the
+// kernel queued ahead of it has finished (CUDA programmatic dependent launch).
+// The kernel must wait (griddepcontrol.wait) before it touches memory that
+// earlier work writes, or writes memory that earlier work reads. A stream that
+// does not implement it, or cannot on its device, launches normally.
+type EarlyLauncher interface {
+	LaunchEarly(k Kernel, grid, block Dim3, sharedMem int, args ...any) error
+}
+
 // Event marks a point in a stream.
 type Event interface {
 	// Record captures the work queued on s so far.

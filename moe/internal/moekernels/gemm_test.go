@@ -64,12 +64,15 @@ func TestSources(t *testing.T) {
 			t.Errorf("%s uses %s: it gets no prelude", GemmFile, lim)
 		}
 	}
-	if !strings.HasPrefix(gemm, gemmSource) || !strings.HasSuffix(gemm, moeGemmInstances()) {
-		t.Errorf("%s is not the file followed by the generated instances", GemmFile)
+	if gemm != gridDeps+gemmSource+moeGemmInstances() {
+		t.Errorf("%s is not the grid-dependency macros, the file, then the generated instances", GemmFile)
 	}
 	wg := srcs[WgmmaFile]
-	if !strings.HasPrefix(wg, wgmmaSource) || !strings.HasSuffix(wg, wgmmaInstances()) {
-		t.Errorf("%s is not the file followed by the generated instances", WgmmaFile)
+	if wg != gridDeps+wgmmaSource+wgmmaInstances() {
+		t.Errorf("%s is not the grid-dependency macros, the file, then the generated instances", WgmmaFile)
+	}
+	if !strings.Contains(route, "\n"+gridDeps) {
+		t.Errorf("%s lacks the grid-dependency macros", RouteFile)
 	}
 	for _, c := range MoEGemms {
 		src, other := gemm, wg
@@ -103,12 +106,12 @@ func TestSources(t *testing.T) {
 // launch gets without opting in, over every T*E the kernel accepts.
 func TestRouteAlignSmem(t *testing.T) {
 	tests := []struct{ T, E, want int }{
-		{1, 64, 34820},                          // the align's counters are larger
-		{16, 128, 8192 + 16*1856},               // 16 routing warps: 37888
-		{8, 256, 8192 + 8*3648},                 // 37376
-		{4, 512, 8192 + 4*7232},                 // 37120
-		{0, 16, 34820},                          // no tokens
-		{2048, 1, 8192 + 16*((14+64+15)/16*16)}, // one expert: 9632
+		{1, 64, 34820},   // the align's counters are larger
+		{16, 128, 34820}, // 16 routing warps: 16*1152 = 18432
+		{8, 256, 34820},  // 8*2304
+		{4, 512, 34820},  // 4*4608
+		{0, 16, 34820},   // no tokens
+		{2048, 1, 34820}, // one expert: 16*16
 	}
 	for _, tc := range tests {
 		if got := RouteAlignSmem(tc.T, tc.E); got != max(tc.want, 34820) {
@@ -117,6 +120,9 @@ func TestRouteAlignSmem(t *testing.T) {
 	}
 	for E := 1; E <= MaxExperts; E++ {
 		for T := 0; T*E <= RouteAlignMaxDots; T++ {
+			if rw := min(max(T, 1), 16); rw*((9*E+15)/16*16) > 34820 {
+				t.Fatalf("T=%d E=%d: the routing warps' arrays outgrow the align's counters", T, E)
+			}
 			if n := RouteAlignSmem(T, E); n > 48<<10 {
 				t.Fatalf("RouteAlignSmem(%d, %d) = %d bytes, more than 48 KiB", T, E, n)
 			}

@@ -109,35 +109,65 @@ static __device__ __forceinline__ bool moe_route_args_ok(int E, int K, int metho
 }
 
 // moe_route_token routes token t (one warp, lane = its lane) from lg = its E
-// logits, with the scratch arrays of one warp (see gpuctx_moe_route).
-static __device__ void moe_route_token(const float* __restrict__ lg, const float* __restrict__ bias,
+// logits (read with __ldcg: another block may have written them). Lane l holds
+// the scores of experts l, l+32, ... in registers; the shared arrays of one
+// warp (ch [E], gs and keep [groups]) are used only by the group limit
+// (methods 1 and 2). Expert k's index and weight end in lane k.
+#define MOE_RT_PER (MOE_MAX_E / 32)
+static __device__ __forceinline__ void moe_route_token(const float* __restrict__ lg, const float* __restrict__ bias,
                                        int* __restrict__ topk_idx, float* __restrict__ topk_w, int t, int E, int K,
                                        int scoring, int method, int groups, int topk_groups, int has_bias, int norm,
-                                       float norm_eps, float scale, int ks, int ns, float* sc, float* ch, float* gs,
-                                       unsigned char* keep, unsigned char* taken, float* wsel, int lane) {
+                                       float norm_eps, float scale, int ks, int ns, float* ch, float* gs,
+                                       unsigned char* keep, int lane) {
     const float neg_inf = __uint_as_float(0xff800000u);
+    float sc[MOE_RT_PER], cv[MOE_RT_PER];
     if (scoring == 1) {
-        for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-lg[e]));
+#pragma unroll
+        for (int j = 0; j < MOE_RT_PER; ++j) {
+            if (32 * j >= E) break;
+            const int e = lane + 32 * j;
+            sc[j] = e < E ? 1.0f / (1.0f + expf(-__ldcg(lg + e))) : 0.0f;
+        }
     } else {
         float m = neg_inf;
-        for (int e = lane; e < E; e += 32) m = fmaxf(m, lg[e]);
+#pragma unroll
+        for (int j = 0; j < MOE_RT_PER; ++j) {
+            if (32 * j >= E) break;
+            const int e = lane + 32 * j;
+            sc[j] = e < E ? __ldcg(lg + e) : neg_inf;
+            m = fmaxf(m, sc[j]);
+        }
         m = moe_warp_max(m);
         float s = 0.0f;
-        for (int e = lane; e < E; e += 32) {
-            float v = expf(lg[e] - m);
-            sc[e] = v;
-            s += v;
+#pragma unroll
+        for (int j = 0; j < MOE_RT_PER; ++j) {
+            if (32 * j >= E) break;
+            if (lane + 32 * j < E) {
+                sc[j] = expf(sc[j] - m);
+                s += sc[j];
+            }
         }
         s = moe_warp_sum(s);
-        for (int e = lane; e < E; e += 32) sc[e] = sc[e] / s;
+#pragma unroll
+        for (int j = 0; j < MOE_RT_PER; ++j) {
+            if (32 * j >= E) break;
+            sc[j] = sc[j] / s;
+        }
     }
-    for (int e = lane; e < E; e += 32) {
-        ch[e] = has_bias ? sc[e] + bias[e] : sc[e];
-        taken[e] = 0;
+#pragma unroll
+    for (int j = 0; j < MOE_RT_PER; ++j) {
+        if (32 * j >= E) break;
+        const int e = lane + 32 * j;
+        cv[j] = (has_bias && e < E) ? sc[j] + bias[e] : sc[j];
     }
-    __syncwarp();
     if (method != 0) {
         const int per = E / groups;
+#pragma unroll
+        for (int j = 0; j < MOE_RT_PER; ++j) {
+            if (32 * j >= E) break;
+            if (lane + 32 * j < E) ch[lane + 32 * j] = cv[j];
+        }
+        __syncwarp();
         for (int g = lane; g < groups; g += 32) {
             float a = neg_inf, b = neg_inf;
             for (int j = 0; j < per; ++j) {
@@ -167,10 +197,13 @@ static __device__ void moe_route_token(const float* __restrict__ lg, const float
             if (lane == 0 && bi >= 0) keep[bi] = 1;
             __syncwarp();
         }
-        for (int e = lane; e < E; e += 32) {
-            if (!keep[e / per]) ch[e] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MOE_RT_PER; ++j) {
+            if (32 * j >= E) break;
+            const int e = lane + 32 * j;
+            if (e < E && !keep[e / per]) cv[j] = 0.0f;
         }
-        __syncwarp();
+        __syncwarp();  // the next token reuses ch, gs and keep
     }
 #if __CUDA_ARCH__ >= 800
     // Without NaNs the order (larger value, then lower index) is total, so
@@ -178,15 +211,25 @@ static __device__ void moe_route_token(const float* __restrict__ lg, const float
     // (redux.sync), instead of five shuffle rounds. -0 counts as +0, as in
     // moe_better.
     bool nan = false;
-    for (int e = lane; e < E; e += 32) nan |= isnan(ch[e]);
+#pragma unroll
+    for (int j = 0; j < MOE_RT_PER; ++j) {
+        if (32 * j >= E) break;
+        nan |= lane + 32 * j < E && isnan(cv[j]);
+    }
     const bool fast = !__any_sync(MOE_FULL, nan);
 #endif
+    unsigned taken = 0;  // bit j: expert lane + 32j is chosen
+    int my_idx = 0;      // lane k < K: the k-th choice and its weight
+    float my_w = 0.0f;
     for (int k = 0; k < K; ++k) {
         float bv = neg_inf;
         int bi = -1;
-        for (int e = lane; e < E; e += 32) {
-            if (!taken[e] && moe_better(ch[e], e, bv, bi)) {
-                bv = ch[e];
+#pragma unroll
+        for (int j = 0; j < MOE_RT_PER; ++j) {
+            if (32 * j >= E) break;
+            const int e = lane + 32 * j;
+            if (e < E && !((taken >> j) & 1u) && moe_better(cv[j], e, bv, bi)) {
+                bv = cv[j];
                 bi = e;
             }
         }
@@ -205,31 +248,37 @@ static __device__ void moe_route_token(const float* __restrict__ lg, const float
         moe_warp_argmax(bv, bi);
 #endif
         if (bi < 0) bi = 0;  // unreachable: K <= E leaves an untaken expert
-        __syncwarp();
-        if (lane == 0) {
-            taken[bi] = 1;
-            topk_idx[(long long)t * ks + k] = bi;
-            wsel[k] = (method == 2) ? sc[bi] : ch[bi];
+        // The owner lane of bi marks it and hands its weight to lane k.
+        float w = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MOE_RT_PER; ++j) {
+            if (32 * j >= E) break;
+            if (lane + 32 * j == bi) {
+                taken |= 1u << j;
+                w = (method == 2) ? sc[j] : cv[j];
+            }
         }
-        __syncwarp();
-    }
-    if (lane == 0) {
-        float s = 0.0f;
-        if (norm) {
-            for (int k = 0; k < K; ++k) s += wsel[k];
-            s += norm_eps;
-        }
-        for (int k = 0; k < K; ++k) {
-            float v = wsel[k];
-            if (norm) v = v / s;
-            topk_w[(long long)t * ks + k] = v * scale;
-        }
-        for (int j = 0; j < ns; ++j) {
-            topk_idx[(long long)t * ks + K + j] = E + j;
-            topk_w[(long long)t * ks + K + j] = 1.0f;
+        w = __shfl_sync(MOE_FULL, w, bi & 31);
+        if (lane == k) {
+            my_idx = bi;
+            my_w = w;
         }
     }
-    __syncwarp();  // the next token reuses the shared arrays
+    // Every lane sums the K weights in slot order (lane 0's sum before).
+    float s = 0.0f;
+    if (norm) {
+        for (int k = 0; k < K; ++k) s += __shfl_sync(MOE_FULL, my_w, k);
+        s += norm_eps;
+    }
+    if (lane < K) {
+        float v = my_w;
+        if (norm) v = v / s;
+        topk_idx[(long long)t * ks + lane] = my_idx;
+        topk_w[(long long)t * ks + lane] = v * scale;
+    } else if (lane < K + ns) {
+        topk_idx[(long long)t * ks + lane] = E + (lane - K);
+        topk_w[(long long)t * ks + lane] = 1.0f;
+    }
 }
 
 extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
@@ -237,18 +286,16 @@ extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, co
                                             int T, int E, int K, int scoring, int method, int groups,
                                             int topk_groups, int has_bias, int norm, float norm_eps, float scale,
                                             int ks, int ns) {
-    __shared__ float sc[MOE_MAX_E];
     __shared__ float ch[MOE_MAX_E];
     __shared__ float gs[MOE_MAX_E];
     __shared__ unsigned char keep[MOE_MAX_E];
-    __shared__ unsigned char taken[MOE_MAX_E];
-    __shared__ float wsel[MOE_MAX_K];
+    MOE_GRID_WAIT();
+    MOE_GRID_LAUNCH();
     if (threadIdx.x >= 32) return;  // one warp per block; extra threads idle
     if (!moe_route_args_ok(E, K, method, groups, topk_groups, ks, ns)) return;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         moe_route_token(logits + (long long)t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups,
-                        topk_groups, has_bias, norm, norm_eps, scale, ks, ns, sc, ch, gs, keep, taken, wsel,
-                        threadIdx.x);
+                        topk_groups, has_bias, norm, norm_eps, scale, ks, ns, ch, gs, keep, threadIdx.x);
     }
 }
 
@@ -586,12 +633,15 @@ static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    for (int i = tid; i < MOE_ALIGN_WARPS * MOE_MAX_E; i += blockDim.x) cnt[i / MOE_MAX_E][i % MOE_MAX_E] = 0;
+    // Each of the first nw warps owns one contiguous segment of at least 32
+    // assignments (few warps for a small batch: fewer counters to scan) and
+    // walks it in chunks of 32 * MOE_ALIGN_UNROLL: all loads of a chunk are
+    // in flight at once, then each group of 32 is counted with
+    // __match_any_sync. The rows do not depend on nw.
+    const int nw = TK <= 0 ? 1 : moe_imin(MOE_ALIGN_WARPS, (TK + 31) / 32);
+    for (int i = tid; i < nw * MOE_MAX_E; i += blockDim.x) cnt[i / MOE_MAX_E][i % MOE_MAX_E] = 0;
     __syncthreads();
-    // Each warp owns one contiguous segment of the assignments and walks it in
-    // chunks of 32 * MOE_ALIGN_UNROLL: all loads of a chunk are in flight at
-    // once, then each group of 32 is counted with __match_any_sync.
-    const int per = (TK + MOE_ALIGN_WARPS - 1) / MOE_ALIGN_WARPS;
+    const int per = (TK + nw - 1) / nw;
     const int s0 = warp * per;
     const int s1 = moe_imin(TK, s0 + per);
     for (int base = s0; base < s1; base += 32 * MOE_ALIGN_UNROLL) {
@@ -612,7 +662,7 @@ static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
         int run = 0;
-        for (int w = 0; w < MOE_ALIGN_WARPS; ++w) {
+        for (int w = 0; w < nw; ++w) {
             const int c = cnt[w][e];
             cnt[w][e] = run;
             run += c;
@@ -648,7 +698,7 @@ static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __
     for (int p = tid; p < cap; p += blockDim.x) sorted[p] = TK;
     for (int b = tid; b < cap / BM; b += blockDim.x) block_expert[b] = -1;
     for (int e = tid; e < E; e += blockDim.x) {
-        for (int w = 0; w < MOE_ALIGN_WARPS; ++w) cnt[w][e] += seg[e];
+        for (int w = 0; w < nw; ++w) cnt[w][e] += seg[e];
     }
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
@@ -681,6 +731,8 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
     int TK, int E, int BM, int cap) {
     __shared__ int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
     __shared__ int seg[MOE_MAX_E + 1];
+    MOE_GRID_WAIT();
+    MOE_GRID_LAUNCH();
     if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 ||
         cap % BM != 0) {
         return;
@@ -708,6 +760,8 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_align_count(
     const int* __restrict__ topk_idx, int* __restrict__ bcnt, int TK, int E) {
     __shared__ int cnt[MOE_MAX_E];
+    MOE_GRID_WAIT();
+    MOE_GRID_LAUNCH();
     if (E <= 0 || E > MOE_MAX_E) return;
     for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -724,6 +778,8 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
     const int* __restrict__ bcnt, int* __restrict__ boff, int* __restrict__ sorted, int* __restrict__ block_expert,
     int* __restrict__ npost, int TK, int E, int BM, int cap, int nb) {
     __shared__ int seg[MOE_MAX_E + 1];
+    MOE_GRID_WAIT();
+    MOE_GRID_LAUNCH();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 || cap % BM != 0) {
         return;
@@ -777,6 +833,8 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
     const int* __restrict__ topk_idx, const int* __restrict__ boff, const int* __restrict__ npost,
     int* __restrict__ sorted, int TK, int E) {
     __shared__ int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
+    MOE_GRID_WAIT();
+    MOE_GRID_LAUNCH();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (npost[0] < 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E) return;
     for (int i = tid; i < MOE_ALIGN_WARPS * E; i += blockDim.x) cnt[i / E][i % E] = 0;
@@ -838,17 +896,17 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 // E + ns <= 512, T*E <= MOE_RA_MAX_DOTS.
 #define MOE_RA_ALIGN_BYTES (MOE_ALIGN_WARPS * MOE_MAX_E * 4 + (MOE_MAX_E + 1) * 4)
 
-// Bytes of one routing warp's arrays (sc, ch, gs, wsel, then keep and taken)
-// and of the whole dynamic shared memory: the logits and min(T, 16) warps'
-// arrays while routing, the align's counters afterwards.
-static __host__ __device__ __forceinline__ int moe_ra_warp_bytes(int E) { return (12 * E + 4 * MOE_MAX_K + 2 * E + 15) / 16 * 16; }
+// Bytes of one routing warp's arrays (ch and gs, then keep) and of the whole
+// dynamic shared memory: min(T, 16) warps' arrays while routing, the align's
+// counters afterwards (always the larger: T*E <= MOE_RA_MAX_DOTS).
+static __host__ __device__ __forceinline__ int moe_ra_warp_bytes(int E) { return (9 * E + 15) / 16 * 16; }
 static __host__ __device__ __forceinline__ int moe_ra_smem(int T, int E) {
     const int rw = T < MOE_ALIGN_WARPS ? (T > 0 ? T : 1) : MOE_ALIGN_WARPS;
-    const int route = (4 * T * E + 15) / 16 * 16 + rw * moe_ra_warp_bytes(E);
+    const int route = rw * moe_ra_warp_bytes(E);
     return route > MOE_RA_ALIGN_BYTES ? route : MOE_RA_ALIGN_BYTES;
 }
 
-extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_route_align(
+extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe_route_align(
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ router, const float* __restrict__ bias,
     float* __restrict__ logits, int* __restrict__ topk_idx, float* __restrict__ topk_w, int* __restrict__ sorted,
     int* __restrict__ block_expert, int* __restrict__ npost, unsigned int* __restrict__ ticket, int T, int H, int E,
@@ -856,6 +914,8 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_ro
     float scale, int ks, int ns, int BM, int cap) {
     extern __shared__ __align__(16) unsigned char ra_dyn[];
     __shared__ bool last;
+    MOE_GRID_WAIT();  // x and the ticket come from earlier work
+    MOE_GRID_LAUNCH();
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     const int Ex = E + ns;
@@ -896,21 +956,15 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_ro
     __syncthreads();
     if (!last) return;
     __threadfence();
-    float* lg = (float*)ra_dyn;
-    for (int i = threadIdx.x; i < T * E; i += blockDim.x) lg[i] = __ldcg(logits + i);
-    __syncthreads();
+    // A warp per token reads its logits from L2 (__ldcg in moe_route_token).
     const int rw = T < MOE_ALIGN_WARPS ? T : MOE_ALIGN_WARPS;
     if (warp < rw) {
-        unsigned char* mine = ra_dyn + (4 * T * E + 15) / 16 * 16 + warp * moe_ra_warp_bytes(E);
-        float* sc = (float*)mine;
-        float* ch = sc + E;
+        float* ch = (float*)(ra_dyn + warp * moe_ra_warp_bytes(E));
         float* gs = ch + E;
-        float* wsel = gs + E;
-        unsigned char* keep = (unsigned char*)(wsel + MOE_MAX_K);
-        unsigned char* taken = keep + E;
+        unsigned char* keep = (unsigned char*)(gs + E);
         for (int t = warp; t < T; t += rw) {
-            moe_route_token(lg + t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups, topk_groups,
-                            has_bias, norm, norm_eps, scale, ks, ns, sc, ch, gs, keep, taken, wsel, lane);
+            moe_route_token(logits + (long long)t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups,
+                            topk_groups, has_bias, norm, norm_eps, scale, ks, ns, ch, gs, keep, lane);
         }
     }
     __syncthreads();
@@ -928,6 +982,8 @@ extern "C" __global__ void gpuctx_moe_combine_rows(const void* __restrict__ out,
                                                    const void* __restrict__ shared, const float* __restrict__ gate,
                                                    void* __restrict__ y, int T, int K, int H, int has_routed,
                                                    int has_shared, int has_gate, int bf16) {
+    MOE_GRID_WAIT();
+    MOE_GRID_LAUNCH();
     const long long n = (long long)T * H;
     const long long tid0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long step = (long long)gridDim.x * blockDim.x;

@@ -96,6 +96,10 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
     __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
 
+    // Launched early (LaunchEarly): wait for the kernels ahead (the align, or
+    // the up kernel), then let the next kernel be scheduled.
+    MOE_GRID_WAIT();
+    MOE_GRID_LAUNCH();
     const int mb = blockIdx.y;
     if (mb * BM >= npost[0]) return;
     const int e = block_expert[mb];

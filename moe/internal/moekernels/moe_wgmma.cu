@@ -95,6 +95,8 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
     __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
     __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
 
+    MOE_GRID_WAIT();  // launched early: see moe_gemm
+    MOE_GRID_LAUNCH();
     const int mb = blockIdx.y;
     if (mb * BM >= npost[0]) return;
     const int e = block_expert[mb];

@@ -91,6 +91,7 @@ package moekernels
 import (
 	_ "embed"
 	"fmt"
+	"sync"
 
 	"github.com/gpuctx/gpuctx/kernels"
 )
@@ -115,14 +116,13 @@ const (
 func RouteAlignBlocks(dots int) int { return max((dots+15)/16, 1) }
 
 // RouteAlignSmem is the dynamic shared memory of gpuctx_moe_route_align for T
-// tokens over E routed experts (moe_ra_smem of moe.cu): the logits and
-// min(T, 16) routing warps' arrays, or the align's counters if larger. It is
-// under 48 KiB for every T*E <= RouteAlignMaxDots.
+// tokens over E routed experts (moe_ra_smem of moe.cu): min(T, 16) routing
+// warps' arrays, or the align's counters if larger (they are for every
+// T*E <= RouteAlignMaxDots). It is under 48 KiB.
 func RouteAlignSmem(T, E int) int {
 	const alignWarps = 16 // MOE_ALIGN_WARPS
 	rw := min(max(T, 1), alignWarps)
-	warp := (12*E + 4*MaxTopK + 2*E + 15) / 16 * 16
-	route := (4*T*E+15)/16*16 + rw*warp
+	route := rw * ((9*E + 15) / 16 * 16)
 	return max(route, alignWarps*MaxExperts*4+(MaxExperts+1)*4)
 }
 
@@ -148,16 +148,61 @@ func Prelude() string {
 		"#define MOE_MAX_E %d\n#define MOE_MAX_K %d\n#define MOE_RA_MAX_DOTS %d\n\n", MaxExperts, MaxTopK, RouteAlignMaxDots)
 }
 
-// RouteSource returns moe.cu as it is compiled: Prelude, then the file.
-func RouteSource() string { return Prelude() + routeSource }
+// gridDeps is the head of every file: MOE_GRID_WAIT() and MOE_GRID_LAUNCH(),
+// the two halves of a programmatic dependent launch (gpuctx.Stream.LaunchEarly)
+// on sm_90 and later, and nothing before. A kernel that may be launched early
+// calls MOE_GRID_WAIT() before it reads what the kernels ahead of it on its
+// stream write (it returns when they have completed and their writes are
+// visible), and MOE_GRID_LAUNCH() after it, so that the kernel behind it may be
+// scheduled while this one runs. Launched normally, both do nothing.
+const gridDeps = `// ---- Programmatic dependent launch (moekernels.gridDeps).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MOE_GRID_WAIT() asm volatile("griddepcontrol.wait;\n" ::: "memory")
+#define MOE_GRID_LAUNCH() asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory")
+#else
+#define MOE_GRID_WAIT() do { } while (0)
+#define MOE_GRID_LAUNCH() do { } while (0)
+#endif
 
-// GemmSource returns moe_gemm.cu as it is compiled: the file, then the
-// extern "C" instances of its templates for every config of MoEGemms.
-func GemmSource() string { return gemmSource + moeGemmInstances() }
+`
 
-// WgmmaSource returns moe_wgmma.cu as it is compiled: the file, then its
-// generated wgmma wrappers and the instances of every warpgroup tile.
-func WgmmaSource() string { return wgmmaSource + wgmmaInstances() }
+// earlyKernels are the kernels of moe.cu that call MOE_GRID_WAIT() before
+// they touch memory.
+var earlyKernels = []string{
+	"gpuctx_moe_route", "gpuctx_moe_align", "gpuctx_moe_align_count", "gpuctx_moe_align_scan",
+	"gpuctx_moe_align_scatter", "gpuctx_moe_route_align", "gpuctx_moe_combine_rows",
+}
+
+// WaitsFirst reports whether kernel name waits for the kernels ahead of it on
+// its stream (MOE_GRID_WAIT()) before it touches memory, so that it may be
+// queued with gpuctx.Stream.LaunchEarly: the routing, sorting and row-combine
+// kernels of the fused path and every expert GEMM tile of MoEGemms.
+func WaitsFirst(name string) bool { return waitsFirst()[name] }
+
+var waitsFirst = sync.OnceValue(func() map[string]bool {
+	m := make(map[string]bool)
+	for _, n := range earlyKernels {
+		m[n] = true
+	}
+	for _, c := range MoEGemms {
+		m[c.UpName()], m[c.DownName()] = true, true
+	}
+	return m
+})
+
+// RouteSource returns moe.cu as it is compiled: Prelude and the
+// grid-dependency macros, then the file.
+func RouteSource() string { return Prelude() + gridDeps + routeSource }
+
+// GemmSource returns moe_gemm.cu as it is compiled: the grid-dependency
+// macros, the file, then the extern "C" instances of its templates for every
+// config of MoEGemms.
+func GemmSource() string { return gridDeps + gemmSource + moeGemmInstances() }
+
+// WgmmaSource returns moe_wgmma.cu as it is compiled: the grid-dependency
+// macros, the file, then its generated wgmma wrappers and the instances of
+// every warpgroup tile.
+func WgmmaSource() string { return gridDeps + wgmmaSource + wgmmaInstances() }
 
 func init() {
 	kernels.Register(kernels.Source{File: RouteFile, Text: RouteSource(), Kernels: []kernels.Kernel{

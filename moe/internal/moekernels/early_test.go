@@ -1,0 +1,103 @@
+package moekernels
+
+import (
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// function returns the parameter names and the body (between its braces) of
+// the function or kernel called name in src, or ok false.
+func function(src, name string) (params []string, body string, ok bool) {
+	i := strings.Index(src, " "+name+"(")
+	if i < 0 {
+		return nil, "", false
+	}
+	i += len(name) + 2
+	depth, j := 1, i
+	for ; j < len(src) && depth > 0; j++ {
+		switch src[j] {
+		case '(':
+			depth++
+		case ')':
+			depth--
+		}
+	}
+	for _, p := range strings.Split(src[i:j-1], ",") {
+		if f := strings.Fields(strings.TrimSpace(p)); len(f) > 0 {
+			params = append(params, strings.TrimLeft(f[len(f)-1], "*&"))
+		}
+	}
+	k := strings.IndexByte(src[j:], '{')
+	if k < 0 {
+		return nil, "", false
+	}
+	start := j + k + 1
+	depth = 1
+	for j = start; j < len(src) && depth > 0; j++ {
+		switch src[j] {
+		case '{':
+			depth++
+		case '}':
+			depth--
+		}
+	}
+	return params, src[start : j-1], true
+}
+
+// TestWaitsFirst checks in the sources as compiled that every kernel
+// WaitsFirst accepts calls MOE_GRID_WAIT() before it mentions any of its
+// parameters (for a generated GEMM instance: in the template it calls), so
+// that launching it early cannot read what the kernel ahead of it is still
+// writing; and that WaitsFirst refuses kernels that do not wait.
+func TestWaitsFirst(t *testing.T) {
+	srcs := []string{RouteSource(), GemmSource(), WgmmaSource()}
+	names := append([]string(nil), earlyKernels...)
+	for _, c := range MoEGemms {
+		if c.HasUp() {
+			names = append(names, c.UpName())
+		}
+		names = append(names, c.DownName())
+	}
+	instance := regexp.MustCompile(`^\s*(\w+)<[^;]*>\([^;]*\);\s*$`)
+	for _, name := range names {
+		if !WaitsFirst(name) {
+			t.Errorf("WaitsFirst(%q) = false", name)
+		}
+		var params []string
+		var body, src string
+		for _, s := range srcs {
+			if p, b, ok := function(s, name); ok {
+				params, body, src = p, b, s
+				break
+			}
+		}
+		if src == "" {
+			t.Errorf("%s: not found in the sources", name)
+			continue
+		}
+		if m := instance.FindStringSubmatch(body); m != nil { // a generated instance
+			var ok bool
+			if params, body, ok = function(src, m[1]); !ok {
+				t.Errorf("%s: template %s not found", name, m[1])
+				continue
+			}
+		}
+		w := strings.Index(body, "MOE_GRID_WAIT();")
+		if w < 0 {
+			t.Errorf("%s: no MOE_GRID_WAIT()", name)
+			continue
+		}
+		code := regexp.MustCompile(`//[^\n]*|"[^"\n]*"`).ReplaceAllString(body[:w], "") // comments and strings
+		for _, p := range params {
+			if regexp.MustCompile(`\b` + regexp.QuoteMeta(p) + `\b`).MatchString(code) {
+				t.Errorf("%s: parameter %s is used before MOE_GRID_WAIT()", name, p)
+			}
+		}
+	}
+	for _, name := range []string{"gpuctx_moe_swiglu", "gpuctx_moe_gather", "gpuctx_moe_combine", "gpuctx_moe_plan", "gpuctx_moe_expert_up"} {
+		if WaitsFirst(name) {
+			t.Errorf("WaitsFirst(%q) = true; it does not wait", name)
+		}
+	}
+}
