@@ -21,8 +21,9 @@ import (
 //	    for the same rows with a < TK: out[a,h] = bf16(act[p,:].down[e,h,:]) for
 //	    h < H; padding rows write nothing. Grid (ceil(H/BN), cap/BM).
 //
-// Both take block (Threads(), 1, 1) and SmemBytes(up) bytes of dynamic shared
-// memory; H and I must be multiples of 8 and every matrix 16-byte aligned. A
+// A persistent tile's grid is (min(SMs, ceil(n/BN)*(cap/BM)), 1) instead (see
+// Grid), for n = I or H. All take block (Threads(), 1, 1) and SmemBytes(up)
+// bytes of dynamic shared memory; H and I must be multiples of 8 and every matrix 16-byte aligned. A
 // down-only tile (HasUp false) has no up kernel.
 // sorted, blockExpert and npost come from gpuctx_moe_align with the same BM.
 type MoEGemm struct {
@@ -34,22 +35,38 @@ type MoEGemm struct {
 	// only): BM = 64*Warpgroups, each warpgroup of 128 threads owns 64 rows
 	// and all columns; WarpsM and WarpsN are unused (zero).
 	Warpgroups int
+	// Persistent makes a warpgroup tile persistent and warp-specialised
+	// (moe_wgmma.cu's moe_wgp): one block per multiprocessor loops over the
+	// tiles, one producer warp loads the stages and the Warpgroups consumer
+	// warpgroups multiply, synchronised by mbarriers.
+	Persistent bool
 }
 
 // Tag is the suffix of the config's kernel names, e.g. "m16n64k64w1x4s4", or
-// "m128n128k64g2s4" for a warpgroup tile.
+// "m128n128k64g2s4" for a warpgroup tile and "m128n128k64g2s4p" for a
+// persistent one.
 func (c MoEGemm) Tag() string {
 	if c.Warpgroups > 0 {
-		return fmt.Sprintf("m%dn%dk%dg%ds%d", c.BM, c.BN, c.BK, c.Warpgroups, c.Stages)
+		p := ""
+		if c.Persistent {
+			p = "p"
+		}
+		return fmt.Sprintf("m%dn%dk%dg%ds%d%s", c.BM, c.BN, c.BK, c.Warpgroups, c.Stages, p)
 	}
 	return fmt.Sprintf("m%dn%dk%dw%dx%ds%d", c.BM, c.BN, c.BK, c.WarpsM, c.WarpsN, c.Stages)
 }
 
 // Grid is the launch grid of the config's up (n = I) or down (n = H) kernel
 // over cap sorted rows on a device of sms multiprocessors: one block per
-// BM x BN tile, (ceil(n/BN), cap/BM).
+// BM x BN tile, (ceil(n/BN), cap/BM), or for a persistent tile one block per
+// multiprocessor (at least one), no more than the tiles:
+// (min(sms, ceil(n/BN)*(cap/BM)), 1).
 func (c MoEGemm) Grid(n, cap, sms int) (x, y int) {
-	return (n + c.BN - 1) / c.BN, cap / c.BM
+	nx, ny := (n+c.BN-1)/c.BN, cap/c.BM
+	if c.Persistent {
+		return min(max(sms, 1), nx*ny), 1
+	}
+	return nx, ny
 }
 
 // HasUp reports whether the config has an up kernel: every mma.sync tile, and
@@ -71,8 +88,12 @@ func (c MoEGemm) UpName() string { return "gpuctx_moe_up_" + c.Tag() }
 // DownName is the name of the config's down-projection kernel.
 func (c MoEGemm) DownName() string { return "gpuctx_moe_down_" + c.Tag() }
 
-// Threads is the block size.
+// Threads is the block size: for a persistent tile, its consumer warpgroups
+// and one producer warp.
 func (c MoEGemm) Threads() int {
+	if c.Persistent {
+		return 128*c.Warpgroups + 32
+	}
 	if c.Warpgroups > 0 {
 		return 128 * c.Warpgroups
 	}
@@ -82,6 +103,7 @@ func (c MoEGemm) Threads() int {
 // SmemBytes is the dynamic shared memory of the up (gate and up tiles) or
 // down kernel: Stages copies of an A tile and one or two B tiles, and for a
 // warpgroup tile 1024 bytes more (its tiles start at a 1024-byte boundary).
+// A persistent tile's mbarriers are static (see staticSmem).
 func (c MoEGemm) SmemBytes(up bool) int {
 	b := c.BN
 	if up && c.HasUp() {
@@ -133,11 +155,32 @@ var MoEGemms = []MoEGemm{
 	{BM: 128, BN: 256, BK: 64, Warpgroups: 2, Stages: 3}, // down only
 	{BM: 128, BN: 256, BK: 64, Warpgroups: 2, Stages: 4}, // down only
 	{BM: 192, BN: 256, BK: 64, Warpgroups: 3, Stages: 3}, // down only
+	// Persistent, warp-specialised warpgroup tiles: as many stages as fit.
+	{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 4, Persistent: true},
+	{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 6, Persistent: true},
+	{BM: 128, BN: 256, BK: 64, Warpgroups: 2, Stages: 4, Persistent: true}, // down only
 }
 
 // MoEGemmSmemLimit is the shared memory one block may use on the GPUs the
 // fused kernels target (sm_80 and sm_90: 227 KiB), static part included.
 const MoEGemmSmemLimit = 227 << 10
+
+// staticSmem is the static shared memory of the config's kernels (the larger
+// of up and down): the row arrays (two ints per tile row), or for a persistent
+// tile its 2*Stages mbarriers (8 bytes each). A warpgroup tile's dynamic
+// shared memory is declared 1024-byte aligned, which rounds its static part
+// up to a multiple of 1024 (ptxas -v reports 1024 bytes for BM 128, 2048 for
+// BM 192).
+func (c MoEGemm) staticSmem() int {
+	n := 8 * c.BM
+	if c.Persistent {
+		n = 16 * c.Stages
+	}
+	if c.Warpgroups > 0 {
+		n = (n + 1023) &^ 1023
+	}
+	return n
+}
 
 // Check reports why c cannot be instantiated (the static assertions of
 // moe_gemm.cu and the shared-memory limit), or nil.
@@ -153,12 +196,17 @@ func (c MoEGemm) Check() error {
 			return fmt.Errorf("tile %s: a warpgroup tile has no warp grid", c.Tag())
 		case c.BN%8 != 0 || c.BN > 256:
 			return fmt.Errorf("tile %s: BN = %d, want a multiple of 8 up to 256 (one wgmma; above 128 the tile is down-only)", c.Tag(), c.BN)
-		case c.Stages < 3:
+		case c.Persistent && c.Stages < 2:
+			return fmt.Errorf("tile %s: %d stages, a persistent tile needs at least 2", c.Tag(), c.Stages)
+		case !c.Persistent && c.Stages < 3:
 			return fmt.Errorf("tile %s: %d stages, a warpgroup tile needs at least 3", c.Tag(), c.Stages)
-		case c.SmemBytes(true)+8*c.BM > MoEGemmSmemLimit:
-			return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+8*c.BM, MoEGemmSmemLimit)
+		case c.SmemBytes(true)+c.staticSmem() > MoEGemmSmemLimit:
+			return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+c.staticSmem(), MoEGemmSmemLimit)
 		}
 		return nil
+	}
+	if c.Persistent {
+		return fmt.Errorf("tile %s: only a warpgroup tile can be persistent", c.Tag())
 	}
 	switch {
 	case c.BK != 64 && c.BK != 128 && c.BK != 256:
@@ -171,8 +219,8 @@ func (c MoEGemm) Check() error {
 		return fmt.Errorf("tile %s: the B tile's %d 16-byte chunks do not split evenly over %d threads", c.Tag(), c.BN*c.BK/8, th)
 	case c.Stages < 2:
 		return fmt.Errorf("tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
-	case c.SmemBytes(true)+8*c.BM > MoEGemmSmemLimit:
-		return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+8*c.BM, MoEGemmSmemLimit)
+	case c.SmemBytes(true)+c.staticSmem() > MoEGemmSmemLimit:
+		return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+c.staticSmem(), MoEGemmSmemLimit)
 	}
 	return nil
 }
@@ -204,7 +252,8 @@ func moeGemmInstances() string {
 // wgmmaInstances returns the generated tail of moe_wgmma.cu: one wg_mma
 // specialisation per wgmma width the warpgroup tiles use (the instruction
 // lists its N/2 accumulator registers one by one), then the extern "C"
-// instances of every warpgroup tile of MoEGemms.
+// instances of every warpgroup tile of MoEGemms (moe_wg, or moe_wgp for a
+// persistent tile, at most one block per multiprocessor).
 func wgmmaInstances() string {
 	var b strings.Builder
 	b.WriteString("\n// ---- Generated by moekernels.wgmmaInstances from moekernels.MoEGemms.\n")
@@ -247,16 +296,20 @@ __device__ __forceinline__ void wg_mma<%d>(float* d, unsigned long long a, unsig
 			continue
 		}
 		t := fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
-		if c.HasUp() {
-			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ x, const unsigned short* __restrict__ gu, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
-    moe_wg<%s, true>(x, gu, sorted, block_expert, npost, act, TK, K, H, I);
-}
-`, c.Threads(), c.UpName(), t)
+		fn, bounds := "moe_wg", fmt.Sprint(c.Threads())
+		if c.Persistent {
+			fn, bounds = "moe_wgp", fmt.Sprintf("%d, 1", c.Threads())
 		}
-		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ act, const unsigned short* __restrict__ down, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
-    moe_wg<%s, false>(act, down, sorted, block_expert, npost, out, TK, 1, I, H);
+		if c.HasUp() {
+			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%s) void %s(const unsigned short* __restrict__ x, const unsigned short* __restrict__ gu, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
+    %s<%s, true>(x, gu, sorted, block_expert, npost, act, TK, K, H, I);
 }
-`, c.Threads(), c.DownName(), t)
+`, bounds, c.UpName(), fn, t)
+		}
+		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%s) void %s(const unsigned short* __restrict__ act, const unsigned short* __restrict__ down, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
+    %s<%s, false>(act, down, sorted, block_expert, npost, out, TK, 1, I, H);
+}
+`, bounds, c.DownName(), fn, t)
 	}
 	return b.String()
 }

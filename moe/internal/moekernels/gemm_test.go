@@ -1,6 +1,7 @@
 package moekernels
 
 import (
+	"fmt"
 	"regexp"
 	"slices"
 	"strings"
@@ -126,6 +127,90 @@ func TestRouteAlignSmem(t *testing.T) {
 			if n := RouteAlignSmem(T, E); n > 48<<10 {
 				t.Fatalf("RouteAlignSmem(%d, %d) = %d bytes, more than 48 KiB", T, E, n)
 			}
+		}
+	}
+}
+
+// TestMoEGemmPersistent checks the persistent warpgroup tiles: their tags (the
+// other tags unchanged), block size, grid (one block per multiprocessor, no
+// more than the tiles), shared memory and Check, and their generated
+// instances (moe_wgp, one block per multiprocessor).
+func TestMoEGemmPersistent(t *testing.T) {
+	wg := MoEGemm{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 4}
+	p := wg
+	p.Persistent = true
+	if wg.Tag() != "m128n128k64g2s4" || p.Tag() != "m128n128k64g2s4p" {
+		t.Errorf("tags %q and %q, want m128n128k64g2s4 and m128n128k64g2s4p", wg.Tag(), p.Tag())
+	}
+	if got := p.Threads(); got != 288 {
+		t.Errorf("tile %s: %d threads, want 288 (two warpgroups and a producer warp)", p.Tag(), got)
+	}
+	for _, tc := range []struct{ n, cap, sms, x int }{
+		{1408, 32768, 132, 132}, // DeepSeek-V2-Lite's up at 4096 tokens: 11*256 tiles
+		{2048, 128, 132, 16},    // fewer tiles than multiprocessors
+		{100, 256, 132, 2},      // a partial column block
+		{1408, 128 * 4, 1, 1},
+		{1408, 128, 0, 1}, // no multiprocessor count: one block
+	} {
+		if x, y := p.Grid(tc.n, tc.cap, tc.sms); x != tc.x || y != 1 {
+			t.Errorf("tile %s: Grid(%d, %d, %d) = (%d, %d), want (%d, 1)", p.Tag(), tc.n, tc.cap, tc.sms, x, y, tc.x)
+		}
+		if x, y := wg.Grid(tc.n, tc.cap, tc.sms); x != (tc.n+127)/128 || y != tc.cap/128 {
+			t.Errorf("tile %s: Grid(%d, %d, %d) = (%d, %d), want (%d, %d)", wg.Tag(), tc.n, tc.cap, tc.sms, x, y, (tc.n+127)/128, tc.cap/128)
+		}
+	}
+
+	src := WgmmaSource()
+	var np int
+	for _, c := range MoEGemms {
+		if !c.Persistent {
+			if c.Warpgroups > 0 && !strings.Contains(src, fmt.Sprintf("moe_wg<%d, %d, %d, ", c.BM, c.BN, c.Stages)) {
+				t.Errorf("tile %s: no moe_wg instance", c.Tag())
+			}
+			continue
+		}
+		np++
+		if c.Warpgroups == 0 || !strings.HasSuffix(c.Tag(), "p") || c.Threads() != 128*c.Warpgroups+32 {
+			t.Errorf("persistent tile %s: warpgroups %d, %d threads", c.Tag(), c.Warpgroups, c.Threads())
+		}
+		for _, up := range []bool{true, false} {
+			if n := c.SmemBytes(up) + c.staticSmem(); n > MoEGemmSmemLimit {
+				t.Errorf("tile %s (up %v): %d bytes of shared memory, more than %d", c.Tag(), up, n, MoEGemmSmemLimit)
+			}
+		}
+		names := []string{c.DownName()}
+		if c.HasUp() {
+			names = append(names, c.UpName())
+		}
+		for _, name := range names {
+			i := strings.Index(src, " void "+name+"(")
+			if i < 0 {
+				t.Errorf("%s: no instance", name)
+				continue
+			}
+			line := src[strings.LastIndex(src[:i], "\n")+1:]
+			line = line[:strings.Index(line, "\n}\n")]
+			if !strings.Contains(line, fmt.Sprintf("__launch_bounds__(%d, 1)", c.Threads())) || !strings.Contains(line, fmt.Sprintf("moe_wgp<%d, %d, %d, ", c.BM, c.BN, c.Stages)) {
+				t.Errorf("%s: instance\n%s\nwant moe_wgp with __launch_bounds__(%d, 1)", name, line, c.Threads())
+			}
+		}
+	}
+	if np < 3 {
+		t.Errorf("%d persistent tiles listed, want at least 3", np)
+	}
+
+	for _, tc := range []struct {
+		c  MoEGemm
+		ok bool
+	}{
+		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 2, Persistent: true}, true}, // mbarriers: no third stage needed
+		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 1, Persistent: true}, false},
+		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 7, Persistent: true}, true}, // 230400 bytes and 1024 static
+		{MoEGemm{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 5, Persistent: true}, false},
+		{MoEGemm{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4, Persistent: true}, false}, // not a warpgroup tile
+	} {
+		if err := tc.c.Check(); (err == nil) != tc.ok {
+			t.Errorf("tile %s: Check() = %v, want ok %v", tc.c.Tag(), err, tc.ok)
 		}
 	}
 }

@@ -224,3 +224,273 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
         }
     }
 }
+
+// ---- Persistent, warp-specialised tiles (MoEGemm.Persistent).
+//
+// moe_wgp: the kernel of moe_wg (same arguments, rows, padding, outputs and
+// summation order: bit-identical results) as a persistent grid with one
+// producer warp and BM/64 consumer warpgroups per block. The caller's stream
+// orders it like moe_wg: MOE_GRID_WAIT waits for the kernels ahead of it (the
+// align, or the up kernel), and nothing else is waited for outside the block.
+//
+// Grid (min(SMs, tiles), 1): block b runs tiles t = b, b + gridDim.x, ... of
+// the ceil(N/BN) * (npost[0]/BM) tiles (n fastest: tile t is column block
+// t % ceil(N/BN) of row block t / ceil(N/BN)), skipping the blocks past npost
+// and those of no expert, as moe_wg's grid does. Threads 0 .. 128*BM/64-1 are
+// the consumer warpgroups, the last warp is the producer.
+//
+// Shared memory is a ring of STAGES stages (moe_wg's A and B tiles, the same
+// 128B swizzle and descriptors) and two mbarriers per stage:
+//   full[s]  (count 32): each producer lane, after issuing its cp.async of a
+//            stage, arrives through cp.async.mbarrier.arrive.noinc, which
+//            fires when the lane's copies have landed;
+//   empty[s] (count 4*BM/64): lane 0 of every consumer warp arrives when its
+//            wgmma of the stage has completed (wgmma.wait_group).
+// Both sides keep one stage counter that runs across tiles (slot = i %
+// STAGES; the parity of use i / STAGES). The producer refills a slot after
+// waiting for the release of its previous use; a consumer waits for full,
+// then fences the proxies (cp.async writes through the generic proxy, wgmma
+// reads through the async proxy) and multiplies. The producer thus loads the
+// next tile's first stages while the consumers run the epilogue of the last.
+// The two roles meet at no block-wide barrier after the barriers' set-up.
+//
+// Every mbarrier wait gives up with __trap() (a launch error, not a hang)
+// after 2^28 failed try_waits or about 5 seconds (%globaltimer).
+
+static __device__ __forceinline__ void wgp_bar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+static __device__ __forceinline__ void wgp_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+// wgp_cp_arrive: bar's pending count drops by one when every cp.async this
+// thread has issued so far has completed (init counts these arrivals).
+static __device__ __forceinline__ void wgp_cp_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ bool wgp_try(unsigned bar, unsigned parity) {
+    unsigned ok;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+
+static __device__ __forceinline__ unsigned long long wgp_clock() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
+
+// wgp_wait waits for the completion of the phase of bar with parity parity
+// (bounded: see above).
+static __device__ __forceinline__ void wgp_wait(unsigned bar, unsigned parity) {
+    if (wgp_try(bar, parity)) return;
+    const unsigned long long t0 = wgp_clock();
+    for (unsigned n = 1;; ++n) {
+        if (wgp_try(bar, parity)) return;
+        if (n >= (1u << 28) || ((n & 255u) == 0 && wgp_clock() - t0 > 5000000000ull)) __trap();
+    }
+}
+
+// moe_wgp: the up (UP) or down kernel of tile BM x BN, persistent, BM/64
+// consumer warpgroups and one producer warp (128*BM/64 + 32 threads).
+// Dynamic shared memory: STAGES * (BM + NB*BN) * 128 bytes + 1024, as moe_wg;
+// the 2*STAGES mbarriers are static.
+template <int BM, int BN, int STAGES, bool UP>
+static __device__ __forceinline__ void moe_wgp(const unsigned short* __restrict__ A,
+                                               const unsigned short* __restrict__ B,
+                                               const int* __restrict__ sorted,
+                                               const int* __restrict__ block_expert,
+                                               const int* __restrict__ npost, unsigned short* __restrict__ C,
+                                               int TK, int topk, int Kdim, int N) {
+    constexpr int BK = 64, CH = 8;  // 64 bf16 = 128 bytes = 8 chunks per tile row
+    constexpr int GROUPS = BM / 64;
+    constexpr int CONSUMERS = 128 * GROUPS;
+    constexpr int PT = 32;         // producer threads (one warp)
+    constexpr int RSTEP = PT / CH;  // tile rows between one producer lane's rows
+    constexpr int NB = UP ? 2 : 1;
+    constexpr int NW = NB * BN;  // columns of one wgmma: gate and up, or down
+    constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NW) * 128;
+    static_assert(BM % 64 == 0 && NW % 8 == 0 && NW <= 256, "tile: BM a multiple of 64, NB*BN <= 256");
+    static_assert(STAGES >= 2, "at least two stages");
+    static_assert(PT % 32 == 0 && RSTEP % 4 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "producer rows");
+    constexpr int A_PER = BM / RSTEP, B_PER = NW / RSTEP, B_HALF = BN / RSTEP;
+    constexpr int SW = RSTEP % 8 == 0 ? 1 : 2;  // period of a lane's swizzle over its rows
+
+    __shared__ __align__(8) unsigned long long wgp_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
+
+    const int tid = threadIdx.x;
+    const unsigned full0 = wg_smem(wgp_bars), empty0 = full0 + 8u * STAGES;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            wgp_bar_init(full0 + 8u * s, PT);
+            wgp_bar_init(empty0 + 8u * s, CONSUMERS / 32);
+        }
+    }
+    __syncthreads();
+    MOE_GRID_WAIT();  // launched early: see moe_gemm
+    MOE_GRID_LAUNCH();
+
+    const int NBLK = (N + BN - 1) / BN;
+    const int ntiles = NBLK * (max(npost[0], 0) / BM);
+    const int KT = (Kdim + BK - 1) / BK;
+    const unsigned sbase = (wg_smem(wg_dyn) + 1023u) & ~1023u;
+    const int lane = tid & 31;
+
+    if (tid >= CONSUMERS) {
+        // Producer: lane l copies chunk l%8 of tile rows l/8 + RSTEP*i of
+        // every stage (A rows, then B rows), 16 bytes each.
+        const int pt = tid - CONSUMERS, q = pt / CH, kch = (pt % CH) * 8;
+        unsigned so[SW];  // shared offset of row q + RSTEP*i's chunk: so[i % SW] + i*RSTEP*128
+#pragma unroll
+        for (int j = 0; j < SW; ++j) so[j] = (unsigned)(q * 128 + (((pt % CH) ^ ((q + j * RSTEP) & 7)) << 4));
+        int slot = 0, fills = 0;
+        unsigned ph = 0;
+        for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+            const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
+            const int e = block_expert[mb];
+            if (e < 0) continue;
+            // Byte offset of row q + RSTEP*i's chunk in A, a multiple of 16;
+            // bit 0 set: a padding row (zeros), whose offset is row 0's.
+            unsigned ga[A_PER];
+#pragma unroll
+            for (int i = 0; i < A_PER; ++i) {
+                const int p = mb * BM + q + RSTEP * i;
+                const int a = sorted[p];
+                const bool real = a >= 0 && a < TK;
+                ga[i] = real ? 2u * (unsigned)((UP ? a / topk : p) * Kdim + kch) : 2u * (unsigned)kch | 1u;
+            }
+            // B row q + RSTEP*i is row n0 + q + RSTEP*(i % B_HALF) of the gate
+            // (i < B_HALF) or the up block of expert e, or of its down block.
+            const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
+            const unsigned short* Bt = B + (b_base + n0 + q) * Kdim + kch;
+            const long long hstride = (long long)N * Kdim;
+            const int rstride = RSTEP * Kdim;
+            const int nlim = N - n0 - q;  // rows RSTEP*i' < nlim exist
+            for (int kt = 0; kt < KT; ++kt) {
+                if (fills >= STAGES) wgp_wait(empty0 + 8u * slot, ph ^ 1u);  // the slot's previous use is released
+                const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+                const int k0 = kt * BK;
+                const bool kok = k0 + kch < Kdim;
+                if (kok) {
+                    const char* Ak = (const char*)(A + k0);
+#pragma unroll
+                    for (int i = 0; i < A_PER; ++i)
+                        wg_cp16(st + so[i % SW] + i * RSTEP * 128, Ak + (ga[i] & ~1u), (ga[i] & 1u) ? 0 : 16);
+                } else {  // this lane's chunk is past Kdim: zeros
+#pragma unroll
+                    for (int i = 0; i < A_PER; ++i) wg_cp16(st + so[i % SW] + i * RSTEP * 128, A, 0);
+                }
+                // Opaque to the compiler, so that it walks the rows stage by
+                // stage instead of keeping every row's address in registers.
+                long long hs = hstride;
+                int rs = rstride;
+                asm volatile("" : "+l"(hs), "+r"(rs));
+                if (kok && nlim >= BN) {  // every row and chunk of the B tile exists
+#pragma unroll
+                    for (int h = 0; h < NB; ++h) {
+                        const unsigned short* src = Bt + k0 + h * hs;
+#pragma unroll
+                        for (int i = h * B_HALF; i < (h + 1) * B_HALF; ++i, src += rs)
+                            wg_cp16(st + A_BYTES + so[i % SW] + i * RSTEP * 128, src, 16);
+                    }
+                } else {
+#pragma unroll
+                    for (int h = 0; h < NB; ++h) {
+                        const unsigned short* src = Bt + k0 + h * hs;
+#pragma unroll
+                        for (int i = h * B_HALF; i < (h + 1) * B_HALF; ++i, src += rs) {
+                            const bool ok = kok && RSTEP * (i - h * B_HALF) < nlim;
+                            wg_cp16(st + A_BYTES + so[i % SW] + i * RSTEP * 128, ok ? src : B, ok ? 16 : 0);
+                        }
+                    }
+                }
+                wgp_cp_arrive(full0 + 8u * slot);
+                ++fills;
+                if (++slot == STAGES) {
+                    slot = 0;
+                    ph ^= 1u;
+                }
+            }
+        }
+        // Every fill is consumed (the consumers run the same tiles), but
+        // leave no copy in flight behind the warp.
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // Consumers: warpgroup grp multiplies tile rows 64*grp .. 64*grp+63.
+    const int grp = tid >> 7, w = (tid >> 5) & 3;
+    int slot = 0;
+    unsigned ph = 0;
+    float d[NW / 2];
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
+        const int e = block_expert[mb];
+        if (e < 0) continue;
+        // This thread's two epilogue rows (read now, used after the K loop).
+        const int r0 = grp * 64 + w * 16 + (lane >> 2);
+        const int s0 = sorted[mb * BM + r0], s1 = sorted[mb * BM + r0 + 8];
+#pragma unroll
+        for (int i = 0; i < NW / 2; ++i) d[i] = 0.0f;
+        int prev = 0;
+        for (int kt = 0; kt < KT; ++kt) {
+            wgp_wait(full0 + 8u * slot, ph);
+            // The stage's cp.async writes went through the generic proxy;
+            // wgmma reads through the async proxy.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+            const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) wg_mma<NW>(d, wg_desc(sa + kk * 32), wg_desc(sb + kk * 32));
+            wg_commit_mma();
+            wg_wait_mma<1>();
+            // This warp's wgmma of the previous stage is done: release it.
+            if (kt > 0 && lane == 0) wgp_arrive(empty0 + 8u * prev);
+            prev = slot;
+            if (++slot == STAGES) {
+                slot = 0;
+                ph ^= 1u;
+            }
+        }
+        wg_wait_mma<0>();
+        if (KT > 0 && lane == 0) wgp_arrive(empty0 + 8u * prev);
+#pragma unroll
+        for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(d[i])::"memory");
+
+        // Epilogue (moe_wg's): warp w of the group holds rows 16w + lane/4
+        // (+8); register 4j + 2h + v is column 8j + 2*(lane%4) + v of row half h.
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int p = mb * BM + r0 + hr * 8;
+            const int a = hr ? s1 : s0;
+            const bool real = a >= 0 && a < TK;
+            const int dst = UP ? p : (real ? a : -1);
+            if (dst < 0) continue;
+            const bool zero = UP && !real;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int n = n0 + j * 8 + (lane & 3) * 2;
+                if (n >= N) continue;
+                unsigned short v0, v1;
+                if (UP) {
+                    const float g0 = wg_round(d[4 * j + 2 * hr]), g1 = wg_round(d[4 * j + 2 * hr + 1]);
+                    const float u0 = wg_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = wg_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
+                    v0 = zero ? 0 : wg_f2bf((g0 / (1.0f + expf(-g0))) * u0);
+                    v1 = zero ? 0 : wg_f2bf((g1 / (1.0f + expf(-g1))) * u1);
+                } else {
+                    v0 = wg_f2bf(d[4 * j + 2 * hr]);
+                    v1 = wg_f2bf(d[4 * j + 2 * hr + 1]);
+                }
+                *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
+            }
+        }
+    }
+}
