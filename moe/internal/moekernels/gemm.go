@@ -35,21 +35,21 @@ type MoEGemm struct {
 	// only): BM = 64*Warpgroups, each warpgroup of 128 threads owns 64 rows
 	// and all columns; WarpsM and WarpsN are unused (zero).
 	Warpgroups int
-	// Persistent makes a warpgroup tile persistent and warp-specialised
+	// Producers > 0 makes a warpgroup tile persistent and warp-specialised
 	// (moe_wgmma.cu's moe_wgp): one block per multiprocessor loops over the
-	// tiles, one producer warp loads the stages and the Warpgroups consumer
+	// tiles, Producers warps load the stages and the Warpgroups consumer
 	// warpgroups multiply, synchronised by mbarriers.
-	Persistent bool
+	Producers int
 }
 
 // Tag is the suffix of the config's kernel names, e.g. "m16n64k64w1x4s4", or
-// "m128n128k64g2s4" for a warpgroup tile and "m128n128k64g2s4p" for a
-// persistent one.
+// "m128n128k64g2s4" for a warpgroup tile and "m128n128k64g2s4p4" for a
+// persistent one with four producer warps.
 func (c MoEGemm) Tag() string {
 	if c.Warpgroups > 0 {
 		p := ""
-		if c.Persistent {
-			p = "p"
+		if c.Producers > 0 {
+			p = fmt.Sprintf("p%d", c.Producers)
 		}
 		return fmt.Sprintf("m%dn%dk%dg%ds%d%s", c.BM, c.BN, c.BK, c.Warpgroups, c.Stages, p)
 	}
@@ -63,7 +63,7 @@ func (c MoEGemm) Tag() string {
 // (min(sms, ceil(n/BN)*(cap/BM)), 1).
 func (c MoEGemm) Grid(n, cap, sms int) (x, y int) {
 	nx, ny := (n+c.BN-1)/c.BN, cap/c.BM
-	if c.Persistent {
+	if c.Producers > 0 {
 		return min(max(sms, 1), nx*ny), 1
 	}
 	return nx, ny
@@ -89,10 +89,10 @@ func (c MoEGemm) UpName() string { return "gpuctx_moe_up_" + c.Tag() }
 func (c MoEGemm) DownName() string { return "gpuctx_moe_down_" + c.Tag() }
 
 // Threads is the block size: for a persistent tile, its consumer warpgroups
-// and one producer warp.
+// and its producer warps.
 func (c MoEGemm) Threads() int {
-	if c.Persistent {
-		return 128*c.Warpgroups + 32
+	if c.Producers > 0 {
+		return 128*c.Warpgroups + 32*c.Producers
 	}
 	if c.Warpgroups > 0 {
 		return 128 * c.Warpgroups
@@ -156,9 +156,12 @@ var MoEGemms = []MoEGemm{
 	{BM: 128, BN: 256, BK: 64, Warpgroups: 2, Stages: 4}, // down only
 	{BM: 192, BN: 256, BK: 64, Warpgroups: 3, Stages: 3}, // down only
 	// Persistent, warp-specialised warpgroup tiles: as many stages as fit.
-	{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 4, Persistent: true},
-	{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 6, Persistent: true},
-	{BM: 128, BN: 256, BK: 64, Warpgroups: 2, Stages: 4, Persistent: true}, // down only
+	// One producer warp was the bottleneck (m128n128k64g2s4p1: 2.1x the time
+	// of m128n128k64g2s4 at 4096 tokens on the H200, s5_persist.sh).
+	{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 4, Producers: 2},
+	{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 4, Producers: 4},
+	{BM: 128, BN: 256, BK: 64, Warpgroups: 2, Stages: 4, Producers: 2}, // down only
+	{BM: 128, BN: 256, BK: 64, Warpgroups: 2, Stages: 4, Producers: 4}, // down only
 }
 
 // MoEGemmSmemLimit is the shared memory one block may use on the GPUs the
@@ -173,7 +176,7 @@ const MoEGemmSmemLimit = 227 << 10
 // BM 192).
 func (c MoEGemm) staticSmem() int {
 	n := 8 * c.BM
-	if c.Persistent {
+	if c.Producers > 0 {
 		n = 16 * c.Stages
 	}
 	if c.Warpgroups > 0 {
@@ -196,16 +199,20 @@ func (c MoEGemm) Check() error {
 			return fmt.Errorf("tile %s: a warpgroup tile has no warp grid", c.Tag())
 		case c.BN%8 != 0 || c.BN > 256:
 			return fmt.Errorf("tile %s: BN = %d, want a multiple of 8 up to 256 (one wgmma; above 128 the tile is down-only)", c.Tag(), c.BN)
-		case c.Persistent && c.Stages < 2:
+		case c.Producers > 0 && c.Stages < 2:
 			return fmt.Errorf("tile %s: %d stages, a persistent tile needs at least 2", c.Tag(), c.Stages)
-		case !c.Persistent && c.Stages < 3:
+		case c.Producers > 0 && c.Producers != 1 && c.Producers != 2 && c.Producers != 4:
+			return fmt.Errorf("tile %s: %d producer warps, want 1, 2 or 4", c.Tag(), c.Producers)
+		case c.Producers > 0 && (c.BN%(c.Producers*4) != 0 || c.BM%(c.Producers*4) != 0):
+			return fmt.Errorf("tile %s: BM and BN must be multiples of %d rows (four per producer warp)", c.Tag(), c.Producers*4)
+		case c.Producers == 0 && c.Stages < 3:
 			return fmt.Errorf("tile %s: %d stages, a warpgroup tile needs at least 3", c.Tag(), c.Stages)
 		case c.SmemBytes(true)+c.staticSmem() > MoEGemmSmemLimit:
 			return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+c.staticSmem(), MoEGemmSmemLimit)
 		}
 		return nil
 	}
-	if c.Persistent {
+	if c.Producers != 0 {
 		return fmt.Errorf("tile %s: only a warpgroup tile can be persistent", c.Tag())
 	}
 	switch {
@@ -297,7 +304,8 @@ __device__ __forceinline__ void wg_mma<%d>(float* d, unsigned long long a, unsig
 		}
 		t := fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
 		fn, bounds := "moe_wg", fmt.Sprint(c.Threads())
-		if c.Persistent {
+		if c.Producers > 0 {
+			t += fmt.Sprintf(", %d", c.Producers)
 			fn, bounds = "moe_wgp", fmt.Sprintf("%d, 1", c.Threads())
 		}
 		if c.HasUp() {

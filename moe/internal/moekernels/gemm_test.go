@@ -138,12 +138,12 @@ func TestRouteAlignSmem(t *testing.T) {
 func TestMoEGemmPersistent(t *testing.T) {
 	wg := MoEGemm{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 4}
 	p := wg
-	p.Persistent = true
-	if wg.Tag() != "m128n128k64g2s4" || p.Tag() != "m128n128k64g2s4p" {
-		t.Errorf("tags %q and %q, want m128n128k64g2s4 and m128n128k64g2s4p", wg.Tag(), p.Tag())
+	p.Producers = 4
+	if wg.Tag() != "m128n128k64g2s4" || p.Tag() != "m128n128k64g2s4p4" {
+		t.Errorf("tags %q and %q, want m128n128k64g2s4 and m128n128k64g2s4p4", wg.Tag(), p.Tag())
 	}
-	if got := p.Threads(); got != 288 {
-		t.Errorf("tile %s: %d threads, want 288 (two warpgroups and a producer warp)", p.Tag(), got)
+	if got := p.Threads(); got != 384 {
+		t.Errorf("tile %s: %d threads, want 384 (two consumer warpgroups and four producer warps)", p.Tag(), got)
 	}
 	for _, tc := range []struct{ n, cap, sms, x int }{
 		{1408, 32768, 132, 132}, // DeepSeek-V2-Lite's up at 4096 tokens: 11*256 tiles
@@ -163,14 +163,14 @@ func TestMoEGemmPersistent(t *testing.T) {
 	src := WgmmaSource()
 	var np int
 	for _, c := range MoEGemms {
-		if !c.Persistent {
+		if c.Producers == 0 {
 			if c.Warpgroups > 0 && !strings.Contains(src, fmt.Sprintf("moe_wg<%d, %d, %d, ", c.BM, c.BN, c.Stages)) {
 				t.Errorf("tile %s: no moe_wg instance", c.Tag())
 			}
 			continue
 		}
 		np++
-		if c.Warpgroups == 0 || !strings.HasSuffix(c.Tag(), "p") || c.Threads() != 128*c.Warpgroups+32 {
+		if c.Warpgroups == 0 || !strings.HasSuffix(c.Tag(), fmt.Sprintf("p%d", c.Producers)) || c.Threads() != 128*c.Warpgroups+32*c.Producers {
 			t.Errorf("persistent tile %s: warpgroups %d, %d threads", c.Tag(), c.Warpgroups, c.Threads())
 		}
 		for _, up := range []bool{true, false} {
@@ -190,7 +190,7 @@ func TestMoEGemmPersistent(t *testing.T) {
 			}
 			line := src[strings.LastIndex(src[:i], "\n")+1:]
 			line = line[:strings.Index(line, "\n}\n")]
-			if !strings.Contains(line, fmt.Sprintf("__launch_bounds__(%d, 1)", c.Threads())) || !strings.Contains(line, fmt.Sprintf("moe_wgp<%d, %d, %d, ", c.BM, c.BN, c.Stages)) {
+			if !strings.Contains(line, fmt.Sprintf("__launch_bounds__(%d, 1)", c.Threads())) || !strings.Contains(line, fmt.Sprintf("moe_wgp<%d, %d, %d, %d, ", c.BM, c.BN, c.Stages, c.Producers)) {
 				t.Errorf("%s: instance\n%s\nwant moe_wgp with __launch_bounds__(%d, 1)", name, line, c.Threads())
 			}
 		}
@@ -203,11 +203,13 @@ func TestMoEGemmPersistent(t *testing.T) {
 		c  MoEGemm
 		ok bool
 	}{
-		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 2, Persistent: true}, true}, // mbarriers: no third stage needed
-		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 1, Persistent: true}, false},
-		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 7, Persistent: true}, true}, // 230400 bytes and 1024 static
-		{MoEGemm{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 5, Persistent: true}, false},
-		{MoEGemm{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4, Persistent: true}, false}, // not a warpgroup tile
+		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 2, Producers: 1}, true}, // mbarriers: no third stage needed
+		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 1, Producers: 1}, false},
+		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 7, Producers: 2}, true}, // 230400 bytes and 1024 static
+		{MoEGemm{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 5, Producers: 4}, false},
+		{MoEGemm{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 4, Producers: 1}, false}, // not a warpgroup tile
+		{MoEGemm{BM: 128, BN: 64, BK: 64, Warpgroups: 2, Stages: 4, Producers: 3}, false},        // 1, 2 or 4 warps
+		{MoEGemm{BM: 128, BN: 8, BK: 64, Warpgroups: 2, Stages: 4, Producers: 4}, false},         // 16 rows per producer round
 	} {
 		if err := tc.c.Check(); (err == nil) != tc.ok {
 			t.Errorf("tile %s: Check() = %v, want ok %v", tc.c.Tag(), err, tc.ok)

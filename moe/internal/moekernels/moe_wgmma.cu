@@ -228,8 +228,8 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
 // ---- Persistent, warp-specialised tiles (MoEGemm.Persistent).
 //
 // moe_wgp: the kernel of moe_wg (same arguments, rows, padding, outputs and
-// summation order: bit-identical results) as a persistent grid with one
-// producer warp and BM/64 consumer warpgroups per block. The caller's stream
+// summation order: bit-identical results) as a persistent grid with PW
+// producer warps and BM/64 consumer warpgroups per block. The caller's stream
 // orders it like moe_wg: MOE_GRID_WAIT waits for the kernels ahead of it (the
 // align, or the up kernel), and nothing else is waited for outside the block.
 //
@@ -237,11 +237,11 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
 // the ceil(N/BN) * (npost[0]/BM) tiles (n fastest: tile t is column block
 // t % ceil(N/BN) of row block t / ceil(N/BN)), skipping the blocks past npost
 // and those of no expert, as moe_wg's grid does. Threads 0 .. 128*BM/64-1 are
-// the consumer warpgroups, the last warp is the producer.
+// the consumer warpgroups, the PW warps after them the producers.
 //
 // Shared memory is a ring of STAGES stages (moe_wg's A and B tiles, the same
 // 128B swizzle and descriptors) and two mbarriers per stage:
-//   full[s]  (count 32): each producer lane, after issuing its cp.async of a
+//   full[s]  (count 32*PW): each producer thread, after its cp.async of a
 //            stage, arrives through cp.async.mbarrier.arrive.noinc, which
 //            fires when the lane's copies have landed;
 //   empty[s] (count 4*BM/64): lane 0 of every consumer warp arrives when its
@@ -299,10 +299,10 @@ static __device__ __forceinline__ void wgp_wait(unsigned bar, unsigned parity) {
 }
 
 // moe_wgp: the up (UP) or down kernel of tile BM x BN, persistent, BM/64
-// consumer warpgroups and one producer warp (128*BM/64 + 32 threads).
+// consumer warpgroups and PW producer warps (128*BM/64 + 32*PW threads).
 // Dynamic shared memory: STAGES * (BM + NB*BN) * 128 bytes + 1024, as moe_wg;
 // the 2*STAGES mbarriers are static.
-template <int BM, int BN, int STAGES, bool UP>
+template <int BM, int BN, int STAGES, int PW, bool UP>
 static __device__ __forceinline__ void moe_wgp(const unsigned short* __restrict__ A,
                                                const unsigned short* __restrict__ B,
                                                const int* __restrict__ sorted,
@@ -312,7 +312,7 @@ static __device__ __forceinline__ void moe_wgp(const unsigned short* __restrict_
     constexpr int BK = 64, CH = 8;  // 64 bf16 = 128 bytes = 8 chunks per tile row
     constexpr int GROUPS = BM / 64;
     constexpr int CONSUMERS = 128 * GROUPS;
-    constexpr int PT = 32;         // producer threads (one warp)
+    constexpr int PT = 32 * PW;     // producer threads
     constexpr int RSTEP = PT / CH;  // tile rows between one producer lane's rows
     constexpr int NB = UP ? 2 : 1;
     constexpr int NW = NB * BN;  // columns of one wgmma: gate and up, or down
