@@ -282,7 +282,11 @@ func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared b
 		if l.dt == gpuctx.BF16 && H%8 == 0 { // the kernel's 16-byte path: eight elements a thread
 			per = 8
 		}
-		return l.launchEarly(l.kCombRows, gpuctx.Dim3{X: max(1, min((n/per+255)/256, 8192)), Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
+		blk := 256
+		if n/per < 256*l.dev.Info().SMCount { // a small batch: spread it over more multiprocessors
+			blk = 64
+		}
+		return l.launchEarly(l.kCombRows, gpuctx.Dim3{X: max(1, min((n/per+blk-1)/blk, 8192)), Y: 1, Z: 1}, gpuctx.Dim3{X: blk, Y: 1, Z: 1}, 0,
 			out, w, sout, sg, yv, int32(T), int32(ks), int32(H),
 			flag(doRouted), flag(sep), flag(sep && l.sgate != nil), flag(l.dt == gpuctx.BF16))
 	}

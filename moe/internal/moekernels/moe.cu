@@ -996,18 +996,18 @@ extern "C" __global__ void gpuctx_moe_combine_rows(const void* __restrict__ out,
 #pragma unroll
             for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
             if (has_routed) {
-                // Four rows' loads in flight, then their sums in k order.
-                for (int k0 = 0; k0 < K; k0 += 4) {
-                    uint4 q[4];
-                    float wk[4];
+                // Eight rows' loads in flight, then their sums in k order.
+                for (int k0 = 0; k0 < K; k0 += 8) {
+                    uint4 q[8];
+                    float wk[8];
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) {
+                    for (int u = 0; u < 8; ++u) {
                         const long long a = (long long)t * K + moe_imin(k0 + u, K - 1);
                         wk[u] = w[a];
                         q[u] = *(const uint4*)((const unsigned short*)out + a * H + h);
                     }
 #pragma unroll
-                    for (int u = 0; u < 4; ++u) {
+                    for (int u = 0; u < 8; ++u) {
                         if (k0 + u >= K) break;
                         const unsigned int v[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
 #pragma unroll
