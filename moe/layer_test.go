@@ -1249,7 +1249,15 @@ func TestRouteAlignOneLaunch(t *testing.T) {
 // on CUDA the selection takes the warp-reduction path (no NaN), which must
 // pick what the shuffle path picks.
 func TestRouteKernelTies(t *testing.T) {
-	const E, K = 64, 6
+	// E = 64 and 128 take the rank selection on CUDA, 160 the loop of warp
+	// reductions.
+	for _, E := range []int{64, 128, 160} {
+		t.Run(fmt.Sprintf("E=%d", E), func(t *testing.T) { routeKernelTies(t, E) })
+	}
+}
+
+func routeKernelTies(t *testing.T, E int) {
+	const K = 6
 	ninf := float32(math.Inf(-1))
 	type tc struct {
 		name                    string
@@ -1278,8 +1286,9 @@ func TestRouteKernelTies(t *testing.T) {
 		{"group limited ties", pairs, nil, 0, 1, 8, 3},
 	}
 	var want map[string][]int32
+	var wantW map[string][]float32
 	for _, b := range layerBackends(t) {
-		got := map[string][]int32{}
+		got, gotW := map[string][]int32{}, map[string][]float32{}
 		for _, c := range cases {
 			t.Run(b.name+"/"+c.name, func(t *testing.T) {
 				k, err := b.dev.Kernel("gpuctx_moe_route")
@@ -1328,22 +1337,34 @@ func TestRouteKernelTies(t *testing.T) {
 				if err := st.Synchronize(); err != nil {
 					t.Fatal(err)
 				}
-				host := make([]byte, 4*K)
+				host, hw := make([]byte, 4*K), make([]byte, 4*K)
 				if err := idx.CopyToHost(host); err != nil {
 					t.Fatal(err)
 				}
+				if err := w.CopyToHost(hw); err != nil {
+					t.Fatal(err)
+				}
 				ids := make([]int32, K)
+				ws := make([]float32, K)
 				for i := range ids {
 					ids[i] = int32(binary.LittleEndian.Uint32(host[4*i:]))
+					ws[i] = math.Float32frombits(binary.LittleEndian.Uint32(hw[4*i:]))
 				}
-				got[c.name] = ids
+				got[c.name], gotW[c.name] = ids, ws
 				if want != nil && !slices.Equal(ids, want[c.name]) {
 					t.Errorf("picked %v, the CPU backend %v", ids, want[c.name])
+				}
+				if want != nil {
+					for i := range ws {
+						if d := math.Abs(float64(ws[i] - wantW[c.name][i])); d > 1e-6*math.Abs(float64(wantW[c.name][i])) {
+							t.Errorf("slot %d: weight %g, the CPU backend %g", i, ws[i], wantW[c.name][i])
+						}
+					}
 				}
 			})
 		}
 		if want == nil {
-			want = got
+			want, wantW = got, gotW
 		}
 	}
 	if !slices.Equal(want["all equal"], []int32{0, 1, 2, 3, 4, 5}) {

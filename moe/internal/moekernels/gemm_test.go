@@ -121,7 +121,7 @@ func TestRouteAlignSmem(t *testing.T) {
 	}
 	for E := 1; E <= MaxExperts; E++ {
 		for T := 0; T*E <= RouteAlignMaxDots; T++ {
-			if rw := min(max(T, 1), 16); rw*((9*E+15)/16*16) > 34820 {
+			if rw := min(max(T, 1), 16); rw*((9*E+15)/16*16)+4*(128+2*512+1) > 34820 {
 				t.Fatalf("T=%d E=%d: the routing warps' arrays outgrow the align's counters", T, E)
 			}
 			if n := RouteAlignSmem(T, E); n > 48<<10 {

@@ -114,11 +114,12 @@ static __device__ __forceinline__ bool moe_route_args_ok(int E, int K, int metho
 // warp (ch [E], gs and keep [groups]) are used only by the group limit
 // (methods 1 and 2). Expert k's index and weight end in lane k.
 #define MOE_RT_PER (MOE_MAX_E / 32)
+#define MOE_RT_RANK_PER 4  // the rank selection's experts per lane: E <= 128
 static __device__ __forceinline__ void moe_route_token(const float* __restrict__ lg, const float* __restrict__ bias,
                                        int* __restrict__ topk_idx, float* __restrict__ topk_w, int t, int E, int K,
                                        int scoring, int method, int groups, int topk_groups, int has_bias, int norm,
                                        float norm_eps, float scale, int ks, int ns, float* ch, float* gs,
-                                       unsigned char* keep, int lane) {
+                                       unsigned char* keep, int* sidx, int lane) {
     const float neg_inf = __uint_as_float(0xff800000u);
     float sc[MOE_RT_PER], cv[MOE_RT_PER];
     if (scoring == 1) {
@@ -218,9 +219,62 @@ static __device__ __forceinline__ void moe_route_token(const float* __restrict__
     }
     const bool fast = !__any_sync(MOE_FULL, nan);
 #endif
-    unsigned taken = 0;  // bit j: expert lane + 32j is chosen
-    int my_idx = 0;      // lane k < K: the k-th choice and its weight
+    int my_idx = 0;  // lane k < K: the k-th choice and its weight
     float my_w = 0.0f;
+#if __CUDA_ARCH__ >= 800
+    if (fast && E <= 32 * MOE_RT_RANK_PER) {
+        // Without NaNs the order (larger value, then lower index; -0 as +0)
+        // is total, and the k-th choice of the loop below is the expert with
+        // exactly k others before it: every lane counts, for each of its
+        // experts, the experts that come first (one shuffle per expert), so
+        // the K choices cost no chain of K warp reductions. The choices meet
+        // in ch (indices) and gs (weights), slot by slot.
+        unsigned key[MOE_RT_RANK_PER];
+        int rank[MOE_RT_RANK_PER];
+#pragma unroll
+        for (int j = 0; j < MOE_RT_RANK_PER; ++j) {
+            key[j] = 0u;
+            rank[j] = 0;
+            if (32 * j >= E) continue;
+            const unsigned u = __float_as_uint(cv[j] + 0.0f);
+            key[j] = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+        }
+#pragma unroll
+        for (int jj = 0; jj < MOE_RT_RANK_PER; ++jj) {
+            if (32 * jj >= E) break;
+#pragma unroll 8
+            for (int l = 0; l < 32; ++l) {
+                const unsigned kk = __shfl_sync(MOE_FULL, key[jj], l);
+                const int ee = l + 32 * jj;
+                if (ee >= E) continue;
+#pragma unroll
+                for (int j = 0; j < MOE_RT_RANK_PER; ++j) {
+                    if (32 * j >= E) break;
+                    rank[j] += (kk > key[j] || (kk == key[j] && ee < lane + 32 * j)) ? 1 : 0;
+                }
+            }
+        }
+        int* slot_idx = (int*)ch;
+        float* slot_w = gs;
+        __syncwarp();  // the group limit's reads of ch and gs are done
+#pragma unroll
+        for (int j = 0; j < MOE_RT_RANK_PER; ++j) {
+            if (32 * j >= E) break;
+            if (lane + 32 * j < E && rank[j] < K) {
+                slot_idx[rank[j]] = lane + 32 * j;
+                slot_w[rank[j]] = (method == 2) ? sc[j] : cv[j];
+            }
+        }
+        __syncwarp();
+        if (lane < K) {
+            my_idx = slot_idx[lane];
+            my_w = slot_w[lane];
+        }
+        __syncwarp();  // the next token rewrites ch and gs
+    } else
+#endif
+    {
+    unsigned taken = 0;  // bit j: expert lane + 32j is chosen
     for (int k = 0; k < K; ++k) {
         float bv = neg_inf;
         int bi = -1;
@@ -264,6 +318,7 @@ static __device__ __forceinline__ void moe_route_token(const float* __restrict__
             my_w = w;
         }
     }
+    }
     // Every lane sums the K weights in slot order (lane 0's sum before).
     float s = 0.0f;
     if (norm) {
@@ -275,9 +330,13 @@ static __device__ __forceinline__ void moe_route_token(const float* __restrict__
         if (norm) v = v / s;
         topk_idx[(long long)t * ks + lane] = my_idx;
         topk_w[(long long)t * ks + lane] = v * scale;
+        if (sidx) sidx[t * ks + lane] = my_idx;
     } else if (lane < K + ns) {
         topk_idx[(long long)t * ks + lane] = E + (lane - K);
         topk_w[(long long)t * ks + lane] = 1.0f;
+        if (sidx) sidx[t * ks + lane] = E + (lane - K);
+    } else if (sidx && lane < ks) {
+        sidx[t * ks + lane] = -1;  // a slot no expert fills: not sorted
     }
 }
 
@@ -295,7 +354,7 @@ extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, co
     if (!moe_route_args_ok(E, K, method, groups, topk_groups, ks, ns)) return;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         moe_route_token(logits + (long long)t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups,
-                        topk_groups, has_bias, norm, norm_eps, scale, ks, ns, ch, gs, keep, threadIdx.x);
+                        topk_groups, has_bias, norm, norm_eps, scale, ks, ns, ch, gs, keep, nullptr, threadIdx.x);
     }
 }
 
@@ -897,13 +956,70 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 #define MOE_RA_ALIGN_BYTES (MOE_ALIGN_WARPS * MOE_MAX_E * 4 + (MOE_MAX_E + 1) * 4)
 
 // Bytes of one routing warp's arrays (ch and gs, then keep) and of the whole
-// dynamic shared memory: min(T, 16) warps' arrays while routing, the align's
-// counters afterwards (always the larger: T*E <= MOE_RA_MAX_DOTS).
+// dynamic shared memory: min(T, 16) warps' arrays and the small sort's
+// arrays (MOE_RA_SMALL_BYTES) while routing, or the align's counters (always
+// the larger: T*E <= MOE_RA_MAX_DOTS).
+#define MOE_RA_SMALL_TK 128  // assignments up to which the small sort runs
+#define MOE_RA_SMALL_BYTES (4 * (MOE_RA_SMALL_TK + MOE_MAX_E + MOE_MAX_E + 1))
 static __host__ __device__ __forceinline__ int moe_ra_warp_bytes(int E) { return (9 * E + 15) / 16 * 16; }
 static __host__ __device__ __forceinline__ int moe_ra_smem(int T, int E) {
     const int rw = T < MOE_ALIGN_WARPS ? (T > 0 ? T : 1) : MOE_ALIGN_WARPS;
-    const int route = rw * moe_ra_warp_bytes(E);
+    const int route = rw * moe_ra_warp_bytes(E) + MOE_RA_SMALL_BYTES;
     return route > MOE_RA_ALIGN_BYTES ? route : MOE_RA_ALIGN_BYTES;
+}
+
+// moe_ra_small_sort is gpuctx_moe_align's result for TK <= MOE_RA_SMALL_TK
+// assignments whose experts are in shared memory (sidx, written by the
+// routing warps): a thread per assignment finds its rank among the earlier
+// assignments of its expert, cnt (zeroed before the routing) counts them,
+// one warp scans the padded sizes into seg, and every row of sorted and
+// block_expert is written once. Same outputs as moe_align_block.
+static __device__ void moe_ra_small_sort(const int* sidx, int* cnt, int* seg, int* __restrict__ sorted,
+                                         int* __restrict__ block_expert, int* __restrict__ npost, int TK, int E,
+                                         int BM, int cap) {
+    const int tid = threadIdx.x, lane = tid & 31;
+    int e = -1, rank = 0;
+    if (tid < TK) {
+        e = sidx[tid];
+        if (e < 0 || e >= E) e = -1;
+        if (e >= 0) {
+            for (int a = 0; a < tid; ++a) rank += sidx[a] == e;
+            atomicAdd(&cnt[e], 1);
+        }
+    }
+    __syncthreads();
+    if (tid < 32) {  // exclusive scan of the padded sizes
+        const int chunk = (E + 31) / 32;
+        const int lo = lane * chunk;
+        const int hi = moe_imin(E, lo + chunk);
+        int sum = 0;
+        for (int i = lo; i < hi; ++i) sum += (cnt[i] + BM - 1) / BM * BM;
+        int incl = sum;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int v = __shfl_up_sync(MOE_FULL, incl, d);
+            if (lane >= d) incl += v;
+        }
+        int acc = incl - sum;
+        for (int i = lo; i < hi; ++i) {
+            seg[i] = acc;
+            acc += (cnt[i] + BM - 1) / BM * BM;
+        }
+        if (lane == 31) seg[E] = incl;
+    }
+    __syncthreads();
+    const int total = seg[E];
+    if (total > cap) {
+        if (tid == 0) npost[0] = -1;
+        return;
+    }
+    if (e >= 0) sorted[seg[e] + rank] = tid;
+    for (int i = tid; i < E; i += blockDim.x) {  // expert i's padding rows and blocks
+        for (int p = seg[i] + cnt[i]; p < seg[i + 1]; ++p) sorted[p] = TK;
+        for (int b = seg[i] / BM; b < seg[i + 1] / BM; ++b) block_expert[b] = i;
+    }
+    for (int p = total + tid; p < cap; p += blockDim.x) sorted[p] = TK;
+    for (int b = total / BM + tid; b < cap / BM; b += blockDim.x) block_expert[b] = -1;
+    if (tid == 0) npost[0] = total;
 }
 
 extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe_route_align(
@@ -956,18 +1072,32 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // A warp per token reads its logits from L2 (__ldcg in moe_route_token).
+    // A warp per token reads its logits from L2 (__ldcg in moe_route_token);
+    // for a small batch the experts also go to shared memory for the small
+    // sort, whose counters are zeroed meanwhile.
     const int rw = T < MOE_ALIGN_WARPS ? T : MOE_ALIGN_WARPS;
+    const bool small = T * ks <= MOE_RA_SMALL_TK;
+    int* sidx = (int*)(ra_dyn + (rw > 0 ? rw : 1) * moe_ra_warp_bytes(E));
+    int* scnt = sidx + MOE_RA_SMALL_TK;
+    int* sseg = scnt + MOE_MAX_E;
+    if (small) {
+        for (int i = threadIdx.x; i < Ex; i += blockDim.x) scnt[i] = 0;
+    }
     if (warp < rw) {
         float* ch = (float*)(ra_dyn + warp * moe_ra_warp_bytes(E));
         float* gs = ch + E;
         unsigned char* keep = (unsigned char*)(gs + E);
         for (int t = warp; t < T; t += rw) {
             moe_route_token(logits + (long long)t * E, bias, topk_idx, topk_w, t, E, K, scoring, method, groups,
-                            topk_groups, has_bias, norm, norm_eps, scale, ks, ns, ch, gs, keep, lane);
+                            topk_groups, has_bias, norm, norm_eps, scale, ks, ns, ch, gs, keep, small ? sidx : nullptr,
+                            lane);
         }
     }
     __syncthreads();
+    if (small) {
+        moe_ra_small_sort(sidx, scnt, sseg, sorted, block_expert, npost, T * ks, Ex, BM, cap);
+        return;
+    }
     moe_align_block(topk_idx, sorted, block_expert, npost, T * ks, Ex, BM, cap, (int(*)[MOE_MAX_E])ra_dyn,
                     (int*)(ra_dyn + MOE_ALIGN_WARPS * MOE_MAX_E * 4));
 }
