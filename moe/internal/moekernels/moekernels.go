@@ -121,7 +121,7 @@ func RouteAlignBlocks(dots int) int { return max((dots+15)/16, 1) }
 // (they are for every T*E <= RouteAlignMaxDots). It is under 48 KiB.
 func RouteAlignSmem(T, E int) int {
 	const alignWarps = 16 // MOE_ALIGN_WARPS
-	const smallTK = 128 // MOE_RA_SMALL_TK
+	const smallTK = 128   // MOE_RA_SMALL_TK
 	rw := min(max(T, 1), alignWarps)
 	route := rw*((9*E+15)/16*16) + 4*(smallTK+2*MaxExperts+1)
 	return max(route, alignWarps*MaxExperts*4+(MaxExperts+1)*4)
