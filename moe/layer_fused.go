@@ -145,6 +145,13 @@ const alignThreads = 512
 // moekernels.AlignChunk) instead of gpuctx_moe_align's one block.
 const align3From = 2 * moekernels.AlignChunk
 
+// smallTileTokens is the largest batch for which tune times only 16-row
+// tiles. A 64-row warpgroup tile timed as fast as the 16-row ones alone at 1
+// token (DeepSeek-V2-Lite, FusedShared: 53.8 against ~55 us) but made the
+// graph-replayed forward 72-75 us instead of 62 (H200, s5_route.sh); 16-row
+// tiles won every tuning up to 64 tokens.
+const smallTileTokens = 16
+
 // launchAlign queues the aligned sort for T tokens with tile rows bm:
 // gpuctx_moe_align, or from l.align3From assignments its three-launch form
 // (same outputs).
@@ -355,6 +362,9 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 	var timed []string
 	var bms []int
 	for _, cand := range moekernels.MoEGemms {
+		if T <= smallTileTokens && cand.BM > 16 {
+			continue
+		}
 		if !slices.Contains(bms, cand.BM) {
 			bms = append(bms, cand.BM)
 		}

@@ -1249,8 +1249,7 @@ func TestRouteAlignOneLaunch(t *testing.T) {
 // on CUDA the selection takes the warp-reduction path (no NaN), which must
 // pick what the shuffle path picks.
 func TestRouteKernelTies(t *testing.T) {
-	// E = 64 and 128 take the rank selection on CUDA, 160 the loop of warp
-	// reductions.
+	// Two, four and five experts per lane.
 	for _, E := range []int{64, 128, 160} {
 		t.Run(fmt.Sprintf("E=%d", E), func(t *testing.T) { routeKernelTies(t, E) })
 	}

@@ -114,7 +114,6 @@ static __device__ __forceinline__ bool moe_route_args_ok(int E, int K, int metho
 // warp (ch [E], gs and keep [groups]) are used only by the group limit
 // (methods 1 and 2). Expert k's index and weight end in lane k.
 #define MOE_RT_PER (MOE_MAX_E / 32)
-#define MOE_RT_RANK_PER 4  // the rank selection's experts per lane: E <= 128
 static __device__ __forceinline__ void moe_route_token(const float* __restrict__ lg, const float* __restrict__ bias,
                                        int* __restrict__ topk_idx, float* __restrict__ topk_w, int t, int E, int K,
                                        int scoring, int method, int groups, int topk_groups, int has_bias, int norm,
@@ -221,59 +220,6 @@ static __device__ __forceinline__ void moe_route_token(const float* __restrict__
 #endif
     int my_idx = 0;  // lane k < K: the k-th choice and its weight
     float my_w = 0.0f;
-#if __CUDA_ARCH__ >= 800
-    if (fast && E <= 32 * MOE_RT_RANK_PER) {
-        // Without NaNs the order (larger value, then lower index; -0 as +0)
-        // is total, and the k-th choice of the loop below is the expert with
-        // exactly k others before it: every lane counts, for each of its
-        // experts, the experts that come first (one shuffle per expert), so
-        // the K choices cost no chain of K warp reductions. The choices meet
-        // in ch (indices) and gs (weights), slot by slot.
-        unsigned key[MOE_RT_RANK_PER];
-        int rank[MOE_RT_RANK_PER];
-#pragma unroll
-        for (int j = 0; j < MOE_RT_RANK_PER; ++j) {
-            key[j] = 0u;
-            rank[j] = 0;
-            if (32 * j >= E) continue;
-            const unsigned u = __float_as_uint(cv[j] + 0.0f);
-            key[j] = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-        }
-#pragma unroll
-        for (int jj = 0; jj < MOE_RT_RANK_PER; ++jj) {
-            if (32 * jj >= E) break;
-#pragma unroll 8
-            for (int l = 0; l < 32; ++l) {
-                const unsigned kk = __shfl_sync(MOE_FULL, key[jj], l);
-                const int ee = l + 32 * jj;
-                if (ee >= E) continue;
-#pragma unroll
-                for (int j = 0; j < MOE_RT_RANK_PER; ++j) {
-                    if (32 * j >= E) break;
-                    rank[j] += (kk > key[j] || (kk == key[j] && ee < lane + 32 * j)) ? 1 : 0;
-                }
-            }
-        }
-        int* slot_idx = (int*)ch;
-        float* slot_w = gs;
-        __syncwarp();  // the group limit's reads of ch and gs are done
-#pragma unroll
-        for (int j = 0; j < MOE_RT_RANK_PER; ++j) {
-            if (32 * j >= E) break;
-            if (lane + 32 * j < E && rank[j] < K) {
-                slot_idx[rank[j]] = lane + 32 * j;
-                slot_w[rank[j]] = (method == 2) ? sc[j] : cv[j];
-            }
-        }
-        __syncwarp();
-        if (lane < K) {
-            my_idx = slot_idx[lane];
-            my_w = slot_w[lane];
-        }
-        __syncwarp();  // the next token rewrites ch and gs
-    } else
-#endif
-    {
     unsigned taken = 0;  // bit j: expert lane + 32j is chosen
     for (int k = 0; k < K; ++k) {
         float bv = neg_inf;
@@ -317,7 +263,6 @@ static __device__ __forceinline__ void moe_route_token(const float* __restrict__
             my_idx = bi;
             my_w = w;
         }
-    }
     }
     // Every lane sums the K weights in slot order (lane 0's sum before).
     float s = 0.0f;
