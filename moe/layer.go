@@ -170,13 +170,6 @@ type LayerOptions struct {
 	// timing both. For one-shot runs, where the timing would cost more than it
 	// saves; the tile changes no result.
 	NoAutotune bool
-	// SeparateCombine queues the weighted sum of the experts as its own
-	// kernel even where the down kernel could do it; for measurement. By
-	// default a fused-path bf16 batch of at most 64 tokens with no separately
-	// computed shared expert (FusedShared, or none) whose down tile is an
-	// mma.sync tile sums each token's rows in the down kernel
-	// (gpuctx_moe_downc_<tile>), one launch fewer; the result is the same bits.
-	SeparateCombine bool
 }
 
 // Layer is one MoE block on a device: the weights (experts fused as [E,2I,H]
@@ -231,9 +224,6 @@ type Layer struct {
 	routedKS    int                                   // topk row stride of the last routed forward
 	kUp         map[moekernels.MoEGemm]*gpuctx.Kernel // fused up kernels by tile
 	kDown       map[moekernels.MoEGemm]*gpuctx.Kernel // fused down kernels by tile
-	kDownC      map[moekernels.MoEGemm]*gpuctx.Kernel // fused down kernels with the row combine by tile
-	sepCombine  bool                                  // LayerOptions.SeparateCombine
-	downc       downCombine                           // the down kernel left for the combine step (combineInDown)
 	forceTile   *moekernels.MoEGemm                   // LayerOptions.Tile
 	autotune    bool                                  // time the tiles per bucket
 	noTune      bool                                  // LayerOptions.NoAutotune: no timing runs at all (tiles, Auto's mode)
@@ -268,7 +258,6 @@ type scratch struct {
 	xp, h, act, out                      *gpuctx.Buffer // routed experts
 	sorted, bexp, npost                  *gpuctx.Buffer // fused path: aligned sort
 	ticket                               *gpuctx.Buffer // gpuctx_moe_route_align's last-block ticket (0 at rest)
-	cnt                                  *gpuctx.Buffer // gpuctx_moe_downc_<tile>'s row counters (0 at rest)
 	bcnt, boff                           *gpuctx.Buffer // three-launch align: per-chunk counts, offsets
 	sh, sact, sout, sg                   *gpuctx.Buffer // shared expert
 	xio, yio                             *gpuctx.Buffer // Forward's input and output
@@ -276,7 +265,7 @@ type scratch struct {
 
 func (s *scratch) all() []**gpuctx.Buffer {
 	return []**gpuctx.Buffer{&s.logits, &s.idx, &s.w, &s.counts, &s.offsets, &s.pos,
-		&s.xp, &s.h, &s.act, &s.out, &s.sorted, &s.bexp, &s.npost, &s.ticket, &s.cnt, &s.bcnt, &s.boff, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
+		&s.xp, &s.h, &s.act, &s.out, &s.sorted, &s.bexp, &s.npost, &s.ticket, &s.bcnt, &s.boff, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
 }
 
 // NewLayer validates cfg and w, uploads the weights to dev in o.DType
@@ -354,7 +343,6 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 		l.small = 0
 	}
 	l.kUp, l.kDown, l.tiles = map[moekernels.MoEGemm]*gpuctx.Kernel{}, map[moekernels.MoEGemm]*gpuctx.Kernel{}, map[tileKey]tilePair{}
-	l.kDownC, l.sepCombine = map[moekernels.MoEGemm]*gpuctx.Kernel{}, o.SeparateCombine
 	if o.Tile != "" {
 		t, err := parseTile(o.Tile)
 		if err != nil {

@@ -274,9 +274,6 @@ func (l *Layer) enqueue(xv, yv *gpuctx.Buffer, T int, dual, doRouted, doShared b
 		}
 	}
 	if doRouted && l.fused(T) { // routed rows are in assignment order
-		if l.downc.k != nil { // the down kernel sums them (combineInDown)
-			return l.launchDownCombine(yv)
-		}
 		n, ks, sep := T*H, K, doShared
 		if l.fusedShared { // the shared expert's chunks are rows K.. of each token
 			ks, sep = K+l.ns, false

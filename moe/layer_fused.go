@@ -19,10 +19,6 @@ import (
 //	(gather + gate/up GEMM + SwiGLU) -> gpuctx_moe_down_<tile> (down GEMM,
 //	rows scattered back to assignment order) -> gpuctx_moe_combine_rows
 //
-// or, for small batches (combineInDown), gpuctx_moe_downc_<tile>: the down
-// GEMM whose blocks also sum each token's finished rows into y, in place of
-// the last two kernels.
-//
 // Nothing waits for the host, so every batch size is captured into a graph and
 // replayed. The expert GEMMs run on tensor cores (moekernels' moe_gemm.cu); the
 // tile shape is picked per token bucket, by timing the candidates on the first
@@ -116,51 +112,6 @@ func (l *Layer) fusedKernels(c moekernels.MoEGemm) (up, down *gpuctx.Kernel, err
 	return up, down, nil
 }
 
-// smallTileTokens is the largest batch for which tune times only 16-row
-// tiles. A 64-row warpgroup tile timed as fast as the 16-row ones alone at 1
-// token (DeepSeek-V2-Lite, FusedShared: 53.8 against ~55 us) but made the
-// graph-replayed forward 72-75 us instead of 62 (H200, s5_route.sh); 16-row
-// tiles won every tuning up to 64 tokens.
-const smallTileTokens = 16
-
-// combineInDownTokens is the largest batch whose down kernel sums the rows
-// into y (gpuctx_moe_downc_<tile>) instead of a gpuctx_moe_combine_rows
-// launch (about 5 of 180 us at 8 tokens, DeepSeek-V2-Lite on an H200). Above
-// it the counters' atomics and the last blocks' serial sums would grow with
-// the batch, while the separate kernel spreads them over the whole GPU.
-const combineInDownTokens = 64
-
-// combineInDown reports whether the fused-path forward of T tokens with
-// shared-expert placement shared and down tile c runs the down kernel with
-// the row combine (gpuctx_moe_downc_<tile>): bf16, an mma.sync tile, no
-// shared-expert term to add after the routed rows (FusedShared or none),
-// T <= combineInDownTokens, and not LayerOptions.SeparateCombine.
-func (l *Layer) combineInDown(T, shared int, c moekernels.MoEGemm) bool {
-	return !l.sepCombine && l.dt == gpuctx.BF16 && c.HasDownCombine() && T <= combineInDownTokens &&
-		(shared == sharedNone || shared == sharedFused)
-}
-
-// downCombine is a down kernel with the row combine that launchExperts left
-// for the combine step (which knows y): k is nil when there is none.
-type downCombine struct {
-	k *gpuctx.Kernel
-	c moekernels.MoEGemm
-	T int
-}
-
-// combineBlocks is the most column blocks a down kernel with the row combine
-// has over h columns: ceil(h/BN) for the narrowest such tile. The counters of
-// gpuctx_moe_downc_<tile> are sized for it, whichever tile runs.
-func combineBlocks(h int) int {
-	bn := 0
-	for _, c := range moekernels.MoEGemms {
-		if c.HasDownCombine() && (bn == 0 || c.BN < bn) {
-			bn = c.BN
-		}
-	}
-	return (h + bn - 1) / bn
-}
-
 // ensureFused grows the fused path's scratch for T tokens and tile rows bm.
 func (l *Layer) ensureFused(T, bm int) error {
 	c := &l.cfg
@@ -181,18 +132,7 @@ func (l *Layer) ensureFused(T, bm int) error {
 		if err := l.grow(&s.ticket, 4, &synced); err != nil {
 			return err
 		}
-		if err := l.main.Memset(s.ticket, 0); err != nil {
-			return err
-		}
-	}
-	if T <= combineInDownTokens && !l.sepCombine { // gpuctx_moe_downc_<tile>'s counters: the same rule
-		old := s.cnt
-		if err := l.grow(&s.cnt, 4*T*combineBlocks(c.HiddenSize), &synced); err != nil {
-			return err
-		}
-		if s.cnt != old {
-			return l.main.Memset(s.cnt, 0)
-		}
+		return l.main.Memset(s.ticket, 0)
 	}
 	return nil
 }
@@ -204,6 +144,13 @@ const alignThreads = 512
 // launches (gpuctx_moe_align_count, _scan, _scatter over chunks of
 // moekernels.AlignChunk) instead of gpuctx_moe_align's one block.
 const align3From = 2 * moekernels.AlignChunk
+
+// smallTileTokens is the largest batch for which tune times only 16-row
+// tiles. A 64-row warpgroup tile timed as fast as the 16-row ones alone at 1
+// token (DeepSeek-V2-Lite, FusedShared: 53.8 against ~55 us) but made the
+// graph-replayed forward 72-75 us instead of 62 (H200, s5_route.sh); 16-row
+// tiles won every tuning up to 64 tokens.
+const smallTileTokens = 16
 
 // launchAlign queues the aligned sort for T tokens with tile rows bm:
 // gpuctx_moe_align, or from l.align3From assignments its three-launch form
@@ -238,13 +185,8 @@ func (l *Layer) launchEarly(k *gpuctx.Kernel, grid, block gpuctx.Dim3, sharedMem
 }
 
 // launchExperts queues the up and down kernels of tiles tp on the main stream
-// (gpuctx_moe_align with tp's BM must have run), shared being where the
-// shared expert runs. Where combineInDown holds, it queues the up kernel only
-// and leaves the down kernel with the row combine in l.downc for the combine
-// step (launchDownCombine), which has y: nothing is queued on the main stream
-// in between.
-func (l *Layer) launchExperts(x *gpuctx.Buffer, T, shared int, tp tilePair) error {
-	l.downc = downCombine{}
+// (gpuctx_moe_align with tp's BM must have run).
+func (l *Layer) launchExperts(x *gpuctx.Buffer, T int, tp tilePair) error {
 	kUp, _, err := l.fusedKernels(tp.up)
 	if err != nil {
 		return err
@@ -253,50 +195,10 @@ func (l *Layer) launchExperts(x *gpuctx.Buffer, T, shared int, tp tilePair) erro
 	if err != nil {
 		return err
 	}
-	var kDownC *gpuctx.Kernel
-	if l.combineInDown(T, shared, tp.down) {
-		if kDownC, err = l.downCombineKernel(tp.down); err != nil {
-			return err
-		}
-	}
 	if err := l.launchUp(kUp, tp.up, x, T); err != nil {
 		return err
 	}
-	if kDownC != nil {
-		l.downc = downCombine{kDownC, tp.down, T}
-		return nil
-	}
 	return l.launchDown(kDown, tp.down, T)
-}
-
-// downCombineKernel looks up (compiling on first use) the down kernel with the
-// row combine of mma.sync tile c.
-func (l *Layer) downCombineKernel(c moekernels.MoEGemm) (*gpuctx.Kernel, error) {
-	if k, ok := l.kDownC[c]; ok {
-		return k, nil
-	}
-	k, err := l.dev.Kernel(c.DownCombineName())
-	if err != nil {
-		return nil, err
-	}
-	l.kDownC[c] = k
-	return k, nil
-}
-
-// launchDownCombine queues the down kernel that launchExperts left in l.downc
-// on the main stream: the down GEMM, and each token's rows summed into yv
-// (T*H bf16, 16-byte aligned) by the block that stores its last row of a
-// column block, found through the counters s.cnt (0 at rest: ensureFused
-// zeroes them, every launch leaves them 0).
-func (l *Layer) launchDownCombine(yv *gpuctx.Buffer) error {
-	d := l.downc
-	l.downc = downCombine{}
-	cfg, s := &l.cfg, &l.scr
-	H, I, K := cfg.HiddenSize, cfg.Intermediate, l.routedKS
-	TK := d.T * K
-	gx, gy := d.c.Grid(H, alignCap(TK, l.experts(), d.c.BM), l.dev.Info().SMCount)
-	return l.launchEarly(d.k, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: d.c.Threads(), Y: 1, Z: 1}, d.c.SmemBytes(false),
-		s.act, l.down, s.sorted, s.bexp, s.npost, s.out, s.w, yv, s.cnt, int32(TK), int32(H), int32(I), int32(K))
 }
 
 // launchUp queues kUp, the up kernel of tile c, over T tokens on the main
@@ -647,7 +549,7 @@ func (l *Layer) expertsFused(x *gpuctx.Buffer, T int, shared int, tp tilePair) e
 	// The routed kernels are queued before the side stream's shared expert: an
 	// eager forward would otherwise leave the main stream idle while the host
 	// queues the shared expert's BLAS calls.
-	if err := l.launchExperts(x, T, shared, tp); err != nil {
+	if err := l.launchExperts(x, T, tp); err != nil {
 		return err
 	}
 	switch shared {

@@ -62,7 +62,6 @@ type moeBenchOpts struct {
 	smallBatch    int
 	noGraphs      bool
 	noFused       bool
-	sepCombine    bool
 	tile          string
 	peer, python  string // --peer script, --peer-python
 }
@@ -183,7 +182,6 @@ it and the exit status is 1.`,
 	f.StringVar(&o.out, "out", "", "write the markdown header and table to this file (for bench/RESULTS.md)")
 	f.BoolVar(&o.fullSize, "full-size", false, "on the CPU backend, keep the preset's real shape (slow)")
 	f.BoolVar(&o.noFused, "no-fused", false, "bf16: run the routed experts as grouped GEMMs with host-side sizes instead of the fused kernels")
-	f.BoolVar(&o.sepCombine, "separate-combine", false, "bf16: sum the experts' rows in their own kernel even where the fused down kernel does it (batches of up to 64 tokens without a separately computed shared expert); for measurement")
 	f.StringVar(&o.tile, "tile", "", "force one tile of the fused expert GEMMs instead of tuning per token bucket: an mma.sync tile (e.g. m16n64k64w1x4s6) or, on compute capability 9.0, a warpgroup tile (e.g. m128n128k64g2s4)")
 	f.BoolVar(&o.noGraphs, "no-graphs", false, "run every forward eagerly (by default small batches replay a captured graph)")
 	f.StringVar(&o.trace, "trace", "", traceHelp+"; after the timings, one eager forward per token count and mode is traced (implies --no-graphs)")
@@ -594,7 +592,7 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 	}
 	step("GEMM ceiling")
 
-	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch, NoGraphs: o.noGraphs, NoFused: o.noFused, SeparateCombine: o.sepCombine, Tile: o.tile})
+	l, err := moe.NewLayer(dev, cfg, w, moe.LayerOptions{DType: dt, Mode: modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch, NoGraphs: o.noGraphs, NoFused: o.noFused, Tile: o.tile})
 	if err != nil {
 		return nil, fail("building the MoE layer on the device", "try fewer experts (another preset) or --dtype bf16", err)
 	}

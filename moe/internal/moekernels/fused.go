@@ -10,8 +10,7 @@ import (
 // The Go twins of the fused, graph-capturable routed-expert path:
 // gpuctx_moe_align (a block-aligned stable sort of the assignments by expert,
 // moe.cu), the grouped expert GEMMs of moe_gemm.cu (gpuctx_moe_up_<tag>,
-// gpuctx_moe_down_<tag>, one per tile config of MoEGemms, and
-// gpuctx_moe_downc_<tag>, the down kernel with the row combine) and
+// gpuctx_moe_down_<tag>, one per tile config of MoEGemms) and
 // gpuctx_moe_combine_rows (gpuctx_moe_combine with the routed rows in
 // assignment order). Same arithmetic as the CUDA kernels: f32 dot products in
 // ascending order, gate and up rounded to bf16 before SwiGLU, bf16 stores
@@ -34,12 +33,6 @@ type upArgs struct {
 type downArgs struct {
 	Act, Down, Sorted, BlockExpert, Npost, Out Ptr
 	TK, H, I                                   int32
-}
-
-// downCombineArgs are the parameters of gpuctx_moe_downc_<tag>.
-type downCombineArgs struct {
-	Act, Down, Sorted, BlockExpert, Npost, Out, W, Y, Cnt Ptr
-	TK, H, I, Ks                                          int32
 }
 
 // routeAlignArgs are the parameters of gpuctx_moe_route_align.
@@ -455,79 +448,5 @@ func moeCombineRows(m kernels.Memory, a *combineRowsArgs) error {
 		T: int(a.T), K: int(a.K), H: int(a.H),
 		hasRouted: a.HasRouted != 0, hasShared: a.HasShared != 0, hasGate: a.HasGate != 0, bf: a.BF16,
 		identity: true,
-	})
-}
-
-// moeFusedDownCombine is gpuctx_moe_downc_<tag> for tiles of BM rows and BN
-// columns: the down twin, then the combine-rows twin (bf16, no shared term)
-// over all T = TK/ks tokens. It checks what the kernel's counters rely on:
-// cnt [T*ceil(H/BN)] all 0 on entry, and every token's ks rows in the sort
-// (else the kernel would leave the token's y unwritten and its counters
-// non-zero). It counts the rows as the kernel does and leaves cnt 0.
-func moeFusedDownCombine(m kernels.Memory, a *downCombineArgs, BM, BN int) error {
-	TK, H, ks := int(a.TK), int(a.H), int(a.Ks)
-	if ks <= 0 || TK < 0 || TK%ks != 0 {
-		return fmt.Errorf("moe_downc: TK=%d ks=%d: want ks > 0 and TK a multiple of ks", TK, ks)
-	}
-	if H <= 0 {
-		return fmt.Errorf("moe_downc: H=%d, want H > 0", H)
-	}
-	T, nblk := TK/ks, (H+BN-1)/BN
-	cnt, err := kernels.Slice[uint32](m, "cnt", a.Cnt, int64(T)*int64(nblk))
-	if err != nil {
-		return err
-	}
-	for i, v := range cnt {
-		if v != 0 {
-			return fmt.Errorf("moe_downc: cnt[%d] = %d, want 0 (zero the %d counters once before the first launch; every launch leaves them 0)", i, v, len(cnt))
-		}
-	}
-	sorted, blockExpert, _, _, err := fusedPlan(m, a.Sorted, a.BlockExpert, a.Npost, BM, TK)
-	if err != nil {
-		return fmt.Errorf("moe_downc: %w", err)
-	}
-	rows := make([]int, T)
-	for b, e := range blockExpert {
-		if e < 0 {
-			continue
-		}
-		for _, s := range sorted[b*BM : (b+1)*BM] {
-			if int(s) < TK {
-				rows[int(s)/ks]++
-			}
-		}
-	}
-	for t, n := range rows {
-		if n != ks {
-			return fmt.Errorf("moe_downc: token %d has %d rows in the sort, want ks = %d (an expert out of range?): its counters would not reach ks", t, n, ks)
-		}
-	}
-	if err := moeFusedDown(m, &downArgs{
-		Act: a.Act, Down: a.Down, Sorted: a.Sorted, BlockExpert: a.BlockExpert, Npost: a.Npost, Out: a.Out,
-		TK: a.TK, H: a.H, I: a.I,
-	}, BM); err != nil {
-		return err
-	}
-	// The kernel's counters: each stored row counts once per column block; the
-	// count that reaches ks resets the counter (the token's last row).
-	for b, e := range blockExpert {
-		if e < 0 {
-			continue
-		}
-		for _, s := range sorted[b*BM : (b+1)*BM] {
-			if int(s) >= TK {
-				continue
-			}
-			for bx := range nblk {
-				c := &cnt[int(s)/ks*nblk+bx]
-				if *c++; int(*c) == ks {
-					*c = 0
-				}
-			}
-		}
-	}
-	return combine(m, combineOp{
-		out: a.Out, w: a.W, y: a.Y, T: T, K: ks, H: H,
-		hasRouted: true, bf: 1, identity: true,
 	})
 }

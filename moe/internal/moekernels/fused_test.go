@@ -366,73 +366,6 @@ func TestMoECombineRows(t *testing.T) {
 	}
 }
 
-// TestMoEDownCombine checks gpuctx_moe_downc_<tag> of every mma.sync tile
-// against gpuctx_moe_down_<tag> then gpuctx_moe_combine_rows (bf16, no shared
-// term): the same out and y bits, the counters left 0, and a second launch
-// on other weights right too (its counters found at 0).
-func TestMoEDownCombine(t *testing.T) {
-	const T, ks, E, H, I = 7, 3, 6, 40, 24 // H = 40: a partial column block for BN 16, 32 and 64
-	n := 0
-	for _, c := range MoEGemms {
-		if !c.HasDownCombine() {
-			continue
-		}
-		n++
-		t.Run(c.Tag(), func(t *testing.T) {
-			d := newTestDevice(t)
-			TK, BM := T*ks, c.BM
-			rg := lcg(23)
-			r := rand.New(rand.NewPCG(5, 6))
-			idx := make([]int32, TK)
-			for tok := range T { // ks distinct experts per token, as gpuctx_moe_route picks them
-				for k, e := range r.Perm(E)[:ks] {
-					idx[tok*ks+k] = int32(e)
-				}
-			}
-			cp := alignCap(TK, E, BM)
-			_, _, _, pl := runAlign(t, d, idx, E, BM, cp)
-			ap := upload(t, d, asBytes(bf16Bits(rg.vals(cp*I))))
-			wp := upload(t, d, asBytes(f32s(rg.vals(TK))))
-			nblk := (H + c.BN - 1) / c.BN
-			cnt := upload(t, d, make([]byte, 4*T*nblk))
-			for run := range 2 {
-				dp := upload(t, d, asBytes(bf16Bits(rg.vals(E*H*I)))) // new weights each run
-				o1 := upload(t, d, asBytes(filled(TK*H, poisonBF16)))
-				o2 := upload(t, d, asBytes(filled(TK*H, poisonBF16)))
-				y1 := upload(t, d, asBytes(filled(T*H, poisonBF16)))
-				y2 := upload(t, d, asBytes(filled(T*H, poisonBF16)))
-				if err := launchSync(t, d, c.DownName(), ap, dp, pl[0], pl[1], pl[2], o1, int32(TK), int32(H), int32(I)); err != nil {
-					t.Fatal(err)
-				}
-				if err := launchSync(t, d, "gpuctx_moe_combine_rows", o1, wp, Ptr(0), Ptr(0), y1,
-					int32(T), int32(ks), int32(H), int32(1), int32(0), int32(0), int32(1)); err != nil {
-					t.Fatal(err)
-				}
-				if err := launchSync(t, d, c.DownCombineName(), ap, dp, pl[0], pl[1], pl[2], o2, wp, y2, cnt,
-					int32(TK), int32(H), int32(I), int32(ks)); err != nil {
-					t.Fatalf("run %d: %v", run, err)
-				}
-				if !slices.Equal(download(t, d, o1, 2*TK*H), download(t, d, o2, 2*TK*H)) {
-					t.Fatalf("run %d: out differs from the down kernel's", run)
-				}
-				got, want := fromBytes[uint16](download(t, d, y2, 2*T*H)), fromBytes[uint16](download(t, d, y1, 2*T*H))
-				if !slices.Equal(got, want) {
-					t.Fatalf("run %d: y differs from down + combine_rows:\n got %v\nwant %v", run, got, want)
-				}
-				if slices.Contains(want, poisonBF16) {
-					t.Fatalf("run %d: down + combine_rows left y elements unwritten", run)
-				}
-				if c := fromBytes[uint32](download(t, d, cnt, 4*T*nblk)); slices.ContainsFunc(c, func(v uint32) bool { return v != 0 }) {
-					t.Fatalf("run %d: counters left %v, want all 0", run, c)
-				}
-			}
-		})
-	}
-	if n == 0 {
-		t.Fatal("no tile has a down kernel with the row combine")
-	}
-}
-
 func f32s(v []float64) []float32 {
 	out := make([]float32, len(v))
 	for i, x := range v {
@@ -455,7 +388,6 @@ func TestMoEFusedKernelErrors(t *testing.T) {
 		np        //
 		negSorted // sorted with a negative row
 		bigNpost  // npost past the sorted rows
-		ones      // uint32 counters at 1
 	)
 	fixtures := func(d *device, f fixture) any {
 		switch f {
@@ -471,8 +403,6 @@ func TestMoEFusedKernelErrors(t *testing.T) {
 			return upload(t, d, asBytes([]int32{16}))
 		case negSorted:
 			return upload(t, d, asBytes(append([]int32{0, -3}, filled(14, int32(2))...)))
-		case ones:
-			return upload(t, d, asBytes(filled(64, uint32(1))))
 		default:
 			return upload(t, d, asBytes([]int32{1 << 20}))
 		}
@@ -481,7 +411,7 @@ func TestMoEFusedKernelErrors(t *testing.T) {
 	if c.BM != 16 {
 		t.Fatalf("MoEGemms[0].BM = %d: update this test", c.BM)
 	}
-	up, down, downc := c.UpName(), c.DownName(), c.DownCombineName()
+	up, down := c.UpName(), c.DownName()
 	i32 := func(v ...int) []any {
 		out := make([]any, len(v))
 		for i, x := range v {
@@ -514,10 +444,6 @@ func TestMoEFusedKernelErrors(t *testing.T) {
 		{"down negative I", down, args([]any{buf, buf, sorted, be, np, buf}, 2, 8, -8), "I=-8"},
 		{"down out outside its buffer", down, args([]any{buf, buf, sorted, be, np, small}, 2, 64, 8), "out"},
 		{"down weights outside their buffer", down, args([]any{buf, small, sorted, be, np, buf}, 2, 8, 8), "down"},
-		{"downc counters not zero", downc, args([]any{buf, buf, sorted, be, np, buf, buf, buf, ones}, 2, 8, 8, 1), "cnt[0] = 1, want 0"},
-		{"downc token with other than ks rows", downc, args([]any{buf, buf, sorted, be, np, buf, buf, buf, buf}, 4, 8, 8, 2), "token 1 has 14 rows in the sort, want ks = 2"},
-		{"downc TK not a multiple of ks", downc, args([]any{buf, buf, sorted, be, np, buf, buf, buf, buf}, 3, 8, 8, 2), "TK=3 ks=2"},
-		{"downc y outside its buffer", downc, args([]any{buf, buf, sorted, be, np, buf, buf, small, buf}, 2, 64, 8, 1), "y"},
 		{"combine_rows routed without K", "gpuctx_moe_combine_rows", args([]any{buf, buf, buf, buf, buf}, 2, 0, 4, 1, 0, 0, 0), "K=0"},
 		{"combine_rows out outside its buffer", "gpuctx_moe_combine_rows", args([]any{small, buf, buf, buf, buf}, 4, 4, 8, 1, 0, 0, 0), "out"},
 	}

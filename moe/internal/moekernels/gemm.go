@@ -20,17 +20,6 @@ import (
 //	gpuctx_moe_down_<tag> (act, down, sorted, blockExpert, npost, out hal.Ptr, TK, H, I int32)
 //	    for the same rows with a < TK: out[a,h] = bf16(act[p,:].down[e,h,:]) for
 //	    h < H; padding rows write nothing. Grid (ceil(H/BN), cap/BM).
-//	gpuctx_moe_downc_<tag> (act, down, sorted, blockExpert, npost, out, w, y, cnt hal.Ptr, TK, H, I, ks int32)
-//	    (mma.sync tiles only, see DownCombineName) gpuctx_moe_down_<tag>, then
-//	    for every token t (T = TK/ks tokens of ks rows each, a = t*ks+k) the
-//	    bf16 gpuctx_moe_combine_rows without a shared term: y[t,h] =
-//	    bf16(sum_{k ascending} w[a]*out[a,h]), f32 from 0 (w f32 [TK], y bf16
-//	    [T,H]). The block that stores the last of token t's ks rows in column
-//	    block bx sums y[t, bx*BN ..]; it finds out through the counter
-//	    cnt[t*ceil(H/BN) + bx] (uint32 [T*ceil(H/BN)], all 0 before the launch,
-//	    and every launch leaves them 0). Every token needs its ks rows in the
-//	    sort (experts in range), or its y row is not written and its counters
-//	    stay non-zero. Same grid as the down kernel.
 //
 // A persistent tile's grid is (min(SMs, ceil(n/BN)*(cap/BM)), 1) instead (see
 // Grid), for n = I or H. All take block (Threads(), 1, 1) and SmemBytes(up)
@@ -98,15 +87,6 @@ func (c MoEGemm) UpName() string { return "gpuctx_moe_up_" + c.Tag() }
 
 // DownName is the name of the config's down-projection kernel.
 func (c MoEGemm) DownName() string { return "gpuctx_moe_down_" + c.Tag() }
-
-// DownCombineName is the name of the config's down-projection kernel that
-// also sums each token's rows into y (gpuctx_moe_downc_<tag>). Only the
-// mma.sync tiles (Warpgroups == 0) have one; see HasDownCombine.
-func (c MoEGemm) DownCombineName() string { return "gpuctx_moe_downc_" + c.Tag() }
-
-// HasDownCombine reports whether the config has a gpuctx_moe_downc_<tag>
-// kernel: the mma.sync tiles do, the warpgroup tiles do not.
-func (c MoEGemm) HasDownCombine() bool { return c.Warpgroups == 0 }
 
 // Threads is the block size: for a persistent tile, its consumer warpgroups
 // and its producer warps.
@@ -193,9 +173,7 @@ const MoEGemmSmemLimit = 227 << 10
 // tile its 2*Stages mbarriers (8 bytes each). A warpgroup tile's dynamic
 // shared memory is declared 1024-byte aligned, which rounds its static part
 // up to a multiple of 1024 (ptxas -v reports 1024 bytes for BM 128, 2048 for
-// BM 192). The down kernel with the row combine has 4*BM+4 bytes more (its
-// completed tokens), which its dynamic part, at least Stages*BN*BK*2 bytes
-// under the up kernel's, leaves room for.
+// BM 192).
 func (c MoEGemm) staticSmem() int {
 	n := 8 * c.BM
 	if c.Producers > 0 {
@@ -267,17 +245,13 @@ func moeGemmInstances() string {
 		}
 		t := fmt.Sprintf("%d, %d, %d, %d, %d, %d", c.BM, c.BN, c.BK, c.WarpsM, c.WarpsN, c.Stages)
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ x, const unsigned short* __restrict__ gu, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
-    moe_gemm<%s, true, false>(x, gu, sorted, block_expert, npost, act, TK, K, H, I, nullptr, nullptr, nullptr, 0);
+    moe_gemm<%s, true>(x, gu, sorted, block_expert, npost, act, TK, K, H, I);
 }
 `, c.Threads(), c.UpName(), t)
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ act, const unsigned short* __restrict__ down, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
-    moe_gemm<%s, false, false>(act, down, sorted, block_expert, npost, out, TK, 1, I, H, nullptr, nullptr, nullptr, 0);
+    moe_gemm<%s, false>(act, down, sorted, block_expert, npost, out, TK, 1, I, H);
 }
 `, c.Threads(), c.DownName(), t)
-		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ act, const unsigned short* __restrict__ down, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, const float* __restrict__ w, unsigned short* __restrict__ y, unsigned int* __restrict__ cnt, int TK, int H, int I, int ks) {
-    moe_gemm<%s, false, true>(act, down, sorted, block_expert, npost, out, TK, 1, I, H, w, y, cnt, ks);
-}
-`, c.Threads(), c.DownCombineName(), t)
 	}
 	return b.String()
 }

@@ -37,7 +37,6 @@ func TestParamCounts(t *testing.T) {
 	for name, want := range map[string]int{
 		"gpuctx_empty": 0, "gpuctx_fill_f32": 3, "gpuctx_moe_route": 17, "gpuctx_moe_align": 8,
 		"gpuctx_moe_route_align": 26, "gpuctx_moe_combine_rows": 12, MoEGemms[0].UpName(): 10, MoEGemms[0].DownName(): 9,
-		MoEGemms[0].DownCombineName(): 13,
 	} {
 		if got[name] != want {
 			t.Errorf("%s: %d parameters, want %d", name, got[name], want)
@@ -92,53 +91,6 @@ func TestSources(t *testing.T) {
 		if !c.HasUp() && strings.Contains(src, " void "+c.UpName()+"(") {
 			t.Errorf("down-only tile %s has an up instance", c.Tag())
 		}
-	}
-}
-
-// TestDownCombineInstances checks the down kernels with the row combine: one
-// per mma.sync tile, in moe_gemm.cu, instantiating moe_gemm's COMBINE form
-// with the parameters in the documented order; none for a warpgroup tile;
-// registered (a Go twin) exactly where instantiated; and launched early
-// (WaitsFirst). The body being that one call, TestWaitsFirst's check of
-// moe_gemm (through the up and down instances: every parameter, w, y, cnt
-// and ks included, unused before MOE_GRID_WAIT()) covers them too.
-func TestDownCombineInstances(t *testing.T) {
-	gemm, wg := GemmSource(), WgmmaSource()
-	registered := map[string]bool{}
-	for _, n := range kernels.Names() {
-		registered[n] = true
-	}
-	n := 0
-	for _, c := range MoEGemms {
-		name := c.DownCombineName()
-		if name != "gpuctx_moe_downc_"+c.Tag() {
-			t.Errorf("tile %s: DownCombineName() = %q", c.Tag(), name)
-		}
-		if strings.Contains(wg, " void "+name+"(") {
-			t.Errorf("%s is in %s: the warpgroup tiles have no row combine", name, WgmmaFile)
-		}
-		in := strings.Contains(gemm, " void "+name+"(")
-		if c.HasDownCombine() != (c.Warpgroups == 0) || in != c.HasDownCombine() || registered[name] != in || WaitsFirst(name) != in {
-			t.Errorf("tile %s (warpgroups %d): HasDownCombine %v, instance %v, registered %v, WaitsFirst %v; want all %v",
-				c.Tag(), c.Warpgroups, c.HasDownCombine(), in, registered[name], WaitsFirst(name), c.Warpgroups == 0)
-		}
-		if !in {
-			continue
-		}
-		n++
-		params, body, ok := function(gemm, name)
-		want := []string{"act", "down", "sorted", "block_expert", "npost", "out", "w", "y", "cnt", "TK", "H", "I", "ks"}
-		if !ok || !slices.Equal(params, want) {
-			t.Errorf("%s: parameters %v, want %v", name, params, want)
-		}
-		call := fmt.Sprintf("moe_gemm<%d, %d, %d, %d, %d, %d, false, true>(act, down, sorted, block_expert, npost, out, TK, 1, I, H, w, y, cnt, ks);",
-			c.BM, c.BN, c.BK, c.WarpsM, c.WarpsN, c.Stages)
-		if strings.TrimSpace(body) != call {
-			t.Errorf("%s: body %q, want %q", name, strings.TrimSpace(body), call)
-		}
-	}
-	if n == 0 {
-		t.Error("no tile has a down kernel with the row combine")
 	}
 	// The warpgroup file uses sm_90a's wgmma: registered for 9.0 only, so the
 	// CUDA backend compiles it for sm_90a and nowhere else.

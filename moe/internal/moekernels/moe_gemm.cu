@@ -14,17 +14,6 @@
 //   get zeros.
 //   DOWN: A row p is act[p] ([cap, Kdim]), B rows n of down [E, N, Kdim];
 //   out[sorted[p], n] = bf16(acc) for real rows (out is [TK, N]).
-//   DOWN with COMBINE (gpuctx_moe_downc_<tag>): the same out, and then the
-//   weighted sum of gpuctx_moe_combine_rows (bf16, no shared term) for the
-//   tokens whose ks rows are all stored: y[t, n] = bf16(sum_{k ascending}
-//   w[t*ks+k] * out[t*ks+k, n]) for the block's BN columns. A counter per
-//   token and column block, cnt[t * gridDim.x + blockIdx.x] (uint32, 0 before
-//   the launch), counts the token's rows stored by the blocks of that column
-//   block; the block whose row brings it to ks sums the token's columns and sets
-//   it back to 0, so every launch leaves it 0 (graph replays need no reset).
-//   Every token must have exactly ks rows in the sort (assignment ids t*ks+k,
-//   experts in range: gpuctx_moe_route's always are), or its counter never
-//   reaches ks: y[t] is not written and the counter is left non-zero.
 //
 // Every output element sums its K dimension in the same order whatever the tile
 // shape (BK-wide stages in increasing k, each through the same mma sequence), so
@@ -84,92 +73,13 @@ static __device__ __forceinline__ int mg_swz(int r, int ch) {
 
 extern __shared__ __align__(128) unsigned char mg_dyn[];
 
-// moe_combine_tile is the combine of gpuctx_moe_downc_<tag>, run by the whole
-// block after it stored its out rows (row_dst: the assignment of each tile
-// row, -1 for none; one expert per tile, so their tokens are distinct). Each
-// thread fences its stores; then per stored row one thread counts the row in
-// cnt[t * gridDim.x + blockIdx.x] (t = a / ks). The block that takes a counter
-// from ks-1 holds the token's last row of this column block: every other row
-// was stored and fenced before its count, so after a fence the block reads them
-// from L2 (__ldcg: another block's writes may be stale in this SM's L1) and sums
-// y[t, n0 .. n0+BN) as gpuctx_moe_combine_rows' 16-byte path does (f32 from 0,
-// k ascending, acc += w * out, bf16 round to nearest even), eight columns per
-// thread. The counter is set back to 0 at once: all ks counts of this launch are
-// in. N is a multiple of 8, n0 of 16, out and y 16-byte aligned.
-template <int BM, int BN, int THREADS>
-static __device__ __forceinline__ void moe_combine_tile(const int* row_dst, const unsigned short* out,
-                                                        const float* __restrict__ w, unsigned short* __restrict__ y,
-                                                        unsigned int* __restrict__ cnt, int N, int ks, int n0) {
-    constexpr int CHN = BN / 8;  // 8-column chunks per row
-    __shared__ int done_t[BM];   // tokens this block completes
-    __shared__ int ndone;
-    const int tid = threadIdx.x;
-    if (tid == 0) ndone = 0;
-    __threadfence();  // this thread's out stores are visible on the device before any count below
-    __syncthreads();
-    for (int r = tid; r < BM; r += THREADS) {
-        const int a = row_dst[r];
-        if (a < 0) continue;
-        const int t = a / ks;
-        unsigned int* c = cnt + (long long)t * gridDim.x + blockIdx.x;
-        if (atomicAdd(c, 1u) == (unsigned)(ks - 1)) {
-            *c = 0u;  // the token's ks rows are counted: ready for the next launch
-            done_t[atomicAdd(&ndone, 1)] = t;
-        }
-    }
-    __syncthreads();
-    const int nd = ndone;
-    if (nd == 0) return;
-    __threadfence();  // the other blocks' rows, counted before ours, are read after the counts
-    for (int it = tid; it < nd * CHN; it += THREADS) {
-        const int t = done_t[it / CHN];
-        const int n = n0 + (it % CHN) * 8;
-        if (n >= N) continue;
-        float acc[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-        // Eight rows' loads in flight, then their sums in k order.
-        for (int k0 = 0; k0 < ks; k0 += 8) {
-            uint4 q[8];
-            float wk[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                const long long a = (long long)t * ks + (k0 + u < ks ? k0 + u : ks - 1);
-                wk[u] = __ldcg(w + a);
-                q[u] = __ldcg((const uint4*)(out + a * N + n));
-            }
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                if (k0 + u >= ks) break;
-                const unsigned int v[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    acc[2 * j] += wk[u] * __uint_as_float(v[j] << 16);
-                    acc[2 * j + 1] += wk[u] * __uint_as_float(v[j] & 0xffff0000u);
-                }
-            }
-        }
-        uint4 o;
-        o.x = (unsigned)mg_f2bf(acc[0]) | ((unsigned)mg_f2bf(acc[1]) << 16);
-        o.y = (unsigned)mg_f2bf(acc[2]) | ((unsigned)mg_f2bf(acc[3]) << 16);
-        o.z = (unsigned)mg_f2bf(acc[4]) | ((unsigned)mg_f2bf(acc[5]) << 16);
-        o.w = (unsigned)mg_f2bf(acc[6]) | ((unsigned)mg_f2bf(acc[7]) << 16);
-        *(uint4*)(y + (long long)t * N + n) = o;
-    }
-}
-
-// COMBINE (DOWN only) adds the row combine of gpuctx_moe_downc_<tag> after the
-// stores (moe_combine_tile): w, y, cnt and ks are read only then (nullptr and 0
-// otherwise).
-template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool UP, bool COMBINE>
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool UP>
 static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict__ A,
                                                 const unsigned short* __restrict__ B,
                                                 const int* __restrict__ sorted,
                                                 const int* __restrict__ block_expert,
                                                 const int* __restrict__ npost, unsigned short* __restrict__ C,
-                                                int TK, int topk, int Kdim, int N, const float* __restrict__ w,
-                                                unsigned short* __restrict__ y, unsigned int* __restrict__ cnt,
-                                                int ks) {
+                                                int TK, int topk, int Kdim, int N) {
     constexpr int THREADS = 32 * WARPS_M * WARPS_N;
     constexpr int WM = BM / WARPS_M;
     constexpr int WN = BN / WARPS_N;
@@ -182,7 +92,6 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     constexpr int CH = BK / 8;  // 16-byte chunks per tile row
     static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile must be a multiple of 16x16");
     static_assert(BK == 64 || BK == 128 || BK == 256, "BK must be 64, 128 or 256");
-    static_assert(!(UP && COMBINE), "only the down kernel combines");
 
     __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
     __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
@@ -340,5 +249,4 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
             }
         }
     }
-    if constexpr (COMBINE) moe_combine_tile<BM, BN, THREADS>(row_dst, C, w, y, cnt, N, ks, n0);
 }

@@ -46,9 +46,7 @@
 // The fused routed path (graph-capturable: no host round trip) sorts the
 // assignments into blocks of BM rows per expert, runs the grouped expert GEMMs
 // of moe_gemm.cu on them (gpuctx_moe_up_<tag>, gpuctx_moe_down_<tag>, one pair
-// per tile config, and for the mma.sync tiles gpuctx_moe_downc_<tag>, the down
-// kernel that also combines the rows; see MoEGemm) and combines the rows in
-// assignment order:
+// per tile config; see MoEGemm) and combines the rows in assignment order:
 //
 //	gpuctx_moe_align    (topk_idx, sorted, block_expert, npost hal.Ptr, TK, E, BM, cap int32)
 //	    stable sort of the TK assignments (topk_idx [TK] i32; out-of-range experts
@@ -179,8 +177,7 @@ var earlyKernels = []string{
 // WaitsFirst reports whether kernel name waits for the kernels ahead of it on
 // its stream (MOE_GRID_WAIT()) before it touches memory, so that it may be
 // queued with gpuctx.Stream.LaunchEarly: the routing, sorting and row-combine
-// kernels of the fused path and every expert GEMM kernel of MoEGemms (up, down
-// and down-combine).
+// kernels of the fused path and every expert GEMM tile of MoEGemms.
 func WaitsFirst(name string) bool { return waitsFirst()[name] }
 
 var waitsFirst = sync.OnceValue(func() map[string]bool {
@@ -190,9 +187,6 @@ var waitsFirst = sync.OnceValue(func() map[string]bool {
 	}
 	for _, c := range MoEGemms {
 		m[c.UpName()], m[c.DownName()] = true, true
-		if c.HasDownCombine() {
-			m[c.DownCombineName()] = true
-		}
 	}
 	return m
 })
@@ -235,12 +229,6 @@ func init() {
 			ks = append(ks, kernels.Twin(c.UpName(), func(m kernels.Memory, a *upArgs) error { return moeFusedUp(m, a, bm) }))
 		}
 		ks = append(ks, kernels.Twin(c.DownName(), func(m kernels.Memory, a *downArgs) error { return moeFusedDown(m, a, bm) }))
-		if c.HasDownCombine() {
-			bn := c.BN // the combine's counters are per column block
-			ks = append(ks, kernels.Twin(c.DownCombineName(), func(m kernels.Memory, a *downCombineArgs) error {
-				return moeFusedDownCombine(m, a, bm, bn)
-			}))
-		}
 		if c.Warpgroups > 0 {
 			wgs = append(wgs, ks...)
 		} else {
