@@ -7,6 +7,7 @@
 # at 8 tokens.
 #   MEMCHECK=REGEXP  the moe tests memcheck runs (default: the session's new ones)
 #   NORUN=1          leaves out moe run and the timeline (s4_final2.sh)
+#   NONCU=1          leaves out ncu (s5_final.sh)
 # Build: bash bench/gpu/pack.sh . ./backend/cuda/... ./moe ./cmd/gpuctx
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -51,7 +52,7 @@ timeout 150 .gpu/gpuctx moe bench --preset deepseek-v3 --tokens 1,64,1024 --mode
   --out "$OUT/moe-deepseek-v3.md" > /dev/null 2>> /tmp/bench.log
 echo "== deepseek-v3 rc=$? $(( $(date +%s) - t0 )) s"; row "$OUT/moe-deepseek-v3.md"; grep -E "^speed vs peer|^peer: [0-9]+ " /tmp/bench.log
 rm -f "$OUT/triton_moe_anchor.json"
-timeout 120 ncu --clock-control none --launch-count 40 --section SpeedOfLight \
+[ -z "${NONCU:-}" ] && timeout 120 ncu --clock-control none --launch-count 40 --section SpeedOfLight \
   .gpu/gpuctx moe bench --preset deepseek-v2-lite --tokens 8 --mode single --small-batch -1 --tile m16n16k128w1x1s4 --iters 3 --warmup 1 > /tmp/ncu8.txt 2>&1
-echo "ncu rc=$?"; grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput" /tmp/ncu8.txt | paste - - - | awk '{print $1, $(NF-4), $(NF-3), $NF}' | head -40
+[ -z "${NONCU:-}" ] && echo "ncu rc=$?" && grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput" /tmp/ncu8.txt | paste - - - | awk '{print $1, $(NF-4), $(NF-3), $NF}' | head -40
 echo "== total $(( $(date +%s) - t0 )) s"
