@@ -292,22 +292,11 @@ func (l *Layer) launchRouteAlign(x *gpuctx.Buffer, T, shared, bm int) error {
 	ks := l.slots(shared)
 	TK, E := T*ks, l.experts()
 	grid := gpuctx.Dim3{X: moekernels.RouteAlignBlocks(T * c.NumExperts), Y: 1, Z: 1}
-	// With the shared expert fused, its gate/up rows (experts E.. of gu, which
-	// every token uses and the up kernel runs first) go to L2 meanwhile.
-	pf, pfBytes := l.router, int64(0)
-	if ns := ks - c.TopK; ns > 0 {
-		expBytes := 2 * c.Intermediate * c.HiddenSize * l.es // one expert of gu
-		var err error
-		if pf, err = l.gu.Slice((l.expHi-l.expLo)*expBytes, ns*expBytes); err != nil {
-			return err
-		}
-		pfBytes = int64(ns * expBytes)
-	}
 	return l.launchEarly(l.kRouteAlign, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, moekernels.RouteAlignSmem(T, c.NumExperts),
 		x, l.router, l.bias, s.logits, s.idx, s.w, s.sorted, s.bexp, s.npost, s.ticket,
 		int32(T), int32(c.HiddenSize), int32(c.NumExperts), int32(c.TopK), scoring, method,
 		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,
-		int32(ks), int32(ks-c.TopK), int32(bm), int32(alignCap(TK, E, bm)), pf, pfBytes)
+		int32(ks), int32(ks-c.TopK), int32(bm), int32(alignCap(TK, E, bm)))
 }
 
 // tilesFor returns the tiles of T's bucket: the forced tile, the tuned or

@@ -41,8 +41,6 @@ type routeAlignArgs struct {
 	T, H, E, K, Scoring, Method, Groups, TopkGroups, HasBias, Norm              int32
 	NormEps, Scale                                                              float32
 	Ks, Ns, BM, Cap                                                             int32
-	Prefetch                                                                    Ptr
-	PrefetchBytes                                                               int64
 }
 
 // combineRowsArgs are the parameters of gpuctx_moe_combine_rows.
@@ -63,14 +61,6 @@ func moeRouteAlign(m kernels.Memory, a *routeAlignArgs) error {
 	if T < 0 || H <= 0 || H%8 != 0 || E <= 0 || E > MaxExperts || int(T)*int(E) > RouteAlignMaxDots {
 		return fmt.Errorf("route_align: T=%d H=%d E=%d: want T >= 0, H > 0 a multiple of 8, 0 < E <= %d, T*E <= %d",
 			T, H, E, MaxExperts, RouteAlignMaxDots)
-	}
-	if a.PrefetchBytes < 0 || a.PrefetchBytes%16 != 0 {
-		return fmt.Errorf("route_align: PrefetchBytes = %d, want a multiple of 16 (0: no prefetch)", a.PrefetchBytes)
-	}
-	if a.PrefetchBytes > 0 { // the CPU has no L2 to fill: only check that the range exists
-		if _, err := kernels.Slice[byte](m, "prefetch", a.Prefetch, a.PrefetchBytes); err != nil {
-			return err
-		}
 	}
 	ticket, err := kernels.Slice[uint32](m, "ticket", a.Ticket, 1)
 	if err != nil {

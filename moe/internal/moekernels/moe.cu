@@ -897,9 +897,7 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 // ticket must be 0 before the first launch. Launch: grid (ceil(T*E/16),1,1)
 // (any grid works), block (512,1,1), dynamic shared memory
 // moe_ra_smem(T, E) bytes (RouteAlignSmem in Go). H a multiple of 8,
-// E + ns <= 512, T*E <= MOE_RA_MAX_DOTS. On sm_90 the kernel also prefetches
-// pf_bytes (a multiple of 16; 0: none) from pf (16-byte aligned) into L2:
-// weights the next kernels read, so their reads start in L2.
+// E + ns <= 512, T*E <= MOE_RA_MAX_DOTS.
 #define MOE_RA_ALIGN_BYTES (MOE_ALIGN_WARPS * MOE_MAX_E * 4 + (MOE_MAX_E + 1) * 4)
 
 // Bytes of one routing warp's arrays (ch and gs, then keep) and of the whole
@@ -974,24 +972,11 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
     float* __restrict__ logits, int* __restrict__ topk_idx, float* __restrict__ topk_w, int* __restrict__ sorted,
     int* __restrict__ block_expert, int* __restrict__ npost, unsigned int* __restrict__ ticket, int T, int H, int E,
     int K, int scoring, int method, int groups, int topk_groups, int has_bias, int norm, float norm_eps,
-    float scale, int ks, int ns, int BM, int cap, const unsigned char* __restrict__ pf, long long pf_bytes) {
+    float scale, int ks, int ns, int BM, int cap) {
     extern __shared__ __align__(16) unsigned char ra_dyn[];
     __shared__ bool last;
     MOE_GRID_WAIT();  // x and the ticket come from earlier work
     MOE_GRID_LAUNCH();
-#if __CUDA_ARCH__ >= 900
-    // Pull pf_bytes from pf into L2 while the router runs (its DRAM is
-    // mostly idle): the fused shared expert's gate/up rows, which the up
-    // kernel reads first. 16 KiB per bulk prefetch, spread over the grid.
-    if (pf_bytes > 0 && pf_bytes % 16 == 0) {
-        const long long n = (pf_bytes + 16383) / 16384;
-        for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < n; c += (long long)gridDim.x * blockDim.x) {
-            const long long off = c * 16384;
-            const unsigned sz = (unsigned)(pf_bytes - off < 16384 ? pf_bytes - off : 16384);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pf + off), "r"(sz) : "memory");
-        }
-    }
-#endif
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     const int Ex = E + ns;

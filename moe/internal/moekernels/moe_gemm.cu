@@ -100,10 +100,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     // the up kernel), then let the next kernel be scheduled.
     MOE_GRID_WAIT();
     MOE_GRID_LAUNCH();
-    // The up kernel runs the last row blocks first: they hold the fused
-    // shared expert's rows (experts E.., sorted last), whose weights
-    // gpuctx_moe_route_align may have prefetched into L2.
-    const int mb = UP ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
+    const int mb = blockIdx.y;
     if (mb * BM >= npost[0]) return;
     const int e = block_expert[mb];
     const int n0 = blockIdx.x * BN;
