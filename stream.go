@@ -230,12 +230,14 @@ func (s *Stream) Launch(k *Kernel, grid, block Dim3, sharedMem int, args ...any)
 // ahead of it on s has finished: on CUDA devices of compute capability 9.0
 // and later it is a programmatic dependent launch (the environment variable
 // GPUCTX_EARLY_LAUNCH=0 turns that off); elsewhere it is Launch. The kernel
-// must execute griddepcontrol.wait (kernels.GridWait in CUDA C:
-// gpuctx_grid_wait()) before it reads memory that earlier work on s writes or
-// writes memory that earlier work reads; the wait returns once the kernels
-// ahead of it have completed and their writes are visible. Work before the
-// wait overlaps the previous kernel's tail. Inside a stream capture the
-// overlap is kept in the graph.
+// must execute the PTX instruction griddepcontrol.wait (sm_90+; e.g.
+// asm volatile("griddepcontrol.wait;" ::: "memory")) before it reads memory
+// that earlier work on s writes or writes memory that earlier work reads: the
+// wait returns once the kernels ahead of it have completed and their writes
+// are visible. Work before the wait overlaps the previous kernel's tail, and
+// griddepcontrol.launch_dependents in the kernel ahead lets this one be
+// scheduled before that kernel ends. Inside a stream capture the overlap is
+// kept in the graph. Queued on s; the host does not wait.
 func (s *Stream) LaunchEarly(k *Kernel, grid, block Dim3, sharedMem int, args ...any) error {
 	return s.launch("Stream.LaunchEarly", true, k, grid, block, sharedMem, args)
 }
