@@ -629,6 +629,29 @@ extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, 
 #define MOE_ALIGN_WARPS 16
 #define MOE_ALIGN_UNROLL 8  // assignments per lane loaded before they are counted
 
+// moe_warp_exscan, run by one whole warp (lane = its lane), turns seg[0..E)
+// into its exclusive prefix sums and stores the total in seg[E]: each lane
+// sums a run of ceil(E/32) entries, a shuffle scan adds the runs.
+static __device__ __forceinline__ void moe_warp_exscan(int* seg, int E, int lane) {
+    const int chunk = (E + 31) / 32;
+    const int lo = lane * chunk;
+    const int hi = moe_imin(E, lo + chunk);
+    int s = 0;
+    for (int e = lo; e < hi; ++e) s += seg[e];
+    int incl = s;
+    for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(MOE_FULL, incl, d);
+        if (lane >= d) incl += v;
+    }
+    int acc = incl - s;
+    for (int e = lo; e < hi; ++e) {
+        const int c = seg[e];
+        seg[e] = acc;
+        acc += c;
+    }
+    if (lane == 31) seg[E] = incl;
+}
+
 // moe_align_block is gpuctx_moe_align's body for one block of
 // 32 * MOE_ALIGN_WARPS threads, with its shared arrays passed in.
 static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __restrict__ sorted,
@@ -674,25 +697,7 @@ static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __
         seg[e] = (run + BM - 1) / BM * BM;
     }
     __syncthreads();
-    if (warp == 0) {  // exclusive scan of the padded sizes
-        const int chunk = (E + 31) / 32;
-        const int lo = lane * chunk;
-        const int hi = moe_imin(E, lo + chunk);
-        int s = 0;
-        for (int e = lo; e < hi; ++e) s += seg[e];
-        int incl = s;
-        for (int d = 1; d < 32; d <<= 1) {
-            const int v = __shfl_up_sync(MOE_FULL, incl, d);
-            if (lane >= d) incl += v;
-        }
-        int acc = incl - s;
-        for (int e = lo; e < hi; ++e) {
-            const int c = seg[e];
-            seg[e] = acc;
-            acc += c;
-        }
-        if (lane == 31) seg[E] = incl;
-    }
+    if (warp == 0) moe_warp_exscan(seg, E, lane);  // the padded sizes' offsets
     __syncthreads();
     const int total = seg[E];
     if (total > cap) {
@@ -798,25 +803,7 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
         seg[e] = (run + BM - 1) / BM * BM;
     }
     __syncthreads();
-    if (warp == 0) {  // exclusive scan of the padded sizes
-        const int chunk = (E + 31) / 32;
-        const int lo = lane * chunk;
-        const int hi = moe_imin(E, lo + chunk);
-        int s = 0;
-        for (int e = lo; e < hi; ++e) s += seg[e];
-        int incl = s;
-        for (int d = 1; d < 32; d <<= 1) {
-            const int v = __shfl_up_sync(MOE_FULL, incl, d);
-            if (lane >= d) incl += v;
-        }
-        int acc = incl - s;
-        for (int e = lo; e < hi; ++e) {
-            const int c = seg[e];
-            seg[e] = acc;
-            acc += c;
-        }
-        if (lane == 31) seg[E] = incl;
-    }
+    if (warp == 0) moe_warp_exscan(seg, E, lane);  // the padded sizes' offsets
     __syncthreads();
     const int total = seg[E];
     if (total > cap) {
@@ -933,23 +920,10 @@ static __device__ void moe_ra_small_sort(const int* sidx, int* cnt, int* seg, in
         }
     }
     __syncthreads();
-    if (tid < 32) {  // exclusive scan of the padded sizes
-        const int chunk = (E + 31) / 32;
-        const int lo = lane * chunk;
-        const int hi = moe_imin(E, lo + chunk);
-        int sum = 0;
-        for (int i = lo; i < hi; ++i) sum += (cnt[i] + BM - 1) / BM * BM;
-        int incl = sum;
-        for (int d = 1; d < 32; d <<= 1) {
-            const int v = __shfl_up_sync(MOE_FULL, incl, d);
-            if (lane >= d) incl += v;
-        }
-        int acc = incl - sum;
-        for (int i = lo; i < hi; ++i) {
-            seg[i] = acc;
-            acc += (cnt[i] + BM - 1) / BM * BM;
-        }
-        if (lane == 31) seg[E] = incl;
+    if (tid < 32) {  // the padded sizes, then their offsets
+        for (int i = lane; i < E; i += 32) seg[i] = (cnt[i] + BM - 1) / BM * BM;
+        __syncwarp();
+        moe_warp_exscan(seg, E, lane);
     }
     __syncthreads();
     const int total = seg[E];

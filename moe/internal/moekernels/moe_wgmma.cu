@@ -69,6 +69,33 @@ static __device__ __forceinline__ void wg_wait_mma() {
 template <int N>
 static __device__ __forceinline__ void wg_mma(float* d, unsigned long long a, unsigned long long b);
 
+// wg_store_half stores row half hr (0: rows lane/4, 1: lane/4 + 8 of the
+// warp's 16) of this thread's accumulators d to row dst of C, columns n0 +
+// 8j + 2*(lane%4) + {0, 1} below N (register 4j + 2*hr + v of a warpgroup's
+// m64nNk16 layout): for UP, bf16(silu(g) * u) of the gate (first BN columns)
+// and up halves, each rounded to bf16 first, or zeros for a padding row
+// (zero); otherwise bf16(d).
+template <int BN, bool UP>
+static __device__ __forceinline__ void wg_store_half(const float* d, int hr, int dst, bool zero,
+                                                     unsigned short* __restrict__ C, int N, int n0, int lane) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const int n = n0 + j * 8 + (lane & 3) * 2;
+        if (n >= N) continue;
+        unsigned short v0, v1;
+        if (UP) {
+            const float g0 = wg_round(d[4 * j + 2 * hr]), g1 = wg_round(d[4 * j + 2 * hr + 1]);
+            const float u0 = wg_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = wg_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
+            v0 = zero ? 0 : wg_f2bf((g0 / (1.0f + expf(-g0))) * u0);
+            v1 = zero ? 0 : wg_f2bf((g1 / (1.0f + expf(-g1))) * u1);
+        } else {
+            v0 = wg_f2bf(d[4 * j + 2 * hr]);
+            v1 = wg_f2bf(d[4 * j + 2 * hr + 1]);
+        }
+        *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
+    }
+}
+
 extern __shared__ __align__(1024) unsigned char wg_dyn[];
 
 // moe_wg: the up (UP) or down kernel of tile BM x BN, BM/64 warpgroups.
@@ -204,24 +231,7 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
     for (int hr = 0; hr < 2; ++hr) {
         const int r = grp * 64 + w * 16 + (lane >> 2) + hr * 8;
         const int dst = row_dst[r];
-        if (dst < 0) continue;
-        const bool zero = UP && row_src[r] < 0;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            const int n = n0 + j * 8 + (lane & 3) * 2;
-            if (n >= N) continue;
-            unsigned short v0, v1;
-            if (UP) {
-                const float g0 = wg_round(d[4 * j + 2 * hr]), g1 = wg_round(d[4 * j + 2 * hr + 1]);
-                const float u0 = wg_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = wg_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
-                v0 = zero ? 0 : wg_f2bf((g0 / (1.0f + expf(-g0))) * u0);
-                v1 = zero ? 0 : wg_f2bf((g1 / (1.0f + expf(-g1))) * u1);
-            } else {
-                v0 = wg_f2bf(d[4 * j + 2 * hr]);
-                v1 = wg_f2bf(d[4 * j + 2 * hr + 1]);
-            }
-            *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
-        }
+        if (dst >= 0) wg_store_half<BN, UP>(d, hr, dst, UP && row_src[r] < 0, C, N, n0, lane);
     }
 }
 
@@ -469,28 +479,10 @@ static __device__ __forceinline__ void moe_wgp(const unsigned short* __restrict_
         // (+8); register 4j + 2h + v is column 8j + 2*(lane%4) + v of row half h.
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-            const int p = mb * BM + r0 + hr * 8;
             const int a = hr ? s1 : s0;
             const bool real = a >= 0 && a < TK;
-            const int dst = UP ? p : (real ? a : -1);
-            if (dst < 0) continue;
-            const bool zero = UP && !real;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                const int n = n0 + j * 8 + (lane & 3) * 2;
-                if (n >= N) continue;
-                unsigned short v0, v1;
-                if (UP) {
-                    const float g0 = wg_round(d[4 * j + 2 * hr]), g1 = wg_round(d[4 * j + 2 * hr + 1]);
-                    const float u0 = wg_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = wg_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
-                    v0 = zero ? 0 : wg_f2bf((g0 / (1.0f + expf(-g0))) * u0);
-                    v1 = zero ? 0 : wg_f2bf((g1 / (1.0f + expf(-g1))) * u1);
-                } else {
-                    v0 = wg_f2bf(d[4 * j + 2 * hr]);
-                    v1 = wg_f2bf(d[4 * j + 2 * hr + 1]);
-                }
-                *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
-            }
+            const int dst = UP ? mb * BM + r0 + hr * 8 : (real ? a : -1);
+            if (dst >= 0) wg_store_half<BN, UP>(d, hr, dst, UP && !real, C, N, n0, lane);
         }
     }
 }
