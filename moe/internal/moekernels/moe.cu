@@ -303,6 +303,29 @@ extern "C" __global__ void gpuctx_moe_route(const float* __restrict__ logits, co
     }
 }
 
+// moe_warp_exscan, run by one whole warp (lane = its lane), turns seg[0..E)
+// into its exclusive prefix sums and stores the total in seg[E]: each lane
+// sums a run of ceil(E/32) entries, a shuffle scan adds the runs.
+static __device__ __forceinline__ void moe_warp_exscan(int* seg, int E, int lane) {
+    const int chunk = (E + 31) / 32;
+    const int lo = lane * chunk;
+    const int hi = moe_imin(E, lo + chunk);
+    int s = 0;
+    for (int e = lo; e < hi; ++e) s += seg[e];
+    int incl = s;
+    for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(MOE_FULL, incl, d);
+        if (lane >= d) incl += v;
+    }
+    int acc = incl - s;
+    for (int e = lo; e < hi; ++e) {
+        const int c = seg[e];
+        seg[e] = acc;
+        acc += c;
+    }
+    if (lane == 31) seg[E] = incl;
+}
+
 // gpuctx_moe_plan: a stable counting sort of the TK = T*K assignments
 // topk_idx[a] (a = t*K + k) by expert: counts[e] = assignments of expert e;
 // offsets[e] = sum of counts[0..e-1] (offsets has E+1 entries, offsets[E] = TK);
@@ -349,26 +372,7 @@ extern "C" __global__ void gpuctx_moe_plan(const int* __restrict__ topk_idx, int
         counts[e] = run;
     }
     __syncthreads();
-    // Exclusive scan of the totals by warp 0: each lane scans a contiguous chunk.
-    if (warp == 0) {
-        const int chunk = (E + 31) / 32;
-        const int lo = lane * chunk;
-        const int hi = moe_imin(E, lo + chunk);
-        int s = 0;
-        for (int e = lo; e < hi; ++e) s += off[e];
-        int incl = s;
-        for (int d = 1; d < 32; d <<= 1) {
-            const int v = __shfl_up_sync(MOE_FULL, incl, d);
-            if (lane >= d) incl += v;
-        }
-        int acc = incl - s;
-        for (int e = lo; e < hi; ++e) {
-            const int c = off[e];
-            off[e] = acc;
-            acc += c;
-        }
-        if (lane == 31) off[E] = incl;
-    }
+    if (warp == 0) moe_warp_exscan(off, E, lane);  // exclusive scan of the totals
     __syncthreads();
     for (int e = tid; e <= E; e += blockDim.x) offsets[e] = off[e];
     for (int e = tid; e < E; e += blockDim.x) {
@@ -628,29 +632,6 @@ extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, 
 // Launch: grid (1,1,1), block (512,1,1). E <= 512.
 #define MOE_ALIGN_WARPS 16
 #define MOE_ALIGN_UNROLL 8  // assignments per lane loaded before they are counted
-
-// moe_warp_exscan, run by one whole warp (lane = its lane), turns seg[0..E)
-// into its exclusive prefix sums and stores the total in seg[E]: each lane
-// sums a run of ceil(E/32) entries, a shuffle scan adds the runs.
-static __device__ __forceinline__ void moe_warp_exscan(int* seg, int E, int lane) {
-    const int chunk = (E + 31) / 32;
-    const int lo = lane * chunk;
-    const int hi = moe_imin(E, lo + chunk);
-    int s = 0;
-    for (int e = lo; e < hi; ++e) s += seg[e];
-    int incl = s;
-    for (int d = 1; d < 32; d <<= 1) {
-        const int v = __shfl_up_sync(MOE_FULL, incl, d);
-        if (lane >= d) incl += v;
-    }
-    int acc = incl - s;
-    for (int e = lo; e < hi; ++e) {
-        const int c = seg[e];
-        seg[e] = acc;
-        acc += c;
-    }
-    if (lane == 31) seg[E] = incl;
-}
 
 // moe_align_block is gpuctx_moe_align's body for one block of
 // 32 * MOE_ALIGN_WARPS threads, with its shared arrays passed in.
