@@ -106,19 +106,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     const int n0 = blockIdx.x * BN;
     if (e < 0 || n0 >= N) return;
     const int tid = threadIdx.x;
-    for (int r = tid; r < BM; r += THREADS) {
-        const int p = mb * BM + r;
-        const int a = sorted[p];
-        const bool real = a >= 0 && a < TK;
-        if (UP) {
-            row_src[r] = real ? a / topk : -1;
-            row_dst[r] = p;
-        } else {
-            row_src[r] = real ? p : -1;
-            row_dst[r] = real ? a : -1;
-        }
-    }
-    __syncthreads();
+    moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
 
     unsigned short* sm = (unsigned short*)mg_dyn;
     const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
