@@ -243,6 +243,7 @@ type Layer struct {
 	routedT     int  // tokens of the last forward that routed (0: none)
 	lastDual    bool // whether the last forward used the side stream (tests)
 	fusedShared bool // the current forward computes the shared expert in the fused kernels
+	sharedWait  bool // tests: the up kernel reads the fused shared rows from the sort after its wait, like the others
 	lastStaged  bool // the current forward stages x and y (not 16-byte aligned)
 
 	// An expert-parallel shard (ExpertShard) holds only routed experts

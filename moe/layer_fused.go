@@ -158,6 +158,13 @@ const smallTileTokens = 16
 func (l *Layer) launchAlign(T, bm int) error {
 	s := &l.scr
 	TK, E := T*l.routedKS, l.experts()
+	first := 0
+	if l.sharedChunks() > 0 {
+		first = l.cfg.NumExperts // the fused shared expert's chunks sort first (moekernels' moe_shared_rows)
+	}
+	if first >= E {
+		return fmt.Errorf("moe: internal error: the fused shared expert's chunks sort first at expert %d of %d", first, E)
+	}
 	if TK >= l.align3From {
 		nb := moekernels.AlignBlocks(TK)
 		blk := gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}
@@ -165,14 +172,20 @@ func (l *Layer) launchAlign(T, bm int) error {
 			return err
 		}
 		if err := l.launchEarly(l.kAlign3[1], gpuctx.Dim3{X: 1, Y: 1, Z: 1}, blk, 0, s.bcnt, s.boff, s.sorted, s.bexp, s.npost,
-			int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)), int32(nb)); err != nil {
+			int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)), int32(nb), int32(first)); err != nil {
 			return err
 		}
 		return l.launchEarly(l.kAlign3[2], gpuctx.Dim3{X: nb, Y: 1, Z: 1}, blk, 0, s.idx, s.boff, s.npost, s.sorted, int32(TK), int32(E))
 	}
 	return l.launchEarly(l.kAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
-		s.idx, s.sorted, s.bexp, s.npost, int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)))
+		s.idx, s.sorted, s.bexp, s.npost, int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)), int32(first))
 }
+
+// sharedChunks returns the fused shared expert's chunks in the sort of the
+// current routed forward: l.ns in FusedShared mode (its slots K.. of every
+// token, experts cfg.NumExperts..), else 0. The sort puts them first, and the
+// up kernel runs their rows without waiting for it.
+func (l *Layer) sharedChunks() int { return l.routedKS - l.cfg.TopK }
 
 // launchEarly queues k on the main stream with gpuctx.Stream.LaunchEarly
 // when k waits for the kernels ahead of it before it touches memory
@@ -202,14 +215,20 @@ func (l *Layer) launchExperts(x *gpuctx.Buffer, T int, tp tilePair) error {
 }
 
 // launchUp queues kUp, the up kernel of tile c, over T tokens on the main
-// stream (gpuctx_moe_align with c's BM must have run).
+// stream (gpuctx_moe_align with c's BM must have run, or be the kernel just
+// ahead: the fused shared expert's blocks start before it ends).
 func (l *Layer) launchUp(kUp *gpuctx.Kernel, c moekernels.MoEGemm, x *gpuctx.Buffer, T int) error {
 	cfg, s := &l.cfg, &l.scr
 	H, I, K := cfg.HiddenSize, cfg.Intermediate, l.routedKS
 	TK := T * K
 	gx, gy := c.Grid(I, alignCap(TK, l.experts(), c.BM), l.dev.Info().SMCount)
+	ns := l.sharedChunks() // their blocks start before the sort ends
+	if l.sharedWait {
+		ns = 0
+	}
 	return l.launchEarly(kUp, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(true),
-		x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I))
+		x, l.gu, s.sorted, s.bexp, s.npost, s.act, int32(TK), int32(K), int32(H), int32(I),
+		int32(cfg.NumExperts), int32(ns))
 }
 
 // launchDown queues kDown, the down kernel of tile c, over T tokens on the

@@ -866,6 +866,64 @@ func TestLayerFusedShared(t *testing.T) {
 	}
 }
 
+// TestLayerSharedRowsEarly checks the up kernel's fused shared-expert blocks,
+// which start before the sort ends and compute their rows themselves
+// (moe_shared_rows): FusedShared gives the same bits as a layer whose up
+// kernel reads those rows from the sort after its wait, like every other row
+// (sharedWait). It runs the one-launch routing (T <= 16), the router GEMM with
+// the one-block align, and the three-launch align (T*(K+ns) >= 4096), for
+// tiles of 16 rows, one and two warpgroups, and a persistent one (which always
+// waits), with two shared chunks (DeepSeek-V2-Lite) and one (DeepSeek-V3).
+func TestLayerSharedRowsEarly(t *testing.T) {
+	presets := scaledPresets()
+	for _, b := range layerBackends(t) {
+		for _, name := range []string{"deepseek-v2-lite", "deepseek-v3"} {
+			cfg := presets[name]
+			w, err := RandomWeights(cfg, 23)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, tile := range []string{"m16n64k64w1x4s6", "m64n64k64g1s4", "m128n128k64g2s3", "m128n128k64g2s4p4"} {
+				t.Run(b.name+"/"+name+"/"+tile, func(t *testing.T) {
+					layer := func(wait bool) *Layer {
+						l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, Tile: tile})
+						if err != nil {
+							if errors.Is(err, gpuctx.ErrUnavailable) {
+								t.Skipf("tile %s on %s: %v", tile, b.dev.Info().Name, firstLine(err))
+							}
+							t.Fatal(err)
+						}
+						t.Cleanup(func() { l.Close() })
+						l.sharedWait = wait
+						return l
+					}
+					early, waits := layer(false), layer(true)
+					if early.ns == 0 {
+						t.Fatal("the shared expert is not fused: the test is vacuous")
+					}
+					for _, T := range []int{1, 3, 17, 40, 4096/(cfg.TopK+early.ns) + 5} {
+						x := randomX(T, cfg.HiddenSize, uint64(T)+70)
+						got := deviceRun(t, early, x, T, FusedShared, Whole)
+						if !early.fusedShared || early.sharedChunks() != early.ns {
+							t.Fatalf("T=%d: fused shared %v with %d chunks in the sort, want true and %d", T, early.fusedShared, early.sharedChunks(), early.ns)
+						}
+						if want := deviceRun(t, waits, x, T, FusedShared, Whole); !bytes.Equal(got, want) {
+							t.Errorf("T=%d: the early shared rows differ from the sorted ones (relative %.3g)", T, relErr(early.decode(got), waits.decode(want)))
+						}
+						if again := deviceRun(t, early, x, T, FusedShared, Whole); !bytes.Equal(again, got) { // the captured graph
+							t.Errorf("T=%d: the replayed graph differs", T)
+						}
+						routed := early.decode(deviceRun(t, early, x, T, FusedShared, RoutedOnly))
+						if rel := relErr(routed, early.decode(got)); !(rel > 1e-2) {
+							t.Errorf("T=%d: routed alone equals the whole forward (%.3g): the shared expert is missing", T, rel)
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
 // TestLayerDirectGraphs checks the graphs captured on the caller's own x and
 // y: a forward that reuses its buffers replays without staging copies, gives
 // the eager layer's bits on new contents every run (x == y too), and a freed

@@ -20,13 +20,13 @@ import (
 // alignArgs are the parameters of gpuctx_moe_align.
 type alignArgs struct {
 	TopkIdx, Sorted, BlockExpert, Npost Ptr
-	TK, E, BM, Cap                      int32
+	TK, E, BM, Cap, First               int32
 }
 
 // upArgs are the parameters of gpuctx_moe_up_<tag>.
 type upArgs struct {
 	X, Gu, Sorted, BlockExpert, Npost, Act Ptr
-	TK, K, H, I                            int32
+	TK, K, H, I, E0, Ns                    int32
 }
 
 // downArgs are the parameters of gpuctx_moe_down_<tag>.
@@ -101,15 +101,35 @@ func moeRouteAlign(m kernels.Memory, a *routeAlignArgs) error {
 	}
 	return moeAlign(m, &alignArgs{
 		TopkIdx: a.TopkIdx, Sorted: a.Sorted, BlockExpert: a.BlockExpert, Npost: a.Npost,
-		TK: T * ks, E: E + ns, BM: a.BM, Cap: a.Cap,
+		TK: T * ks, E: E + ns, BM: a.BM, Cap: a.Cap, First: routeAlignFirst(E, ns),
 	})
 }
 
+// routeAlignFirst is the first segment of gpuctx_moe_route_align's sort over
+// E routed experts and ns shared chunks: the chunks E..E+ns-1 when there are
+// any.
+func routeAlignFirst(E, ns int32) int32 {
+	if ns > 0 {
+		return E
+	}
+	return 0
+}
+
+// segOrder returns the experts 0..E-1 in segment order: first, first+1, ...,
+// E-1, 0, ..., first-1 (moe_seg_pos of moe.cu).
+func segOrder(E, first int) []int {
+	o := make([]int, E)
+	for i := range o {
+		o[i] = (first + i) % E
+	}
+	return o
+}
+
 func moeAlign(m kernels.Memory, a *alignArgs) error {
-	TK, E, BM, cp := int(a.TK), int(a.E), int(a.BM), int(a.Cap)
-	if TK < 0 || E <= 0 || E > MaxExperts || BM <= 0 || cp < 0 || cp%BM != 0 {
-		return fmt.Errorf("align: TK=%d E=%d BM=%d cap=%d: want TK >= 0, 0 < E <= %d, BM > 0 and cap >= 0 a multiple of BM",
-			TK, E, BM, cp, MaxExperts)
+	TK, E, BM, cp, first := int(a.TK), int(a.E), int(a.BM), int(a.Cap), int(a.First)
+	if TK < 0 || E <= 0 || E > MaxExperts || BM <= 0 || cp < 0 || cp%BM != 0 || first < 0 || first >= E {
+		return fmt.Errorf("align: TK=%d E=%d BM=%d cap=%d first=%d: want TK >= 0, 0 < E <= %d, BM > 0, cap >= 0 a multiple of BM, 0 <= first < E",
+			TK, E, BM, cp, first, MaxExperts)
 	}
 	idx, err := kernels.Slice[int32](m, "topk_idx", a.TopkIdx, int64(TK))
 	if err != nil {
@@ -123,9 +143,9 @@ func moeAlign(m kernels.Memory, a *alignArgs) error {
 	}
 	starts := make([]int, E) // S_e, then the next free row of expert e
 	npost := 0
-	for e, c := range counts {
+	for _, e := range segOrder(E, first) {
 		starts[e] = npost
-		npost += roundUp(c, BM)
+		npost += roundUp(counts[e], BM)
 	}
 	if cp < npost {
 		return fmt.Errorf("align: cap=%d < %d, the padded rows of %d assignments in blocks of BM=%d", cp, npost, TK, BM)
@@ -178,7 +198,7 @@ type alignCountArgs struct {
 
 type alignScanArgs struct {
 	Bcnt, Boff, Sorted, BlockExpert, Npost Ptr
-	TK, E, BM, Cap, NB                     int32
+	TK, E, BM, Cap, NB, First              int32
 }
 
 type alignScatterArgs struct {
@@ -213,10 +233,10 @@ func moeAlignCount(m kernels.Memory, a *alignCountArgs) error {
 // moeAlignScan is gpuctx_moe_align_scan: chunk offsets, padding, block
 // experts and npost.
 func moeAlignScan(m kernels.Memory, a *alignScanArgs) error {
-	TK, E, BM, cp, nb := int(a.TK), int(a.E), int(a.BM), int(a.Cap), int(a.NB)
-	if TK < 0 || E <= 0 || E > MaxExperts || BM <= 0 || cp < 0 || cp%BM != 0 || nb <= 0 {
-		return fmt.Errorf("align_scan: TK=%d E=%d BM=%d cap=%d nb=%d: want TK >= 0, 0 < E <= %d, BM > 0, cap >= 0 a multiple of BM, nb > 0",
-			TK, E, BM, cp, nb, MaxExperts)
+	TK, E, BM, cp, nb, first := int(a.TK), int(a.E), int(a.BM), int(a.Cap), int(a.NB), int(a.First)
+	if TK < 0 || E <= 0 || E > MaxExperts || BM <= 0 || cp < 0 || cp%BM != 0 || nb <= 0 || first < 0 || first >= E {
+		return fmt.Errorf("align_scan: TK=%d E=%d BM=%d cap=%d nb=%d first=%d: want TK >= 0, 0 < E <= %d, BM > 0, cap >= 0 a multiple of BM, nb > 0, 0 <= first < E",
+			TK, E, BM, cp, nb, first, MaxExperts)
 	}
 	bcnt, err := kernels.Slice[int32](m, "bcnt", a.Bcnt, int64(nb*E))
 	if err != nil {
@@ -238,17 +258,20 @@ func moeAlignScan(m kernels.Memory, a *alignScanArgs) error {
 	if err != nil {
 		return err
 	}
-	starts := make([]int, E+1)
-	for e := range E {
+	starts, ends := make([]int, E), make([]int, E) // expert e's segment, rows [starts[e], ends[e])
+	total := 0
+	for _, e := range segOrder(E, first) {
 		run := 0
 		for b := range nb {
 			c := int(bcnt[b*E+e])
 			boff[b*E+e] = int32(run)
 			run += c
 		}
-		starts[e+1] = starts[e] + roundUp(run, BM)
+		starts[e] = total
+		total += roundUp(run, BM)
+		ends[e] = total
 	}
-	if starts[E] > cp {
+	if total > cp {
 		np[0] = -1
 		return nil
 	}
@@ -262,11 +285,11 @@ func moeAlignScan(m kernels.Memory, a *alignScanArgs) error {
 		for b := range nb {
 			boff[b*E+e] += int32(starts[e])
 		}
-		for b := starts[e] / BM; b < starts[e+1]/BM; b++ {
+		for b := starts[e] / BM; b < ends[e]/BM; b++ {
 			blockExpert[b] = int32(e)
 		}
 	}
-	np[0] = int32(starts[E])
+	np[0] = int32(total)
 	return nil
 }
 
@@ -346,6 +369,40 @@ func fusedPlan(m kernels.Memory, sp, bp, npp Ptr, BM, TK int) (sorted, blockExpe
 	return sorted, blockExpert, rows, maxE, nil
 }
 
+// sharedRowsFirst checks what the CUDA up kernel assumes when ns > 0
+// (moe_shared_rows of moe_tile.cuh): the sort's first ns*RT rows (RT = T =
+// TK/K rounded up to BM) are the fused shared chunks E0..E0+ns-1, chunk c's
+// rows c*RT+j holding token j's assignment (j < T) or padding. The kernel
+// computes those rows without reading the sort; a sort that put them
+// elsewhere would make it write wrong act rows, so the twin refuses it.
+func sharedRowsFirst(sorted, blockExpert []int32, BM, TK, K, E0, ns int) error {
+	if ns < 0 || E0 < 0 || (ns > 0 && TK%K != 0) {
+		return fmt.Errorf("moe_up: E0=%d ns=%d TK=%d K=%d: want E0, ns >= 0 and TK a multiple of K when ns > 0", E0, ns, TK, K)
+	}
+	if ns == 0 {
+		return nil
+	}
+	T := TK / K
+	rt := roundUp(T, BM)
+	if ns*rt > len(sorted) {
+		return fmt.Errorf("moe_up: the sort has %d rows, fewer than the %d of the %d fused shared chunks", len(sorted), ns*rt, ns)
+	}
+	for c := range ns {
+		for j := range rt {
+			p := c*rt + j
+			if e := blockExpert[p/BM]; int(e) != E0+c {
+				return fmt.Errorf("moe_up: block %d is expert %d, want the fused shared chunk %d (sort them first: align with first = E0)", p/BM, e, E0+c)
+			}
+			if s := int(sorted[p]); j < T && s/K != j {
+				return fmt.Errorf("moe_up: sorted[%d] = %d, want token %d's assignment to fused shared chunk %d (sort the chunks first: align with first = E0)", p, s, j, c)
+			} else if j >= T && s < TK {
+				return fmt.Errorf("moe_up: sorted[%d] = %d, want padding (TK = %d) after fused shared chunk %d's %d tokens", p, s, TK, c, T)
+			}
+		}
+	}
+	return nil
+}
+
 func moeFusedUp(m kernels.Memory, a *upArgs, BM int) error {
 	TK, K, H, I := int(a.TK), int(a.K), int(a.H), int(a.I)
 	if TK < 0 || K <= 0 || H <= 0 || I <= 0 || H%8 != 0 || I%8 != 0 {
@@ -353,6 +410,9 @@ func moeFusedUp(m kernels.Memory, a *upArgs, BM int) error {
 	}
 	sorted, blockExpert, rows, maxE, err := fusedPlan(m, a.Sorted, a.BlockExpert, a.Npost, BM, TK)
 	if err != nil {
+		return err
+	}
+	if err := sharedRowsFirst(sorted, blockExpert, BM, TK, K, int(a.E0), int(a.Ns)); err != nil {
 		return err
 	}
 	T := (TK + K - 1) / K

@@ -46,14 +46,15 @@ func bf16Bits(v []float64) []uint16 {
 // BM-1 padding rows for each expert that can be non-empty.
 func alignCap(TK, E, BM int) int { return roundUp(TK+min(E, TK)*(BM-1), BM) }
 
-// runAlign launches gpuctx_moe_align on poisoned outputs and returns them.
-func runAlign(t *testing.T, d *device, idx []int32, E, BM, cp int) (sorted, blockExpert []int32, npost int32, ptrs [3]Ptr) {
+// runAlign launches gpuctx_moe_align on poisoned outputs, segments from
+// expert first on, and returns them.
+func runAlign(t *testing.T, d *device, idx []int32, E, BM, cp, first int) (sorted, blockExpert []int32, npost int32, ptrs [3]Ptr) {
 	t.Helper()
 	ip := uploadOrAlloc(t, d, asBytes(idx))
 	sp := uploadOrAlloc(t, d, asBytes(filled(cp, poison32)))
 	bp := uploadOrAlloc(t, d, asBytes(filled(cp/BM, poison32)))
 	np := upload(t, d, asBytes([]int32{poison32}))
-	if err := launchSync(t, d, "gpuctx_moe_align", ip, sp, bp, np, int32(len(idx)), int32(E), int32(BM), int32(cp)); err != nil {
+	if err := launchSync(t, d, "gpuctx_moe_align", ip, sp, bp, np, int32(len(idx)), int32(E), int32(BM), int32(cp), int32(first)); err != nil {
 		t.Fatal(err)
 	}
 	sorted = fromBytes[int32](download(t, d, sp, 4*cp))
@@ -69,6 +70,7 @@ func TestMoEAlign(t *testing.T) {
 		name            string
 		idx             []int32
 		E, BM, cap      int
+		first           int
 		wantSorted      []int32
 		wantBlockExpert []int32
 		wantNpost       int32
@@ -82,6 +84,22 @@ func TestMoEAlign(t *testing.T) {
 			wantSorted:      []int32{1, 5, 9, 9, 0, 2, 4, 6, 7, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9},
 			wantBlockExpert: []int32{0, 2, 2, -1, -1, -1},
 			wantNpost:       12,
+		},
+		{
+			// The same routing with the segments from expert 2 on: 2, 0, 1.
+			name: "segments from expert 2",
+			idx:  []int32{2, 0, 2, 5, 2, 0, 2, 2, -1}, E: 3, BM: 4, cap: 24, first: 2,
+			wantSorted:      []int32{0, 2, 4, 6, 7, 9, 9, 9, 1, 5, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9},
+			wantBlockExpert: []int32{2, 2, 0, -1, -1, -1},
+			wantNpost:       12,
+		},
+		{
+			// From expert 1 (empty): 1, 2, 0.
+			name: "segments from an empty expert",
+			idx:  []int32{2, 0, 0, 2}, E: 3, BM: 2, cap: 8, first: 1,
+			wantSorted:      []int32{0, 3, 1, 2, 4, 4, 4, 4},
+			wantBlockExpert: []int32{2, 0, -1, -1},
+			wantNpost:       4,
 		},
 		{
 			name: "exact cap, no spare block",
@@ -113,7 +131,7 @@ func TestMoEAlign(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			sorted, be, npost, _ := runAlign(t, d, tc.idx, tc.E, tc.BM, tc.cap)
+			sorted, be, npost, _ := runAlign(t, d, tc.idx, tc.E, tc.BM, tc.cap, tc.first)
 			if !slices.Equal(sorted, tc.wantSorted) {
 				t.Errorf("sorted %v, want %v", sorted, tc.wantSorted)
 			}
@@ -129,8 +147,9 @@ func TestMoEAlign(t *testing.T) {
 
 // TestMoEAlignRandom checks the properties of the sort on random routings:
 // every valid assignment appears once, in its expert's segment (segments in
-// expert order, each rounded up to BM rows), in increasing order; every other
-// row is padding (TK); block_expert names each segment's blocks and -1 beyond.
+// expert order from a random first expert, wrapping round, each rounded up
+// to BM rows), in increasing order; every other row is padding (TK);
+// block_expert names each segment's blocks and -1 beyond.
 func TestMoEAlignRandom(t *testing.T) {
 	d := newTestDevice(t)
 	r := rand.New(rand.NewPCG(1, 2))
@@ -146,11 +165,16 @@ func TestMoEAlignRandom(t *testing.T) {
 		if cp == 0 {
 			cp = BM
 		}
-		t.Run(fmt.Sprintf("%d/E=%d/BM=%d/TK=%d", it, E, BM, TK), func(t *testing.T) {
-			sorted, be, npost, _ := runAlign(t, d, idx, E, BM, cp)
+		first := 0
+		if it%2 == 1 {
+			first = r.IntN(E)
+		}
+		t.Run(fmt.Sprintf("%d/E=%d/BM=%d/TK=%d/first=%d", it, E, BM, TK, first), func(t *testing.T) {
+			sorted, be, npost, _ := runAlign(t, d, idx, E, BM, cp, first)
 			seen := make([]bool, TK)
 			row := 0
-			for e := range E {
+			for o := range E {
+				e := (first + o) % E
 				var want []int32
 				for a, x := range idx {
 					if int(x) == e {
@@ -222,7 +246,7 @@ func TestMoEFusedGemm(t *testing.T) {
 				idx[1] = int32(E) // unrouted: its out row must stay untouched
 				idx[TK-1] = -1
 				cp := alignCap(TK, E, BM)
-				sorted, be, npost, pl := runAlign(t, d, idx, E, BM, cp)
+				sorted, be, npost, pl := runAlign(t, d, idx, E, BM, cp, 0)
 
 				xp, gp, dp := upload(t, d, asBytes(x)), upload(t, d, asBytes(gu)), upload(t, d, asBytes(dn))
 				ap := upload(t, d, asBytes(filled(cp*I, poisonBF16)))
@@ -231,7 +255,7 @@ func TestMoEFusedGemm(t *testing.T) {
 					upName = upTileOf(t, c).UpName()
 				}
 				if err := launchSync(t, d, upName, xp, gp, pl[0], pl[1], pl[2], ap,
-					int32(TK), int32(K), int32(H), int32(I)); err != nil {
+					int32(TK), int32(K), int32(H), int32(I), int32(E), int32(0)); err != nil {
 					t.Fatal(err)
 				}
 				act := fromBytes[uint16](download(t, d, ap, 2*cp*I))
@@ -425,22 +449,29 @@ func TestMoEFusedKernelErrors(t *testing.T) {
 		args         []any
 		want         string
 	}{
-		{"align without experts", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 0, 4, 16), "E=0"},
-		{"align too many experts", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 513, 4, 16), "E=513"},
-		{"align zero BM", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 2, 0, 16), "BM=0"},
-		{"align cap not a multiple of BM", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 2, 4, 18), "cap=18"},
-		{"align negative TK", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, -1, 2, 4, 16), "TK=-1"},
+		{"align without experts", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 0, 4, 16, 0), "E=0"},
+		{"align too many experts", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 513, 4, 16, 0), "E=513"},
+		{"align zero BM", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 2, 0, 16, 0), "BM=0"},
+		{"align cap not a multiple of BM", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 2, 4, 18, 0), "cap=18"},
+		{"align negative TK", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, -1, 2, 4, 16, 0), "TK=-1"},
 		// buf is zeroed: 4 assignments of expert 0 need 8 rows at BM 8.
-		{"align cap too small", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 2, 8, 0), "cap=0 < 8"},
-		{"align sorted outside its buffer", "gpuctx_moe_align", args([]any{buf, small, buf, buf}, 4, 2, 4, 64), "sorted"},
-		{"up negative TK", up, args([]any{buf, buf, sorted, be, np, buf}, -2, 1, 8, 8), "TK=-2"},
-		{"up H not a multiple of 8", up, args([]any{buf, buf, sorted, be, np, buf}, 2, 1, 12, 8), "H=12"},
-		{"up zero K", up, args([]any{buf, buf, sorted, be, np, buf}, 2, 0, 8, 8), "K=0"},
-		{"up gu outside its buffer", up, args([]any{buf, small, sorted, be, np, buf}, 2, 1, 8, 8), "gu"},
-		{"up x outside its buffer", up, args([]any{small, buf, sorted, be, np, buf}, 2, 1, 64, 8), "x"},
-		{"up act outside its buffer", up, args([]any{buf, buf, sorted, be, np, small}, 2, 1, 8, 8), "act"},
-		{"up negative sorted row", up, args([]any{buf, buf, negSorted, be, np, buf}, 2, 1, 8, 8), "sorted[1] = -3"},
-		{"up npost beyond sorted", up, args([]any{buf, buf, sorted, be, bigNpost, buf}, 2, 1, 8, 8), "sorted"},
+		{"align cap too small", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 2, 8, 0, 0), "cap=0 < 8"},
+		{"align first past the experts", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 2, 4, 16, 2), "first=2"},
+		{"align negative first", "gpuctx_moe_align", args([]any{buf, buf, buf, buf}, 4, 2, 4, 16, -1), "first=-1"},
+		{"align sorted outside its buffer", "gpuctx_moe_align", args([]any{buf, small, buf, buf}, 4, 2, 4, 64, 0), "sorted"},
+		{"up negative TK", up, args([]any{buf, buf, sorted, be, np, buf}, -2, 1, 8, 8, 1, 0), "TK=-2"},
+		{"up H not a multiple of 8", up, args([]any{buf, buf, sorted, be, np, buf}, 2, 1, 12, 8, 1, 0), "H=12"},
+		{"up zero K", up, args([]any{buf, buf, sorted, be, np, buf}, 2, 0, 8, 8, 1, 0), "K=0"},
+		{"up gu outside its buffer", up, args([]any{buf, small, sorted, be, np, buf}, 2, 1, 8, 8, 1, 0), "gu"},
+		{"up x outside its buffer", up, args([]any{small, buf, sorted, be, np, buf}, 2, 1, 64, 8, 1, 0), "x"},
+		{"up act outside its buffer", up, args([]any{buf, buf, sorted, be, np, small}, 2, 1, 8, 8, 1, 0), "act"},
+		{"up negative sorted row", up, args([]any{buf, buf, negSorted, be, np, buf}, 2, 1, 8, 8, 1, 0), "sorted[1] = -3"},
+		{"up npost beyond sorted", up, args([]any{buf, buf, sorted, be, bigNpost, buf}, 2, 1, 8, 8, 1, 0), "sorted"},
+		// The fused shared chunks must sort first (moe_shared_rows): block 0
+		// is expert 1, not 0; with two slots a token, row 1 is past T = 1.
+		{"up shared chunk not first", up, args([]any{buf, buf, sorted, be, np, buf}, 2, 1, 8, 8, 0, 1), "block 0 is expert 1"},
+		{"up shared chunk rows", up, args([]any{buf, buf, sorted, be, np, buf}, 2, 2, 8, 8, 1, 1), "sorted[1] = 1, want padding"},
+		{"up negative ns", up, args([]any{buf, buf, sorted, be, np, buf}, 2, 1, 8, 8, 1, -1), "ns=-1"},
 		{"down negative I", down, args([]any{buf, buf, sorted, be, np, buf}, 2, 8, -8), "I=-8"},
 		{"down out outside its buffer", down, args([]any{buf, buf, sorted, be, np, small}, 2, 64, 8), "out"},
 		{"down weights outside their buffer", down, args([]any{buf, small, sorted, be, np, buf}, 2, 8, 8), "down"},
@@ -496,10 +527,10 @@ func TestMoEFusedUpRounding(t *testing.T) {
 		t.Fatalf("test values insensitive to the rounding of gate (%v) or up (%v)", gDiff, uDiff)
 	}
 	c := MoEGemms[0]
-	_, _, _, pl := runAlign(t, d, []int32{0}, 1, c.BM, alignCap(1, 1, c.BM))
+	_, _, _, pl := runAlign(t, d, []int32{0}, 1, c.BM, alignCap(1, 1, c.BM), 0)
 	ap := upload(t, d, asBytes(filled(c.BM*I, poisonBF16)))
 	if err := launchSync(t, d, c.UpName(), upload(t, d, asBytes(bf16Bits(x))), upload(t, d, asBytes(bf16Bits(gu))),
-		pl[0], pl[1], pl[2], ap, int32(1), int32(1), int32(H), int32(I)); err != nil {
+		pl[0], pl[1], pl[2], ap, int32(1), int32(1), int32(H), int32(I), int32(1), int32(0)); err != nil {
 		t.Fatal(err)
 	}
 	act := fromBytes[uint16](download(t, d, ap, 2*c.BM*I))
@@ -525,7 +556,7 @@ func upTileOf(t *testing.T, c MoEGemm) MoEGemm {
 
 // runAlign3 runs the three-launch align (count, scan, scatter) and returns
 // what runAlign returns for gpuctx_moe_align.
-func runAlign3(t *testing.T, d *device, idx []int32, E, BM, cp int) (sorted, blockExpert []int32, npost int32) {
+func runAlign3(t *testing.T, d *device, idx []int32, E, BM, cp, first int) (sorted, blockExpert []int32, npost int32) {
 	t.Helper()
 	TK, nb := len(idx), AlignBlocks(len(idx))
 	ip := uploadOrAlloc(t, d, asBytes(idx))
@@ -539,7 +570,7 @@ func runAlign3(t *testing.T, d *device, idx []int32, E, BM, cp int) (sorted, blo
 		args []any
 	}{
 		{"gpuctx_moe_align_count", []any{ip, cnt, int32(TK), int32(E)}},
-		{"gpuctx_moe_align_scan", []any{cnt, off, sp, bp, np, int32(TK), int32(E), int32(BM), int32(cp), int32(nb)}},
+		{"gpuctx_moe_align_scan", []any{cnt, off, sp, bp, np, int32(TK), int32(E), int32(BM), int32(cp), int32(nb), int32(first)}},
 		{"gpuctx_moe_align_scatter", []any{ip, off, np, sp, int32(TK), int32(E)}},
 	} {
 		if err := launchSync(t, d, l.name, l.args...); err != nil {
@@ -551,14 +582,16 @@ func runAlign3(t *testing.T, d *device, idx []int32, E, BM, cp int) (sorted, blo
 
 // TestMoEAlign3 checks the three-launch align against gpuctx_moe_align:
 // the same sorted rows, block experts and npost, for assignment counts below,
-// at and across chunk boundaries, skewed and out-of-range experts, and a cap
-// too small (npost -1, nothing else written).
+// at and across chunk boundaries, skewed and out-of-range experts, segments
+// from expert 0 and from another, and a cap too small (npost -1, nothing
+// else written).
 func TestMoEAlign3(t *testing.T) {
 	d := newTestDevice(t)
-	for _, tc := range []struct{ TK, E, BM int }{
-		{1, 4, 16}, {100, 7, 16}, {AlignChunk, 64, 64}, {AlignChunk + 1, 64, 128}, {3*AlignChunk + 77, 160, 192}, {9000, 512, 64},
+	for _, tc := range []struct{ TK, E, BM, first int }{
+		{1, 4, 16, 0}, {100, 7, 16, 5}, {AlignChunk, 64, 64, 0}, {AlignChunk + 1, 64, 128, 62}, {3*AlignChunk + 77, 160, 192, 158},
+		{9000, 512, 64, 0}, {9000, 512, 64, 500},
 	} {
-		t.Run(fmt.Sprintf("TK%d_E%d_BM%d", tc.TK, tc.E, tc.BM), func(t *testing.T) {
+		t.Run(fmt.Sprintf("TK%d_E%d_BM%d_first%d", tc.TK, tc.E, tc.BM, tc.first), func(t *testing.T) {
 			r := rand.New(rand.NewPCG(uint64(tc.TK), uint64(tc.E)))
 			idx := make([]int32, tc.TK)
 			for i := range idx {
@@ -573,8 +606,8 @@ func TestMoEAlign3(t *testing.T) {
 			}
 			idx[0] = -1
 			cp := alignCap(tc.TK, tc.E, tc.BM)
-			ws, wb, wn, _ := runAlign(t, d, idx, tc.E, tc.BM, cp)
-			gs, gb, gn := runAlign3(t, d, idx, tc.E, tc.BM, cp)
+			ws, wb, wn, _ := runAlign(t, d, idx, tc.E, tc.BM, cp, tc.first)
+			gs, gb, gn := runAlign3(t, d, idx, tc.E, tc.BM, cp, tc.first)
 			if gn != wn || !slices.Equal(gs, ws) || !slices.Equal(gb, wb) {
 				t.Fatalf("three-launch align differs: npost %d vs %d, sorted equal %v, block experts equal %v", gn, wn, slices.Equal(gs, ws), slices.Equal(gb, wb))
 			}
@@ -583,7 +616,7 @@ func TestMoEAlign3(t *testing.T) {
 			if small < 0 {
 				return
 			}
-			gs, _, gn = runAlign3(t, d, idx, tc.E, tc.BM, small)
+			gs, _, gn = runAlign3(t, d, idx, tc.E, tc.BM, small, tc.first)
 			if gn != -1 || !slices.Equal(gs, filled(small, poison32)) {
 				t.Errorf("cap %d < npost %d: npost %d, sorted written %v", small, wn, gn, !slices.Equal(gs, filled(small, poison32)))
 			}

@@ -11,12 +11,16 @@ import (
 // 9.0 only), bf16 operands, f32 accumulation on tensor cores; both families
 // compute the same bits:
 //
-//	gpuctx_moe_up_<tag>   (x, gu, sorted, blockExpert, npost, act hal.Ptr, TK, K, H, I int32)
+//	gpuctx_moe_up_<tag>   (x, gu, sorted, blockExpert, npost, act hal.Ptr, TK, K, H, I, E0, ns int32)
 //	    for every block b of BM sorted rows with e = blockExpert[b] >= 0 and
 //	    b*BM < npost[0], and every row p of it with a = sorted[p] < TK (the
 //	    token is t = a/K): g = x[t,:].gu[e,i,:], u = x[t,:].gu[e,I+i,:] (f32
 //	    sums, each rounded to bf16), act[p,i] = bf16(silu(g)*u) for i < I;
 //	    padding rows (a >= TK) get act[p,:] = 0. Grid (ceil(I/BN), cap/BM).
+//	    ns > 0: the sort must put the ns fused shared chunks E0..E0+ns-1
+//	    first (align with first = E0), each one segment of all T = TK/K
+//	    tokens in order; those blocks run before the sort is done
+//	    (moe_shared_rows, moe_tile.cuh). ns = 0: no such blocks.
 //	gpuctx_moe_down_<tag> (act, down, sorted, blockExpert, npost, out hal.Ptr, TK, H, I int32)
 //	    for the same rows with a < TK: out[a,h] = bf16(act[p,:].down[e,h,:]) for
 //	    h < H; padding rows write nothing. Grid (ceil(H/BN), cap/BM).
@@ -244,12 +248,12 @@ func moeGemmInstances() string {
 			continue
 		}
 		t := fmt.Sprintf("%d, %d, %d, %d, %d, %d", c.BM, c.BN, c.BK, c.WarpsM, c.WarpsN, c.Stages)
-		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ x, const unsigned short* __restrict__ gu, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
-    moe_gemm<%s, true>(x, gu, sorted, block_expert, npost, act, TK, K, H, I);
+		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ x, const unsigned short* __restrict__ gu, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I, int E0, int ns) {
+    moe_gemm<%s, true>(x, gu, sorted, block_expert, npost, act, TK, K, H, I, E0, ns);
 }
 `, c.Threads(), c.UpName(), t)
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ act, const unsigned short* __restrict__ down, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
-    moe_gemm<%s, false>(act, down, sorted, block_expert, npost, out, TK, 1, I, H);
+    moe_gemm<%s, false>(act, down, sorted, block_expert, npost, out, TK, 1, I, H, 0, 0);
 }
 `, c.Threads(), c.DownName(), t)
 	}
@@ -309,13 +313,13 @@ __device__ __forceinline__ void wg_mma<%d>(float* d, unsigned long long a, unsig
 			fn, bounds = "moe_wgp", fmt.Sprintf("%d, 1", c.Threads())
 		}
 		if c.HasUp() {
-			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%s) void %s(const unsigned short* __restrict__ x, const unsigned short* __restrict__ gu, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
-    %s<%s, true>(x, gu, sorted, block_expert, npost, act, TK, K, H, I);
+			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%s) void %s(const unsigned short* __restrict__ x, const unsigned short* __restrict__ gu, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I, int E0, int ns) {
+    %s<%s, true>(x, gu, sorted, block_expert, npost, act, TK, K, H, I, E0, ns);
 }
 `, bounds, c.UpName(), fn, t)
 		}
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%s) void %s(const unsigned short* __restrict__ act, const unsigned short* __restrict__ down, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
-    %s<%s, false>(act, down, sorted, block_expert, npost, out, TK, 1, I, H);
+    %s<%s, false>(act, down, sorted, block_expert, npost, out, TK, 1, I, H, 0, 0);
 }
 `, bounds, c.DownName(), fn, t)
 	}

@@ -326,6 +326,14 @@ static __device__ __forceinline__ void moe_warp_exscan(int* seg, int E, int lane
     if (lane == 31) seg[E] = incl;
 }
 
+// moe_seg_pos is the place of expert e's segment among the E segments of the
+// aligned sort, which start at expert first (0 <= first < E) and wrap round:
+// first, first+1, ..., E-1, 0, ..., first-1.
+static __device__ __forceinline__ int moe_seg_pos(int e, int first, int E) {
+    const int o = e - first;
+    return o < 0 ? o + E : o;
+}
+
 // gpuctx_moe_plan: a stable counting sort of the TK = T*K assignments
 // topk_idx[a] (a = t*K + k) by expert: counts[e] = assignments of expert e;
 // offsets[e] = sum of counts[0..e-1] (offsets has E+1 entries, offsets[E] = TK);
@@ -622,9 +630,13 @@ extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, 
 // ---- Fused routed path (with moe_gemm.cu): block-aligned sort and row combine.
 //
 // gpuctx_moe_align: vLLM's moe_align_block_size, stable. For experts e in
-// order, c_e = assignments a in [0, TK) with topk_idx[a] == e (others ignored);
+// segment order (first, first+1, ..., E-1, 0, ..., first-1; moe_seg_pos),
+// c_e = assignments a in [0, TK) with topk_idx[a] == e (others ignored);
 // expert e's segment holds roundup(c_e, BM) rows starting at S_e = sum of the
-// earlier segments. sorted [cap]: sorted[S_e + j] = the j-th assignment of e in
+// earlier segments. FusedShared puts the shared expert's chunks first
+// (first = the routed expert count): their rows then do not depend on the
+// routing, and the up kernel computes them before the routing is done
+// (moe_shared_rows, moe_tile.cuh). sorted [cap]: sorted[S_e + j] = the j-th assignment of e in
 // increasing a; every other entry (padding, and everything from npost on) is
 // TK. block_expert [cap/BM]: e for the blocks of e's segment, -1 past npost.
 // npost [1]: the padded total. The caller sizes cap = roundup(TK + min(E, TK)
@@ -637,7 +649,7 @@ extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, 
 // 32 * MOE_ALIGN_WARPS threads, with its shared arrays passed in.
 static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __restrict__ sorted,
                                        int* __restrict__ block_expert, int* __restrict__ npost, int TK, int E,
-                                       int BM, int cap, int (*cnt)[MOE_MAX_E], int* seg) {
+                                       int BM, int cap, int first, int (*cnt)[MOE_MAX_E], int* seg) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -675,10 +687,10 @@ static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __
             cnt[w][e] = run;
             run += c;
         }
-        seg[e] = (run + BM - 1) / BM * BM;
+        seg[moe_seg_pos(e, first, E)] = (run + BM - 1) / BM * BM;
     }
     __syncthreads();
-    if (warp == 0) moe_warp_exscan(seg, E, lane);  // the padded sizes' offsets
+    if (warp == 0) moe_warp_exscan(seg, E, lane);  // the padded sizes' offsets, in segment order
     __syncthreads();
     const int total = seg[E];
     if (total > cap) {
@@ -688,11 +700,13 @@ static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __
     for (int p = tid; p < cap; p += blockDim.x) sorted[p] = TK;
     for (int b = tid; b < cap / BM; b += blockDim.x) block_expert[b] = -1;
     for (int e = tid; e < E; e += blockDim.x) {
-        for (int w = 0; w < nw; ++w) cnt[w][e] += seg[e];
+        const int s = seg[moe_seg_pos(e, first, E)];
+        for (int w = 0; w < nw; ++w) cnt[w][e] += s;
     }
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
-        for (int b = seg[e] / BM; b < seg[e + 1] / BM; ++b) block_expert[b] = e;
+        const int o = moe_seg_pos(e, first, E);
+        for (int b = seg[o] / BM; b < seg[o + 1] / BM; ++b) block_expert[b] = e;
     }
     if (tid == 0) npost[0] = total;
     const unsigned lower = (1u << lane) - 1u;
@@ -718,16 +732,16 @@ static __device__ void moe_align_block(const int* __restrict__ topk_idx, int* __
 
 extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_align(
     const int* __restrict__ topk_idx, int* __restrict__ sorted, int* __restrict__ block_expert, int* __restrict__ npost,
-    int TK, int E, int BM, int cap) {
+    int TK, int E, int BM, int cap, int first) {
     __shared__ int cnt[MOE_ALIGN_WARPS][MOE_MAX_E];
     __shared__ int seg[MOE_MAX_E + 1];
     MOE_GRID_WAIT();
     MOE_GRID_LAUNCH();
     if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 ||
-        cap % BM != 0) {
+        cap % BM != 0 || first < 0 || first >= E) {
         return;
     }
-    moe_align_block(topk_idx, sorted, block_expert, npost, TK, E, BM, cap, cnt, seg);
+    moe_align_block(topk_idx, sorted, block_expert, npost, TK, E, BM, cap, first, cnt, seg);
 }
 
 // ---- The same sort in three launches, for large TK (one block of
@@ -739,7 +753,7 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 //     assignments of expert e in chunk b (nb = ceil(TK / MOE_ALIGN_CHUNK)).
 //     Grid (nb,1,1), block (512,1,1).
 // gpuctx_moe_align_scan (bcnt, boff, sorted, block_expert, npost, TK, E, BM,
-//     cap, nb): boff [nb, E] = the first row of chunk b's assignments of e;
+//     cap, nb, first): boff [nb, E] = the first row of chunk b's assignments of e;
 //     sorted [cap] = TK, block_expert and npost as gpuctx_moe_align (npost -1
 //     and nothing else written when cap is too small). Grid (1,1,1), block (512,1,1).
 // gpuctx_moe_align_scatter (topk_idx, boff, npost, sorted, TK, E): sorted at
@@ -766,12 +780,13 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 
 extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_align_scan(
     const int* __restrict__ bcnt, int* __restrict__ boff, int* __restrict__ sorted, int* __restrict__ block_expert,
-    int* __restrict__ npost, int TK, int E, int BM, int cap, int nb) {
+    int* __restrict__ npost, int TK, int E, int BM, int cap, int nb, int first) {
     __shared__ int seg[MOE_MAX_E + 1];
     MOE_GRID_WAIT();
     MOE_GRID_LAUNCH();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 || cap % BM != 0) {
+    if (blockIdx.x != 0 || blockDim.x != 32 * MOE_ALIGN_WARPS || E <= 0 || E > MOE_MAX_E || BM <= 0 ||
+        cap % BM != 0 || first < 0 || first >= E) {
         return;
     }
     for (int e = tid; e < E; e += blockDim.x) {
@@ -781,10 +796,10 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
             boff[b * E + e] = run;
             run += c;
         }
-        seg[e] = (run + BM - 1) / BM * BM;
+        seg[moe_seg_pos(e, first, E)] = (run + BM - 1) / BM * BM;
     }
     __syncthreads();
-    if (warp == 0) moe_warp_exscan(seg, E, lane);  // the padded sizes' offsets
+    if (warp == 0) moe_warp_exscan(seg, E, lane);  // the padded sizes' offsets, in segment order
     __syncthreads();
     const int total = seg[E];
     if (total > cap) {
@@ -795,8 +810,9 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
     for (int b = tid; b < cap / BM; b += blockDim.x) block_expert[b] = -1;
     __syncthreads();
     for (int e = tid; e < E; e += blockDim.x) {
-        for (int b = 0; b < nb; ++b) boff[b * E + e] += seg[e];
-        for (int b = seg[e] / BM; b < seg[e + 1] / BM; ++b) block_expert[b] = e;
+        const int o = moe_seg_pos(e, first, E);
+        for (int b = 0; b < nb; ++b) boff[b * E + e] += seg[o];
+        for (int b = seg[o] / BM; b < seg[o + 1] / BM; ++b) block_expert[b] = e;
     }
     if (tid == 0) npost[0] = total;
 }
@@ -856,7 +872,8 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 // three): logits[t, e] = x[t, :] . router[e, :] (bf16 operands, f32 sums,
 // stored to logits [T, E]), then the routing of every token (topk_idx, topk_w
 // [T, ks]; the route's arguments) and the aligned sort of its TK = T * ks
-// assignments over E + ns experts (the align's arguments).
+// assignments over E + ns experts (the align's arguments, first = E when ns > 0:
+// the shared expert's chunks sort first).
 // Every block computes logits, one warp per (token, expert) in the same order
 // whatever the grid (lanes stride over h, 16-byte loads, butterfly sum), so
 // the router is read by as many SMs as there are blocks; the last block to
@@ -889,7 +906,7 @@ static __host__ __device__ __forceinline__ int moe_ra_smem(int T, int E) {
 // block_expert is written once. Same outputs as moe_align_block.
 static __device__ void moe_ra_small_sort(const int* sidx, int* cnt, int* seg, int* __restrict__ sorted,
                                          int* __restrict__ block_expert, int* __restrict__ npost, int TK, int E,
-                                         int BM, int cap) {
+                                         int BM, int cap, int first) {
     const int tid = threadIdx.x, lane = tid & 31;
     int e = -1, rank = 0;
     if (tid < TK) {
@@ -902,7 +919,7 @@ static __device__ void moe_ra_small_sort(const int* sidx, int* cnt, int* seg, in
     }
     __syncthreads();
     if (tid < 32) {  // the padded sizes, then their offsets
-        for (int i = lane; i < E; i += 32) seg[i] = (cnt[i] + BM - 1) / BM * BM;
+        for (int i = lane; i < E; i += 32) seg[moe_seg_pos(i, first, E)] = (cnt[i] + BM - 1) / BM * BM;
         __syncwarp();
         moe_warp_exscan(seg, E, lane);
     }
@@ -912,10 +929,11 @@ static __device__ void moe_ra_small_sort(const int* sidx, int* cnt, int* seg, in
         if (tid == 0) npost[0] = -1;
         return;
     }
-    if (e >= 0) sorted[seg[e] + rank] = tid;
+    if (e >= 0) sorted[seg[moe_seg_pos(e, first, E)] + rank] = tid;
     for (int i = tid; i < E; i += blockDim.x) {  // expert i's padding rows and blocks
-        for (int p = seg[i] + cnt[i]; p < seg[i + 1]; ++p) sorted[p] = TK;
-        for (int b = seg[i] / BM; b < seg[i + 1] / BM; ++b) block_expert[b] = i;
+        const int o = moe_seg_pos(i, first, E);
+        for (int p = seg[o] + cnt[i]; p < seg[o + 1]; ++p) sorted[p] = TK;
+        for (int b = seg[o] / BM; b < seg[o + 1] / BM; ++b) block_expert[b] = i;
     }
     for (int p = total + tid; p < cap; p += blockDim.x) sorted[p] = TK;
     for (int b = total / BM + tid; b < cap / BM; b += blockDim.x) block_expert[b] = -1;
@@ -935,6 +953,7 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     const int Ex = E + ns;
+    const int first = ns > 0 ? E : 0;  // the shared expert's chunks E..Ex-1 sort first
     if (blockDim.x != 32 * MOE_ALIGN_WARPS || T < 0 || H % 8 != 0 || Ex > MOE_MAX_E || T * E > MOE_RA_MAX_DOTS ||
         BM <= 0 || cap % BM != 0 || !moe_route_args_ok(E, K, method, groups, topk_groups, ks, ns) ||
         dyn < (unsigned)moe_ra_smem(T, E)) {
@@ -995,10 +1014,10 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
     }
     __syncthreads();
     if (small) {
-        moe_ra_small_sort(sidx, scnt, sseg, sorted, block_expert, npost, T * ks, Ex, BM, cap);
+        moe_ra_small_sort(sidx, scnt, sseg, sorted, block_expert, npost, T * ks, Ex, BM, cap, first);
         return;
     }
-    moe_align_block(topk_idx, sorted, block_expert, npost, T * ks, Ex, BM, cap, (int(*)[MOE_MAX_E])ra_dyn,
+    moe_align_block(topk_idx, sorted, block_expert, npost, T * ks, Ex, BM, cap, first, (int(*)[MOE_MAX_E])ra_dyn,
                     (int*)(ra_dyn + MOE_ALIGN_WARPS * MOE_MAX_E * 4));
 }
 

@@ -11,7 +11,8 @@
 //   UP (gate/up + SwiGLU): A row p is x[sorted[p] / topk] ([T, Kdim]), the B
 //   tiles are rows n of the expert's gate block and of its up block of
 //   gu [E, 2N, Kdim]; act[p, n] = bf16(silu(bf16(g)) * bf16(u)); padding rows
-//   get zeros.
+//   get zeros. With ns > 0 the first row blocks are the fused shared expert's
+//   chunks E0 .. E0+ns-1 (moe_shared_rows), run before the sort is done.
 //   DOWN: A row p is act[p] ([cap, Kdim]), B rows n of down [E, N, Kdim];
 //   out[sorted[p], n] = bf16(acc) for real rows (out is [TK, N]).
 //
@@ -79,7 +80,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
                                                 const int* __restrict__ sorted,
                                                 const int* __restrict__ block_expert,
                                                 const int* __restrict__ npost, unsigned short* __restrict__ C,
-                                                int TK, int topk, int Kdim, int N) {
+                                                int TK, int topk, int Kdim, int N, int E0, int ns) {
     constexpr int THREADS = 32 * WARPS_M * WARPS_N;
     constexpr int WM = BM / WARPS_M;
     constexpr int WN = BN / WARPS_N;
@@ -96,17 +97,25 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
     __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
 
-    // Launched early (LaunchEarly): wait for the kernels ahead (the align, or
-    // the up kernel), then let the next kernel be scheduled.
-    MOE_GRID_WAIT();
-    MOE_GRID_LAUNCH();
+    // Launched early (LaunchEarly): a block of the fused shared expert's rows
+    // starts at once (moe_shared_rows); every other block waits for the
+    // kernels ahead (the align, or the up kernel). Then each lets the next
+    // kernel be scheduled.
     const int mb = blockIdx.y;
-    if (mb * BM >= npost[0]) return;
-    const int e = block_expert[mb];
     const int n0 = blockIdx.x * BN;
-    if (e < 0 || n0 >= N) return;
+    if (n0 >= N) return;
+    int e = UP ? moe_shared_rows<BM, THREADS>(TK, topk, E0, ns, mb, row_src, row_dst) : -1;
+    if (e >= 0) {
+        MOE_GRID_LAUNCH();
+    } else {
+        MOE_GRID_WAIT();
+        MOE_GRID_LAUNCH();
+        if (mb * BM >= npost[0]) return;
+        e = block_expert[mb];
+        if (e < 0) return;
+        moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
+    }
     const int tid = threadIdx.x;
-    moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
 
     unsigned short* sm = (unsigned short*)mg_dyn;
     const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;

@@ -25,3 +25,32 @@ static __device__ __forceinline__ void moe_tile_rows(const int* __restrict__ sor
     __syncthreads();
 }
 
+// moe_shared_rows fills the row tables of up-kernel row block mb when it holds
+// rows of the fused shared expert, and returns its expert; otherwise it
+// returns -1 and touches nothing. The aligned sort puts the shared expert's ns
+// chunks (experts E0 .. E0+ns-1) first (gpuctx_moe_route_align with ns > 0,
+// gpuctx_moe_align with first = E0), and each chunk's segment holds every
+// token once, in token order: chunk c's rows are c*RT .. c*RT+T-1 with T =
+// TK/topk tokens and RT = T rounded up to BM, then padding. These rows do not
+// depend on the routing, so the up kernel runs these blocks without waiting
+// for the sort (MOE_GRID_WAIT): they read only x and the weights and write
+// only their own act rows. That is safe because a kernel launched early
+// starts only after the kernel ahead of it (the sort) passed its own wait, so
+// every kernel before that one has finished: the writes to x are visible and
+// no earlier reader of act is still running. Every other block waits.
+template <int BM, int THREADS>
+static __device__ __forceinline__ int moe_shared_rows(int TK, int topk, int E0, int ns, int mb, int* row_src,
+                                                      int* row_dst) {
+    if (ns <= 0 || topk <= 0) return -1;
+    const int T = TK / topk;
+    const int rt = (T + BM - 1) / BM;  // row blocks per chunk
+    if (mb >= ns * rt) return -1;
+    const int j0 = (mb % rt) * BM;
+    for (int r = threadIdx.x; r < BM; r += THREADS) {
+        row_src[r] = j0 + r < T ? j0 + r : -1;
+        row_dst[r] = mb * BM + r;
+    }
+    __syncthreads();
+    return E0 + mb / rt;
+}
+

@@ -107,7 +107,7 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
                                               const int* __restrict__ sorted,
                                               const int* __restrict__ block_expert,
                                               const int* __restrict__ npost, unsigned short* __restrict__ C,
-                                              int TK, int topk, int Kdim, int N) {
+                                              int TK, int topk, int Kdim, int N, int E0, int ns) {
     constexpr int BK = 64, CH = 8;  // 64 bf16 = 128 bytes = 8 chunks per tile row
     constexpr int GROUPS = BM / 64;
     constexpr int THREADS = 128 * GROUPS;
@@ -122,15 +122,21 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
     __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
     __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
 
-    MOE_GRID_WAIT();  // launched early: see moe_gemm
-    MOE_GRID_LAUNCH();
-    const int mb = blockIdx.y;
-    if (mb * BM >= npost[0]) return;
-    const int e = block_expert[mb];
+    const int mb = blockIdx.y;  // launched early: see moe_gemm
     const int n0 = blockIdx.x * BN;
-    if (e < 0 || n0 >= N) return;
+    if (n0 >= N) return;
+    int e = UP ? moe_shared_rows<BM, THREADS>(TK, topk, E0, ns, mb, row_src, row_dst) : -1;
+    if (e >= 0) {
+        MOE_GRID_LAUNCH();
+    } else {
+        MOE_GRID_WAIT();
+        MOE_GRID_LAUNCH();
+        if (mb * BM >= npost[0]) return;
+        e = block_expert[mb];
+        if (e < 0) return;
+        moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
+    }
     const int tid = threadIdx.x;
-    moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
 
     const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
     const int KT = (Kdim + BK - 1) / BK;
@@ -306,7 +312,9 @@ static __device__ __forceinline__ void moe_wgp(const unsigned short* __restrict_
                                                const int* __restrict__ sorted,
                                                const int* __restrict__ block_expert,
                                                const int* __restrict__ npost, unsigned short* __restrict__ C,
-                                               int TK, int topk, int Kdim, int N) {
+                                               int TK, int topk, int Kdim, int N, int E0, int ns) {
+    // E0 and ns (moe_shared_rows) go unused: every tile waits for the sort,
+    // the fused shared expert's rows too (they sort first all the same).
     constexpr int BK = 64, CH = 8;  // 64 bf16 = 128 bytes = 8 chunks per tile row
     constexpr int GROUPS = BM / 64;
     constexpr int CONSUMERS = 128 * GROUPS;

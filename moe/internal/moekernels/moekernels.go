@@ -48,9 +48,11 @@
 // of moe_gemm.cu on them (gpuctx_moe_up_<tag>, gpuctx_moe_down_<tag>, one pair
 // per tile config; see MoEGemm) and combines the rows in assignment order:
 //
-//	gpuctx_moe_align    (topk_idx, sorted, block_expert, npost hal.Ptr, TK, E, BM, cap int32)
+//	gpuctx_moe_align    (topk_idx, sorted, block_expert, npost hal.Ptr, TK, E, BM, cap, first int32)
 //	    stable sort of the TK assignments (topk_idx [TK] i32; out-of-range experts
-//	    skipped) into per-expert segments, experts in order, each padded to a
+//	    skipped) into per-expert segments, experts in order from first (0 <=
+//	    first < E) wrapping round to first-1 (FusedShared: the shared chunks
+//	    first), each padded to a
 //	    multiple of BM rows (empty experts get none): sorted [cap] = assignment
 //	    of each row, TK for padding and for every row from npost to cap;
 //	    block_expert [cap/BM] = expert of each block, -1 from npost/BM on;
@@ -58,7 +60,7 @@
 //	    at least npost; size it roundup(TK + min(E,TK)*(BM-1), BM). Grid
 //	    (1,1,1), block (512,1,1).
 //	gpuctx_moe_align_count (topk_idx, bcnt hal.Ptr, TK, E int32)
-//	gpuctx_moe_align_scan  (bcnt, boff, sorted, block_expert, npost hal.Ptr, TK, E, BM, cap, nb int32)
+//	gpuctx_moe_align_scan  (bcnt, boff, sorted, block_expert, npost hal.Ptr, TK, E, BM, cap, nb, first int32)
 //	gpuctx_moe_align_scatter (topk_idx, boff, npost, sorted hal.Ptr, TK, E int32)
 //	    gpuctx_moe_align in three launches for large TK (same outputs): nb =
 //	    AlignBlocks(TK) chunks of AlignChunk assignments; count writes bcnt
@@ -71,7 +73,7 @@
 //	                     norm_eps, scale float32, ks, ns, BM, cap int32)
 //	    the router logits (bf16 x [T,H] times bf16 router [E,H], f32 sums) ->
 //	    logits, then gpuctx_moe_route and gpuctx_moe_align on them (the align
-//	    over T*ks assignments of E+ns experts). T*E <= RouteAlignMaxDots. Every
+//	    over T*ks assignments of E+ns experts, first = E when ns > 0). T*E <= RouteAlignMaxDots. Every
 //	    block computes logits (one warp each, the same sums whatever the grid);
 //	    the last block to finish, found with a ticket (uint32, 0 before the
 //	    first launch, left 0 by every launch), routes (a warp per token) and
