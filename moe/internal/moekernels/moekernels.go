@@ -225,16 +225,12 @@ func wloadHints() string {
 // macros and the weight-load hints, moe_tile.cuh (shared with moe_wgmma.cu),
 // the file, then the extern "C" instances of its templates for every config
 // of MoEGemms.
-func GemmSource() string {
-	return gridDeps + wloadHints() + tileSource + gemmSource + moeGemmInstances()
-}
+func GemmSource() string { return gridDeps + wloadHints() + tileSource + gemmSource + moeGemmInstances() }
 
 // WgmmaSource returns moe_wgmma.cu as it is compiled: the grid-dependency
 // macros and the weight-load hints, moe_tile.cuh, the file, then its
 // generated wgmma wrappers and the instances of every warpgroup tile.
-func WgmmaSource() string {
-	return gridDeps + wloadHints() + tileSource + wgmmaSource + wgmmaInstances()
-}
+func WgmmaSource() string { return gridDeps + wloadHints() + tileSource + wgmmaSource + wgmmaInstances() }
 
 func init() {
 	kernels.Register(kernels.Source{File: RouteFile, Text: RouteSource(), Kernels: []kernels.Kernel{
