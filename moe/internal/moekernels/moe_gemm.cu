@@ -28,20 +28,8 @@ static __device__ __forceinline__ unsigned mg_smem(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
-// mg_cp16<W>: W marks a weight tile's load, which takes the load hints of
-// moekernels.wloadHints (MOE_W_PF, MOE_W_EVICT).
-template <bool W = false>
 static __device__ __forceinline__ void mg_cp16(unsigned dst, const void* src, int bytes) {
-    if (W && MOE_W_EVICT) {
-        unsigned long long pol;
-        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint" MOE_W_PF " [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-                     "r"(bytes), "l"(pol));
-    } else if (W) {
-        asm volatile("cp.async.cg.shared.global" MOE_W_PF " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-    } else {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-    }
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
 static __device__ __forceinline__ void mg_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -176,7 +164,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
             const bool ok = kok && gb[i] >= 0;
-            mg_cp16<true>(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
+            mg_cp16(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
         }
     };
 

@@ -27,21 +27,8 @@ static __device__ __forceinline__ unsigned wg_smem(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
-// wg_cp16<W>: W marks a weight tile's load (see moe_gemm.cu's mg_cp16).
-template <bool W = false>
 static __device__ __forceinline__ void wg_cp16(unsigned dst, const void* src, int bytes) {
-    if (W && MOE_W_EVICT) {
-        unsigned long long pol;
-        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-        asm volatile("cp.async.cg.shared.global.L2::cache_hint" MOE_W_PF " [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-                     "r"(bytes), "l"(pol)
-                     : "memory");
-    } else if (W) {
-        asm volatile("cp.async.cg.shared.global" MOE_W_PF " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-                     : "memory");
-    } else {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-    }
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 
 static __device__ __forceinline__ void wg_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -189,7 +176,7 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
         for (int i = 0; i < B_PER; ++i) {
             if ((NW * CH) % THREADS != 0 && i == B_PER - 1 && ob[i] == ~0u) break;
             const bool ok = kok && gb[i] >= 0;
-            wg_cp16<true>(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
+            wg_cp16(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
         }
     };
 
@@ -417,7 +404,7 @@ static __device__ __forceinline__ void moe_wgp(const unsigned short* __restrict_
                         const unsigned short* src = Bt + k0 + h * hs;
 #pragma unroll
                         for (int i = h * B_HALF; i < (h + 1) * B_HALF; ++i, src += rs)
-                            wg_cp16<true>(st + A_BYTES + so[i % SW] + i * RSTEP * 128, src, 16);
+                            wg_cp16(st + A_BYTES + so[i % SW] + i * RSTEP * 128, src, 16);
                     }
                 } else {
 #pragma unroll
@@ -426,7 +413,7 @@ static __device__ __forceinline__ void moe_wgp(const unsigned short* __restrict_
 #pragma unroll
                         for (int i = h * B_HALF; i < (h + 1) * B_HALF; ++i, src += rs) {
                             const bool ok = kok && RSTEP * (i - h * B_HALF) < nlim;
-                            wg_cp16<true>(st + A_BYTES + so[i % SW] + i * RSTEP * 128, ok ? src : B, ok ? 16 : 0);
+                            wg_cp16(st + A_BYTES + so[i % SW] + i * RSTEP * 128, ok ? src : B, ok ? 16 : 0);
                         }
                     }
                 }

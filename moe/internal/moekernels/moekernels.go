@@ -93,7 +93,6 @@ package moekernels
 import (
 	_ "embed"
 	"fmt"
-	"os"
 	"sync"
 
 	"github.com/gpuctx/gpuctx/kernels"
@@ -201,36 +200,15 @@ var waitsFirst = sync.OnceValue(func() map[string]bool {
 // grid-dependency macros, then the file.
 func RouteSource() string { return Prelude() + gridDeps + routeSource }
 
-// wloadHints returns the load hints of the expert GEMMs' weight tiles, for the
-// head of moe_gemm.cu and moe_wgmma.cu: MOE_W_PF, a prefetch size for L2
-// (cp.async's .L2::128B or .L2::256B, or none), and MOE_W_EVICT, 1 for the
-// evict_first L2 policy. GPUCTX_MOE_WLOAD picks them while they are measured
-// (plain, pf128, pf256, evict, evict256; plain when unset or unknown).
-func wloadHints() string {
-	pf, evict := "", 0
-	switch os.Getenv("GPUCTX_MOE_WLOAD") {
-	case "pf128":
-		pf = ".L2::128B"
-	case "pf256":
-		pf = ".L2::256B"
-	case "evict":
-		evict = 1
-	case "evict256":
-		pf, evict = ".L2::256B", 1
-	}
-	return fmt.Sprintf("// ---- Weight-tile load hints (moekernels.wloadHints).\n#define MOE_W_PF %q\n#define MOE_W_EVICT %d\n\n", pf, evict)
-}
-
 // GemmSource returns moe_gemm.cu as it is compiled: the grid-dependency
-// macros and the weight-load hints, moe_tile.cuh (shared with moe_wgmma.cu),
-// the file, then the extern "C" instances of its templates for every config
-// of MoEGemms.
-func GemmSource() string { return gridDeps + wloadHints() + tileSource + gemmSource + moeGemmInstances() }
+// macros, moe_tile.cuh (shared with moe_wgmma.cu), the file, then the
+// extern "C" instances of its templates for every config of MoEGemms.
+func GemmSource() string { return gridDeps + tileSource + gemmSource + moeGemmInstances() }
 
 // WgmmaSource returns moe_wgmma.cu as it is compiled: the grid-dependency
-// macros and the weight-load hints, moe_tile.cuh, the file, then its
-// generated wgmma wrappers and the instances of every warpgroup tile.
-func WgmmaSource() string { return gridDeps + wloadHints() + tileSource + wgmmaSource + wgmmaInstances() }
+// macros, moe_tile.cuh, the file, then its generated wgmma wrappers and the
+// instances of every warpgroup tile.
+func WgmmaSource() string { return gridDeps + tileSource + wgmmaSource + wgmmaInstances() }
 
 func init() {
 	kernels.Register(kernels.Source{File: RouteFile, Text: RouteSource(), Kernels: []kernels.Kernel{
