@@ -127,7 +127,7 @@ func TestWaitsFirst(t *testing.T) {
 		t.Error("moe_prefetch_down not found")
 	}
 	for _, p := range []string{"block_expert", "npost"} {
-		all := len(regexp.MustCompile(`\b`+p+`\b`).FindAllString(body, -1))
+		all := len(regexp.MustCompile(`\b` + p + `\b`).FindAllString(body, -1))
 		if l2 := len(regexp.MustCompile(`__ldcg\(`+p+`\b`).FindAllString(body, -1)); l2 != all || all == 0 {
 			t.Errorf("moe_prefetch_down reads %s %d times, %d through L2 (__ldcg): want every read through L2", p, all, l2)
 		}
