@@ -65,12 +65,12 @@ func TestSources(t *testing.T) {
 			t.Errorf("%s uses %s: it gets no prelude", GemmFile, lim)
 		}
 	}
-	if gemm != gridDeps+prefetchDown()+tileSource+gemmSource+moeGemmInstances() {
-		t.Errorf("%s is not the grid-dependency macros, prefetchDown, moe_tile.cuh, the file, then the generated instances", GemmFile)
+	if gemm != gridDeps+tileSource+gemmSource+moeGemmInstances() {
+		t.Errorf("%s is not the grid-dependency macros, moe_tile.cuh, the file, then the generated instances", GemmFile)
 	}
 	wg := srcs[WgmmaFile]
-	if wg != gridDeps+prefetchDown()+tileSource+wgmmaSource+wgmmaInstances() {
-		t.Errorf("%s is not the grid-dependency macros, prefetchDown, moe_tile.cuh, the file, then the generated instances", WgmmaFile)
+	if wg != gridDeps+tileSource+wgmmaSource+wgmmaInstances() {
+		t.Errorf("%s is not the grid-dependency macros, moe_tile.cuh, the file, then the generated instances", WgmmaFile)
 	}
 	if !strings.Contains(route, "\n"+gridDeps) {
 		t.Errorf("%s lacks the grid-dependency macros", RouteFile)

@@ -105,7 +105,6 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     const int n0 = blockIdx.x * BN;
     if (n0 >= N) return;
     int e = UP ? moe_shared_rows<BM, THREADS>(TK, topk, E0, ns, mb, row_src, row_dst) : -1;
-    if (!UP && MOE_PREFETCH_DOWN) moe_prefetch_down<BN, THREADS>(B, block_expert, npost, BM, mb, n0, N, Kdim);
     if (e >= 0) {
         MOE_GRID_LAUNCH();
     } else {

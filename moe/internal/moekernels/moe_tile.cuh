@@ -38,34 +38,6 @@ static __device__ __forceinline__ void moe_tile_rows(const int* __restrict__ sor
 // starts only after the kernel ahead of it (the sort) passed its own wait, so
 // every kernel before that one has finished: the writes to x are visible and
 // no earlier reader of act is still running. Every other block waits.
-// moe_prefetch_down asks L2 for the down weights of row block mb and column
-// block n0 (rows n0 .. n0+BN-1 of expert block_expert[mb]'s [N, Kdim] block of
-// B: one contiguous span), before the down kernel waits for the up kernel.
-// The down kernel is launched early: it starts once every up block has
-// passed its own wait for the sort, so the sort (block_expert, npost) is
-// complete and visible; it is read through L2 (__ldcg), never a stale L1
-// line. The weights are never written. Only on sm_90 and later (cp.async.bulk
-// prefetch; the kernels launch early only there), one bulk prefetch per
-// thread of at most 4 KiB.
-template <int BN, int THREADS>
-static __device__ __forceinline__ void moe_prefetch_down(const unsigned short* __restrict__ B,
-                                                         const int* __restrict__ block_expert,
-                                                         const int* __restrict__ npost, int BM, int mb, int n0,
-                                                         int N, int Kdim) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (mb * BM >= __ldcg(npost)) return;
-    const int e = __ldcg(block_expert + mb);
-    if (e < 0) return;
-    const unsigned long long bytes = 2ull * (unsigned long long)(min(BN, N - n0)) * (unsigned long long)Kdim;
-    const char* base = (const char*)(B + ((long long)e * N + n0) * Kdim);
-    for (unsigned long long off = (unsigned long long)threadIdx.x * 4096ull; off < bytes;
-         off += (unsigned long long)THREADS * 4096ull) {
-        const unsigned n = (unsigned)min(4096ull, bytes - off);  // a multiple of 16: Kdim is a multiple of 8
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + off), "r"(n) : "memory");
-    }
-#endif
-}
-
 template <int BM, int THREADS>
 static __device__ __forceinline__ int moe_shared_rows(int TK, int topk, int E0, int ns, int mb, int* row_src,
                                                       int* row_dst) {

@@ -93,7 +93,6 @@ package moekernels
 import (
 	_ "embed"
 	"fmt"
-	"os"
 	"sync"
 
 	"github.com/gpuctx/gpuctx/kernels"
@@ -201,32 +200,15 @@ var waitsFirst = sync.OnceValue(func() map[string]bool {
 // grid-dependency macros, then the file.
 func RouteSource() string { return Prelude() + gridDeps + routeSource }
 
-// prefetchDown is the head of moe_gemm.cu and moe_wgmma.cu that says whether
-// the down kernels ask L2 for their weights before they wait for the up
-// kernel (moe_prefetch_down, moe_tile.cuh): 1, or 0 with
-// GPUCTX_MOE_PREFETCH_DOWN=0 (to measure it).
-func prefetchDown() string {
-	on := 1
-	if os.Getenv("GPUCTX_MOE_PREFETCH_DOWN") == "0" {
-		on = 0
-	}
-	return fmt.Sprintf("// ---- moekernels.prefetchDown\n#define MOE_PREFETCH_DOWN %d\n\n", on)
-}
-
 // GemmSource returns moe_gemm.cu as it is compiled: the grid-dependency
-// macros and prefetchDown, moe_tile.cuh (shared with moe_wgmma.cu), the file,
-// then the extern "C" instances of its templates for every config of
-// MoEGemms.
-func GemmSource() string {
-	return gridDeps + prefetchDown() + tileSource + gemmSource + moeGemmInstances()
-}
+// macros, moe_tile.cuh (shared with moe_wgmma.cu), the file, then the
+// extern "C" instances of its templates for every config of MoEGemms.
+func GemmSource() string { return gridDeps + tileSource + gemmSource + moeGemmInstances() }
 
 // WgmmaSource returns moe_wgmma.cu as it is compiled: the grid-dependency
-// macros and prefetchDown, moe_tile.cuh, the file, then its generated wgmma
-// wrappers and the instances of every warpgroup tile.
-func WgmmaSource() string {
-	return gridDeps + prefetchDown() + tileSource + wgmmaSource + wgmmaInstances()
-}
+// macros, moe_tile.cuh, the file, then its generated wgmma wrappers and the
+// instances of every warpgroup tile.
+func WgmmaSource() string { return gridDeps + tileSource + wgmmaSource + wgmmaInstances() }
 
 func init() {
 	kernels.Register(kernels.Source{File: RouteFile, Text: RouteSource(), Kernels: []kernels.Kernel{
