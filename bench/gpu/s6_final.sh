@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Run at e72584b, whose kernels ask L2 for the down weights first; that was
+# reverted after this call, 07569d0: it made the forwards slower.)
 # Session 6, the merged tree on the GPU: early shared rows (e1488d8) and the
 # down kernels' L2 prefetch (ef7027b). Every CUDA test binary; memcheck over
 # the new test and tiles of both families; the three presets against the
