@@ -83,7 +83,8 @@ type benchRow struct {
 	MedianUS       map[string]float64 `json:"median_us"` // per mode: single, dual, auto
 	SharedUS       *float64           `json:"shared_alone_us"`
 	RoutedUS       float64            `json:"routed_alone_us"`
-	Overlap        *float64           `json:"overlap_efficiency"` // (single-dual)/min(shared,routed)
+	Overlap        *float64           `json:"overlap_efficiency"`       // (single-dual)/min(shared,routed)
+	FusedOverlap   *float64           `json:"fused_overlap_efficiency"` // (single-fused)/min(shared,routed)
 	WeightBytes    int64              `json:"weight_bytes"`
 	FLOPs          float64            `json:"flops"`
 	BytesFloorUS   float64            `json:"bytes_floor_us"`
@@ -146,7 +147,9 @@ FLOPs / GEMM rate), both ceilings measured in the same run: a large
 device-to-device copy (bytes read + written) and a large GEMM in --dtype
 through a Context (8192³ on CUDA, 512³ on the CPU backend). FLOPs = 2·T·H·E (router) + 2·T·K·3·H·I (routed) + 2·T·3·H·Is (shared).
 "% of floor" is floor / best mode; "overlap" is (single - dual) /
-min(shared alone, routed alone): 1 means the shared expert hid completely.
+min(shared alone, routed alone): 1 means the shared expert hid completely;
+"fused overlap" is the same for the fused mode (the shared expert inside the
+routed kernels), when it ran.
 
 On the CPU backend the presets are scaled down (H=256, E=16, I=64; tokens
 1,8,64; fewer iterations) so that the run takes seconds; --full-size keeps the
@@ -729,6 +732,10 @@ func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *benchkit.Time
 		ov := (single - dual) / min(*row.SharedUS, row.RoutedUS)
 		row.Overlap = &ov
 	}
+	if fused, ok := row.MedianUS[moe.FusedShared.String()]; ok1 && ok && row.SharedUS != nil {
+		ov := (single - fused) / min(*row.SharedUS, row.RoutedUS)
+		row.FusedOverlap = &ov
+	}
 	return row, nil
 }
 
@@ -789,8 +796,16 @@ func (r *moeBenchReport) markdown() string {
 		head = append(head, m+" µs")
 	}
 	head = append(head, "shared µs", "routed µs")
+	fusedCol := false
+	for _, row := range r.Rows {
+		fusedCol = fusedCol || row.FusedOverlap != nil
+	}
 	if !cpu {
-		head = append(head, "overlap", "% of floor")
+		head = append(head, "overlap")
+		if fusedCol {
+			head = append(head, "fused overlap")
+		}
+		head = append(head, "% of floor")
 	}
 	head = append(head, "weights MiB", "GFLOP")
 	if r.Peer != nil {
@@ -815,7 +830,15 @@ func (r *moeBenchReport) markdown() string {
 		}
 		line = append(line, sh, fmtUS(row.RoutedUS))
 		if !cpu {
-			line = append(line, ov, fmt.Sprintf("%.1f%%", row.PctOfFloor))
+			line = append(line, ov)
+			if fusedCol {
+				fo := "-"
+				if row.FusedOverlap != nil {
+					fo = fmt.Sprintf("%.2f", *row.FusedOverlap)
+				}
+				line = append(line, fo)
+			}
+			line = append(line, fmt.Sprintf("%.1f%%", row.PctOfFloor))
 		}
 		line = append(line, fmt.Sprintf("%.1f", float64(row.WeightBytes)/(1<<20)), fmt.Sprintf("%.3g", row.FLOPs/1e9))
 		if r.Peer != nil {
@@ -835,7 +858,7 @@ func (r *moeBenchReport) markdown() string {
 		b.WriteString("\nfloor = max(weight bytes touched / copy bandwidth, FLOPs / GEMM rate); * = best mode.\n")
 	} else {
 		b.WriteString("\nfloor = max(weight bytes touched / copy bandwidth, FLOPs / GEMM rate); % of floor = floor / best mode (*); " +
-			"overlap = (single - dual) / min(shared, routed), 1 = the shared expert fully hidden.\n")
+			"overlap = (single - dual) / min(shared, routed), 1 = the shared expert fully hidden; fused overlap = (single - fused) / min(shared, routed).\n")
 	}
 	if r.Peer != nil {
 		b.WriteString("peer µs = the peer's fastest mode (median); vs peer = peer best / gpuctx best (*), >1 = gpuctx faster.\n")

@@ -215,7 +215,7 @@ func TestMoeBenchCPU(t *testing.T) {
 		t.Errorf("--plot did not write a PNG (err %v)", err)
 	}
 
-	code, stdout, stderr = execute(t, "moe", "bench", "--tokens", "1,4", "--iters", "2", "--warmup", "0", "--mode", "single,dual", "--json")
+	code, stdout, stderr = execute(t, "moe", "bench", "--tokens", "1,4", "--iters", "2", "--warmup", "0", "--mode", "single,dual,fused", "--json")
 	if code != 0 || stderr != "" {
 		t.Fatalf("--json: exit code %d, stderr %q", code, stderr)
 	}
@@ -232,6 +232,10 @@ func TestMoeBenchCPU(t *testing.T) {
 		if row.Tokens != []int{1, 4}[i] || row.MedianUS["single"] <= 0 || row.MedianUS["dual"] <= 0 || row.RoutedUS <= 0 ||
 			row.SharedUS == nil || *row.SharedUS <= 0 || row.Overlap == nil || row.WeightBytes <= 0 || !(row.FloorUS > 0) || row.PctOfFloor <= 0 {
 			t.Errorf("row %d incomplete: %+v", i, row)
+		}
+		if fu, ok := row.MedianUS["fused"]; !ok || row.FusedOverlap == nil || row.SharedUS == nil ||
+			math.Abs(*row.FusedOverlap-(row.MedianUS["single"]-fu)/min(*row.SharedUS, row.RoutedUS)) > 1e-9 {
+			t.Errorf("row %d: fused overlap %v, want (single - fused) / min(shared, routed) from %+v", i, row.FusedOverlap, row)
 		}
 		if want := batchFLOPs(&moe.Config{HiddenSize: cpuHidden, NumExperts: cpuExperts, TopK: rep.Shape.TopK, Intermediate: cpuIntermediate,
 			SharedIntermediate: rep.Shape.Shared}, row.Tokens); row.FLOPs != want {
