@@ -343,8 +343,13 @@ func (l *Layer) tilesFor(x *gpuctx.Buffer, T int) (tilePair, error) {
 
 // tune times every tile's up and down kernel on this forward's routing (three
 // runs each after one warm-up, median) and returns the fastest up and the
-// fastest down of the fastest BM. It runs on the main stream and waits for it.
+// fastest down of the fastest BM. With the fused shared expert on the
+// one-launch routing, each up kernel is timed together with
+// gpuctx_moe_route_align ahead of it: its shared blocks run while the routing
+// does (moe_shared_rows), and how much of them a tile hides there depends on
+// how many blocks it has. It runs on the main stream and waits for it.
 func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
+	withRoute := l.sharedChunks() > 0 && l.routeAlignOK(T)
 	start, stop := l.evTune[0], l.evTune[1]
 	timeIt := func(launch func() error) (time.Duration, error) {
 		var ts []time.Duration
@@ -410,7 +415,14 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 			}
 			du := time.Duration(-1) // a down-only tile
 			if kUp != nil {
-				du, err = timeIt(func() error { return l.launchUp(kUp, cand, x, T) })
+				du, err = timeIt(func() error {
+					if withRoute {
+						if err := l.launchRouteAlign(x, T, sharedFused, cand.BM); err != nil {
+							return err
+						}
+					}
+					return l.launchUp(kUp, cand, x, T)
+				})
 				if err != nil {
 					return tilePair{}, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
 				}
@@ -436,8 +448,12 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 			bestPair = tilePair{up.c, down.c}
 		}
 	}
-	l.tuneLog = append(l.tuneLog, fmt.Sprintf("T=%d (bucket %d, fused shared %v): up %s, down %s, %.1f us (up+down us: %s)",
-		T, tileBucket(T), l.fusedShared, bestPair.up.Tag(), bestPair.down.Tag(), us(bestSum), strings.Join(timed, ", ")))
+	what := "up+down us"
+	if withRoute {
+		what = "routing+up and down us"
+	}
+	l.tuneLog = append(l.tuneLog, fmt.Sprintf("T=%d (bucket %d, fused shared %v): up %s, down %s, %.1f us (%s: %s)",
+		T, tileBucket(T), l.fusedShared, bestPair.up.Tag(), bestPair.down.Tag(), us(bestSum), what, strings.Join(timed, ", ")))
 	return bestPair, nil
 }
 
