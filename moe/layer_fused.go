@@ -341,6 +341,10 @@ func (l *Layer) tilesFor(x *gpuctx.Buffer, T int) (tilePair, error) {
 	return tp, nil
 }
 
+// tuneSpan is about how long one of tune's timings runs: kernels shorter than
+// it are timed over several launches back to back (at most 8).
+const tuneSpan = 250 * time.Microsecond
+
 // tune times every tile's up and down kernel on this forward's routing (three
 // runs each after one warm-up, median) and returns the fastest up and the
 // fastest down of the fastest BM. With the fused shared expert on the
@@ -351,14 +355,23 @@ func (l *Layer) tilesFor(x *gpuctx.Buffer, T int) (tilePair, error) {
 func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 	withRoute := l.sharedChunks() > 0 && l.routeAlignOK(T)
 	start, stop := l.evTune[0], l.evTune[1]
+	// timeIt returns the median of three timings of launch after a warm-up.
+	// A timing queues launch back to back reps times between the events and
+	// divides: one launch alone would also count the host's launch latency,
+	// the device being idle when the start event runs (a few us, enough to
+	// swap the ranking of 1-token tiles from one tuning to the next: H200,
+	// bench/gpu/s6_tune.sh). reps makes each timing about tuneSpan long.
 	timeIt := func(launch func() error) (time.Duration, error) {
 		var ts []time.Duration
+		reps := 1
 		for r := 0; r < 4; r++ {
 			if err := start.Record(l.main); err != nil {
 				return 0, err
 			}
-			if err := launch(); err != nil {
-				return 0, err
+			for i := 0; i < reps; i++ {
+				if err := launch(); err != nil {
+					return 0, err
+				}
 			}
 			if err := stop.Record(l.main); err != nil {
 				return 0, err
@@ -370,9 +383,12 @@ func (l *Layer) tune(x *gpuctx.Buffer, T int) (tilePair, error) {
 			if err != nil {
 				return 0, err
 			}
-			if r > 0 {
-				ts = append(ts, d)
+			d /= time.Duration(reps)
+			if r == 0 {
+				reps = min(max(int(tuneSpan/max(d, time.Microsecond)), 1), 8)
+				continue
 			}
+			ts = append(ts, d)
 		}
 		slices.Sort(ts)
 		return ts[len(ts)/2], nil
