@@ -23,15 +23,5 @@ done
 echo "== after memcheck: $(( $(date +%s) - t0 )) s"
 } > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"
-P="--peer .gpu/peers/triton_fused_moe.py"
-timeout 110 .gpu/gpuctx moe bench --preset deepseek-v2-lite --tokens 1,8,64,256,1024,4096 --mode single,dual,fused,auto \
-  --small-batch -1 $P --out "$OUT/moe-deepseek-v2-lite.md" --plot "$OUT/moe-deepseek-v2-lite.png" > /dev/null 2> /tmp/bench.log
-echo "== deepseek-v2-lite rc=$? $(( $(date +%s) - t0 )) s"; row "$OUT/moe-deepseek-v2-lite.md"
-timeout 90 .gpu/gpuctx moe bench --preset qwen3-30b-a3b --tokens 1,8,64,256,1024,4096 --mode single --small-batch -1 $P \
-  --out "$OUT/moe-qwen3-30b-a3b.md" > /dev/null 2>> /tmp/bench.log
-echo "== qwen3-30b-a3b rc=$? $(( $(date +%s) - t0 )) s"; row "$OUT/moe-qwen3-30b-a3b.md"
-timeout 120 .gpu/gpuctx moe bench --preset deepseek-v3 --tokens 1,64,1024 --mode single,dual,fused,auto --small-batch -1 --iters 20 $P \
-  --out "$OUT/moe-deepseek-v3.md" > /dev/null 2>> /tmp/bench.log
-echo "== deepseek-v3 rc=$? $(( $(date +%s) - t0 )) s"; row "$OUT/moe-deepseek-v3.md"; grep -E "^speed vs peer|^peer: [0-9]+ " /tmp/bench.log
-rm -f "$OUT/triton_moe_anchor.json"
+T0=$t0 bash "$(dirname "$0")/peer3.sh"
 echo "== total $(( $(date +%s) - t0 )) s"

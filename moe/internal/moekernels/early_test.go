@@ -53,11 +53,25 @@ func function(src, name string) (params []string, body string, ok bool) {
 // pointer parameters (for a generated GEMM instance: in the template it
 // calls), so that launching it early cannot read what the kernel ahead of it
 // is still writing; and that WaitsFirst refuses kernels that do not wait.
+// The expert GEMM templates wait in moe_tile_begin (moe_tile.cuh), which the
+// test follows.
 // The one planned exception is the up kernel's blocks of fused shared-expert
 // rows (moe_shared_rows), which run on without the wait: the test checks that
 // moe_shared_rows takes no pointer but the block's own row tables, so what
 // those blocks read is x and the weights only (moe_tile.cuh says why that is
 // safe).
+// usedBefore reports each of params that code mentions (outside comments and
+// strings) as used before kernel name's MOE_GRID_WAIT().
+func usedBefore(t *testing.T, name, code string, params []string) {
+	t.Helper()
+	code = regexp.MustCompile(`//[^\n]*|"[^"\n]*"`).ReplaceAllString(code, "")
+	for _, p := range params {
+		if regexp.MustCompile(`\b` + regexp.QuoteMeta(p) + `\b`).MatchString(code) {
+			t.Errorf("%s: parameter %s is used before MOE_GRID_WAIT()", name, p)
+		}
+	}
+}
+
 func TestWaitsFirst(t *testing.T) {
 	srcs := []string{RouteSource(), GemmSource(), WgmmaSource()}
 	names := append([]string(nil), earlyKernels...)
@@ -91,17 +105,31 @@ func TestWaitsFirst(t *testing.T) {
 				continue
 			}
 		}
-		w := strings.Index(body, "MOE_GRID_WAIT();")
+		// The expert GEMM templates wait in moe_tile_begin: nothing before
+		// the call may touch a pointer, and moe_tile_begin may touch none
+		// before its wait but the block's row tables (shared memory).
+		begin, w := strings.Index(body, "moe_tile_begin<"), strings.Index(body, "MOE_GRID_WAIT();")
+		var own []string
+		if begin >= 0 && (w < 0 || begin < w) {
+			usedBefore(t, name, body[:begin], params)
+			var ok bool
+			if params, body, ok = function(src, "moe_tile_begin"); !ok {
+				t.Errorf("%s: moe_tile_begin not found", name)
+				continue
+			}
+			w, own = strings.Index(body, "MOE_GRID_WAIT();"), []string{"row_src", "row_dst"}
+		}
 		if w < 0 {
 			t.Errorf("%s: no MOE_GRID_WAIT()", name)
 			continue
 		}
-		code := regexp.MustCompile(`//[^\n]*|"[^"\n]*"`).ReplaceAllString(body[:w], "") // comments and strings
+		var global []string
 		for _, p := range params {
-			if regexp.MustCompile(`\b` + regexp.QuoteMeta(p) + `\b`).MatchString(code) {
-				t.Errorf("%s: parameter %s is used before MOE_GRID_WAIT()", name, p)
+			if !slices.Contains(own, p) {
+				global = append(global, p)
 			}
 		}
+		usedBefore(t, name, body[:w], global)
 	}
 	params, _, ok := function(GemmSource(), "moe_shared_rows")
 	if !ok || !slices.Equal(params, []string{"row_src", "row_dst"}) {

@@ -53,16 +53,6 @@ static __device__ __forceinline__ void mg_mma(float* c, const unsigned* a, unsig
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-static __device__ __forceinline__ float mg_bf2f(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
-
-static __device__ __forceinline__ unsigned short mg_f2bf(float f) {
-    unsigned int b = __float_as_uint(f);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (unsigned short)(b >> 16);
-}
-
-static __device__ __forceinline__ float mg_round(float v) { return mg_bf2f(mg_f2bf(v)); }
 
 // Element offset of 16-byte chunk ch of row r in a [rows][BK] bf16 tile, with
 // the low three bits of the chunk index XOR-swizzled by the row so that
@@ -97,24 +87,13 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
     __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
 
-    // Launched early (LaunchEarly): a block of the fused shared expert's rows
-    // starts at once (moe_shared_rows); every other block waits for the
-    // kernels ahead (the align, or the up kernel). Then each lets the next
-    // kernel be scheduled.
+    // Launched early (LaunchEarly): moe_tile_begin waits for the kernels ahead
+    // where the block needs them.
     const int mb = blockIdx.y;
     const int n0 = blockIdx.x * BN;
     if (n0 >= N) return;
-    int e = UP ? moe_shared_rows<BM, THREADS>(TK, topk, E0, ns, mb, row_src, row_dst) : -1;
-    if (e >= 0) {
-        MOE_GRID_LAUNCH();
-    } else {
-        MOE_GRID_WAIT();
-        MOE_GRID_LAUNCH();
-        if (mb * BM >= npost[0]) return;
-        e = block_expert[mb];
-        if (e < 0) return;
-        moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
-    }
+    int e;
+    if (!moe_tile_begin<BM, THREADS, UP>(sorted, block_expert, npost, TK, topk, E0, ns, mb, row_src, row_dst, e)) return;
     const int tid = threadIdx.x;
 
     unsigned short* sm = (unsigned short*)mg_dyn;
@@ -234,13 +213,13 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
                 if (n >= N) continue;
                 unsigned short v0, v1;
                 if (UP) {
-                    const float g0 = mg_round(acc[0][i][j][hr * 2]), g1 = mg_round(acc[0][i][j][hr * 2 + 1]);
-                    const float u0 = mg_round(acc[NB - 1][i][j][hr * 2]), u1 = mg_round(acc[NB - 1][i][j][hr * 2 + 1]);
-                    v0 = zero ? 0 : mg_f2bf((g0 / (1.0f + expf(-g0))) * u0);
-                    v1 = zero ? 0 : mg_f2bf((g1 / (1.0f + expf(-g1))) * u1);
+                    const float g0 = moe_round(acc[0][i][j][hr * 2]), g1 = moe_round(acc[0][i][j][hr * 2 + 1]);
+                    const float u0 = moe_round(acc[NB - 1][i][j][hr * 2]), u1 = moe_round(acc[NB - 1][i][j][hr * 2 + 1]);
+                    v0 = zero ? 0 : moe_f2bf((g0 / (1.0f + expf(-g0))) * u0);
+                    v1 = zero ? 0 : moe_f2bf((g1 / (1.0f + expf(-g1))) * u1);
                 } else {
-                    v0 = mg_f2bf(acc[0][i][j][hr * 2]);
-                    v1 = mg_f2bf(acc[0][i][j][hr * 2 + 1]);
+                    v0 = moe_f2bf(acc[0][i][j][hr * 2]);
+                    v1 = moe_f2bf(acc[0][i][j][hr * 2 + 1]);
                 }
                 *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
             }

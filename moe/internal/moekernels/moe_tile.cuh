@@ -1,6 +1,18 @@
 // Shared by the expert GEMM tiles of moe_gemm.cu and moe_wgmma.cu (the
 // moekernels package prepends it to both).
 
+static __device__ __forceinline__ float moe_bf2f(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+
+// moe_f2bf rounds to the nearest bf16, ties to even; NaNs stay quiet NaNs.
+static __device__ __forceinline__ unsigned short moe_f2bf(float f) {
+    unsigned int b = __float_as_uint(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (unsigned short)(b >> 16);
+}
+
+static __device__ __forceinline__ float moe_round(float v) { return moe_bf2f(moe_f2bf(v)); }
+
 // moe_tile_rows fills the row tables of row block mb (BM rows, THREADS
 // threads, then a barrier): for UP, row_src[r] = the token of assignment
 // sorted[p] (its x row) and row_dst[r] = p, the act row; for the down kernel,
@@ -54,3 +66,28 @@ static __device__ __forceinline__ int moe_shared_rows(int TK, int topk, int E0, 
     return E0 + mb / rt;
 }
 
+// moe_tile_begin starts row block mb of an expert GEMM kernel launched early
+// (LaunchEarly): a block of the fused shared expert's rows (up kernel,
+// moe_shared_rows) starts at once; every other block waits for the kernels
+// ahead of it (the align, or the up kernel), reads its expert and fills its
+// row tables (moe_tile_rows). Then it lets the next kernel be scheduled. It
+// sets e to the block's expert and returns true, or returns false for a
+// block without rows (past npost or of no expert), which the caller ends.
+template <int BM, int THREADS, bool UP>
+static __device__ __forceinline__ bool moe_tile_begin(const int* __restrict__ sorted,
+                                                      const int* __restrict__ block_expert,
+                                                      const int* __restrict__ npost, int TK, int topk, int E0,
+                                                      int ns, int mb, int* row_src, int* row_dst, int& e) {
+    e = UP ? moe_shared_rows<BM, THREADS>(TK, topk, E0, ns, mb, row_src, row_dst) : -1;
+    if (e >= 0) {
+        MOE_GRID_LAUNCH();
+    } else {
+        MOE_GRID_WAIT();
+        MOE_GRID_LAUNCH();
+        if (mb * BM >= npost[0]) return false;
+        e = block_expert[mb];
+        if (e < 0) return false;
+        moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
+    }
+    return true;
+}

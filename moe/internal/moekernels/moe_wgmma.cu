@@ -38,16 +38,6 @@ static __device__ __forceinline__ void wg_cpwait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-static __device__ __forceinline__ float wg_bf2f(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
-
-static __device__ __forceinline__ unsigned short wg_f2bf(float f) {
-    unsigned int b = __float_as_uint(f);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (unsigned short)(b >> 16);
-}
-
-static __device__ __forceinline__ float wg_round(float v) { return wg_bf2f(wg_f2bf(v)); }
 
 // Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle:
 // start address / 16, leading byte offset 16 (unused by this layout), stride
@@ -84,13 +74,13 @@ static __device__ __forceinline__ void wg_store_half(const float* d, int hr, int
         if (n >= N) continue;
         unsigned short v0, v1;
         if (UP) {
-            const float g0 = wg_round(d[4 * j + 2 * hr]), g1 = wg_round(d[4 * j + 2 * hr + 1]);
-            const float u0 = wg_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = wg_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
-            v0 = zero ? 0 : wg_f2bf((g0 / (1.0f + expf(-g0))) * u0);
-            v1 = zero ? 0 : wg_f2bf((g1 / (1.0f + expf(-g1))) * u1);
+            const float g0 = moe_round(d[4 * j + 2 * hr]), g1 = moe_round(d[4 * j + 2 * hr + 1]);
+            const float u0 = moe_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = moe_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
+            v0 = zero ? 0 : moe_f2bf((g0 / (1.0f + expf(-g0))) * u0);
+            v1 = zero ? 0 : moe_f2bf((g1 / (1.0f + expf(-g1))) * u1);
         } else {
-            v0 = wg_f2bf(d[4 * j + 2 * hr]);
-            v1 = wg_f2bf(d[4 * j + 2 * hr + 1]);
+            v0 = moe_f2bf(d[4 * j + 2 * hr]);
+            v1 = moe_f2bf(d[4 * j + 2 * hr + 1]);
         }
         *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
     }
@@ -125,17 +115,8 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
     const int mb = blockIdx.y;  // launched early: see moe_gemm
     const int n0 = blockIdx.x * BN;
     if (n0 >= N) return;
-    int e = UP ? moe_shared_rows<BM, THREADS>(TK, topk, E0, ns, mb, row_src, row_dst) : -1;
-    if (e >= 0) {
-        MOE_GRID_LAUNCH();
-    } else {
-        MOE_GRID_WAIT();
-        MOE_GRID_LAUNCH();
-        if (mb * BM >= npost[0]) return;
-        e = block_expert[mb];
-        if (e < 0) return;
-        moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
-    }
+    int e;
+    if (!moe_tile_begin<BM, THREADS, UP>(sorted, block_expert, npost, TK, topk, E0, ns, mb, row_src, row_dst, e)) return;
     const int tid = threadIdx.x;
 
     const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
