@@ -115,14 +115,33 @@ func routeAlignFirst(E, ns int32) int32 {
 	return 0
 }
 
-// segOrder returns the experts 0..E-1 in segment order: first, first+1, ...,
-// E-1, 0, ..., first-1 (moe_seg_pos of moe.cu).
-func segOrder(E, first int) []int {
-	o := make([]int, E)
-	for i := range o {
-		o[i] = (first + i) % E
+// alignSegments lays out the aligned sort's segments for counts[e]
+// assignments of each expert e: in segment order (first, first+1, ..., E-1,
+// 0, ..., first-1; moe_seg_pos of moe.cu), each rounded up to BM rows. Expert
+// e's rows are [starts[e], ends[e]); total is the padded row count (npost).
+func alignSegments(counts []int, first, BM int) (starts, ends []int, total int) {
+	E := len(counts)
+	starts, ends = make([]int, E), make([]int, E)
+	for i := range E {
+		e := (first + i) % E
+		starts[e] = total
+		total += roundUp(counts[e], BM)
+		ends[e] = total
 	}
-	return o
+	return starts, ends, total
+}
+
+// fillBlocks writes the block experts of the segments [starts[e], ends[e])
+// and -1 in every other block.
+func fillBlocks(blockExpert []int32, starts, ends []int, BM int) {
+	for b := range blockExpert {
+		blockExpert[b] = -1
+	}
+	for e := range starts {
+		for b := starts[e] / BM; b < ends[e]/BM; b++ {
+			blockExpert[b] = int32(e)
+		}
+	}
 }
 
 func moeAlign(m kernels.Memory, a *alignArgs) error {
@@ -141,12 +160,7 @@ func moeAlign(m kernels.Memory, a *alignArgs) error {
 			counts[e]++
 		}
 	}
-	starts := make([]int, E) // S_e, then the next free row of expert e
-	npost := 0
-	for _, e := range segOrder(E, first) {
-		starts[e] = npost
-		npost += roundUp(counts[e], BM)
-	}
+	starts, ends, npost := alignSegments(counts, first, BM) // starts[e]: then the next free row of expert e
 	if cp < npost {
 		return fmt.Errorf("align: cap=%d < %d, the padded rows of %d assignments in blocks of BM=%d", cp, npost, TK, BM)
 	}
@@ -165,14 +179,7 @@ func moeAlign(m kernels.Memory, a *alignArgs) error {
 	for i := range sorted {
 		sorted[i] = int32(TK)
 	}
-	for b := range blockExpert {
-		blockExpert[b] = -1
-	}
-	for e, c := range counts {
-		for b := starts[e] / BM; b < (starts[e]+roundUp(c, BM))/BM; b++ {
-			blockExpert[b] = int32(e)
-		}
-	}
+	fillBlocks(blockExpert, starts, ends, BM)
 	for i, e := range idx {
 		if e >= 0 && int(e) < E {
 			sorted[starts[e]] = int32(i)
@@ -258,19 +265,14 @@ func moeAlignScan(m kernels.Memory, a *alignScanArgs) error {
 	if err != nil {
 		return err
 	}
-	starts, ends := make([]int, E), make([]int, E) // expert e's segment, rows [starts[e], ends[e])
-	total := 0
-	for _, e := range segOrder(E, first) {
-		run := 0
+	counts := make([]int, E)
+	for e := range E {
 		for b := range nb {
-			c := int(bcnt[b*E+e])
-			boff[b*E+e] = int32(run)
-			run += c
+			boff[b*E+e] = int32(counts[e])
+			counts[e] += int(bcnt[b*E+e])
 		}
-		starts[e] = total
-		total += roundUp(run, BM)
-		ends[e] = total
 	}
+	starts, ends, total := alignSegments(counts, first, BM)
 	if total > cp {
 		np[0] = -1
 		return nil
@@ -278,15 +280,10 @@ func moeAlignScan(m kernels.Memory, a *alignScanArgs) error {
 	for i := range sorted {
 		sorted[i] = int32(TK)
 	}
-	for b := range blockExpert {
-		blockExpert[b] = -1
-	}
+	fillBlocks(blockExpert, starts, ends, BM)
 	for e := range E {
 		for b := range nb {
 			boff[b*E+e] += int32(starts[e])
-		}
-		for b := starts[e] / BM; b < ends[e]/BM; b++ {
-			blockExpert[b] = int32(e)
 		}
 	}
 	np[0] = int32(total)
