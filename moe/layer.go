@@ -33,15 +33,18 @@ const (
 	// FusedShared computes the shared expert inside the fused routed kernels, as
 	// extra experts of weight 1 that every token is routed to (its width split
 	// into chunks of the routed experts' width): no shared-expert GEMMs, no side
-	// stream. It needs the fused routed path (bf16, a batch above
-	// SmallBatchTokens), a shared expert whose width is a multiple of the routed
-	// width, and no Qwen2-MoE shared-expert gate; elsewhere it runs as Dual. Its
+	// stream. Its chunks sort ahead of the routed experts, so the up kernel's
+	// blocks of their rows, which do not depend on the routing, run on the main
+	// stream while the routing still does. It needs the fused routed path (bf16,
+	// a batch above SmallBatchTokens), a shared expert whose width is a multiple
+	// of the routed width, and no Qwen2-MoE shared-expert gate; elsewhere it
+	// runs as Dual. Its
 	// result equals Dual's to bf16 rounding (the shared expert's output is
 	// rounded per chunk), not bitwise.
 	FusedShared
 )
 
-// ParseMode parses "single", "dual" or "auto" (case-insensitive).
+// ParseMode parses "single", "dual", "auto" or "fused" (case-insensitive).
 func ParseMode(s string) (Mode, error) {
 	switch strings.ToLower(strings.TrimSpace(s)) {
 	case "single":
