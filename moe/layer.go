@@ -38,9 +38,8 @@ const (
 	// stream while the routing still does. It needs the fused routed path (bf16,
 	// a batch above SmallBatchTokens), a shared expert whose width is a multiple
 	// of the routed width, and no Qwen2-MoE shared-expert gate; elsewhere it
-	// runs as Dual. Its
-	// result equals Dual's to bf16 rounding (the shared expert's output is
-	// rounded per chunk), not bitwise.
+	// runs as Dual. Its result equals Dual's to bf16 rounding (the shared
+	// expert's output is rounded per chunk), not bitwise.
 	FusedShared
 )
 

@@ -144,6 +144,21 @@ func fillBlocks(blockExpert []int32, starts, ends []int, BM int) {
 	}
 }
 
+// alignOutputs returns the outputs of an align kernel: sorted [cap],
+// block_expert [cap/BM] and npost [1].
+func alignOutputs(m kernels.Memory, sp, bp, npp Ptr, cp, BM int) (sorted, blockExpert, np []int32, err error) {
+	if sorted, err = kernels.Slice[int32](m, "sorted", sp, int64(cp)); err != nil {
+		return nil, nil, nil, err
+	}
+	if blockExpert, err = kernels.Slice[int32](m, "block_expert", bp, int64(cp/BM)); err != nil {
+		return nil, nil, nil, err
+	}
+	if np, err = kernels.Slice[int32](m, "npost", npp, 1); err != nil {
+		return nil, nil, nil, err
+	}
+	return sorted, blockExpert, np, nil
+}
+
 func moeAlign(m kernels.Memory, a *alignArgs) error {
 	TK, E, BM, cp, first := int(a.TK), int(a.E), int(a.BM), int(a.Cap), int(a.First)
 	if TK < 0 || E <= 0 || E > MaxExperts || BM <= 0 || cp < 0 || cp%BM != 0 || first < 0 || first >= E {
@@ -164,15 +179,7 @@ func moeAlign(m kernels.Memory, a *alignArgs) error {
 	if cp < npost {
 		return fmt.Errorf("align: cap=%d < %d, the padded rows of %d assignments in blocks of BM=%d", cp, npost, TK, BM)
 	}
-	sorted, err := kernels.Slice[int32](m, "sorted", a.Sorted, int64(cp))
-	if err != nil {
-		return err
-	}
-	blockExpert, err := kernels.Slice[int32](m, "block_expert", a.BlockExpert, int64(cp/BM))
-	if err != nil {
-		return err
-	}
-	np, err := kernels.Slice[int32](m, "npost", a.Npost, 1)
+	sorted, blockExpert, np, err := alignOutputs(m, a.Sorted, a.BlockExpert, a.Npost, cp, BM)
 	if err != nil {
 		return err
 	}
@@ -253,15 +260,7 @@ func moeAlignScan(m kernels.Memory, a *alignScanArgs) error {
 	if err != nil {
 		return err
 	}
-	sorted, err := kernels.Slice[int32](m, "sorted", a.Sorted, int64(cp))
-	if err != nil {
-		return err
-	}
-	blockExpert, err := kernels.Slice[int32](m, "block_expert", a.BlockExpert, int64(cp/BM))
-	if err != nil {
-		return err
-	}
-	np, err := kernels.Slice[int32](m, "npost", a.Npost, 1)
+	sorted, blockExpert, np, err := alignOutputs(m, a.Sorted, a.BlockExpert, a.Npost, cp, BM)
 	if err != nil {
 		return err
 	}
