@@ -636,8 +636,8 @@ extern "C" __global__ void gpuctx_moe_expert_down(const void* __restrict__ act, 
 // earlier segments. FusedShared puts the shared expert's chunks first
 // (first = the routed expert count): their rows then do not depend on the
 // routing, and the up kernel computes them before the routing is done
-// (moe_shared_rows, moe_tile.cuh). sorted [cap]: sorted[S_e + j] = the j-th assignment of e in
-// increasing a; every other entry (padding, and everything from npost on) is
+// (moe_shared_rows, moe_tile.cuh). sorted [cap]: sorted[S_e + j] = the j-th
+// assignment of e in increasing a; every other entry (padding, and everything from npost on) is
 // TK. block_expert [cap/BM]: e for the blocks of e's segment, -1 past npost.
 // npost [1]: the padded total. The caller sizes cap = roundup(TK + min(E, TK)
 // * (BM - 1), BM); a cap too small leaves npost = -1 and writes nothing else.
