@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# Vendored unchanged (but for this line) from the workplace's shared/peers/triton_fused_moe.py, 2026-12-01; sha256 of the original: 866f2022baeb6e9a.
+# Vendored unchanged (but for this line) from the workplace's shared/peers/triton_fused_moe.py, 2026-12-02; sha256 of the original: 6ef80f40ec3b586e.
 """Anchor timings for one MoE layer: vLLM's fused-MoE Triton path, rebuilt standalone.
 
 Needs only the Python standard library, torch and triton (no vllm, no network).
@@ -58,8 +58,9 @@ Tile configs (no autotuning: a small fixed set, so compile time stays short):
   tuned    the tuned table E=64,N=1408,device_name=NVIDIA_H100_80GB_HBM3.json, found
            only in the fork zyongye/vllm (commit 4ca1d9292af4); its 28 entries are
            embedded below (same values, one line each); picked with vLLM's
-           nearest-batch-size rule. Only for E=64, I=1408 (deepseek-v2-lite): other
-           presets run "default" alone, and an explicit "tuned" is dropped with a note.
+           nearest-batch-size rule. For E=128, I=768 (qwen3-30b-a3b) the tuned table is
+           vLLM's own E=128,N=768,device_name=NVIDIA_H200.json. Other presets run
+           "default" alone, and an explicit "tuned" is dropped with a note.
   old_default  vLLM's pre-2026 default (not run unless asked).
 Both GEMMs of a layer use the same config, as in vLLM.
 
@@ -76,7 +77,7 @@ NaN first), then CUDA-event timings, median of ITERS after WARMUP, rotating over
   graph_us        CUDA-graph replay of the whole layer (gate, router, align, both
                   GEMMs, act, reduce, shared, add), one stream
   graph_dual_us   the same with the shared expert on a side stream (null: no shared expert)
-  graph_tuned_us  graph replay, one stream, with the tuned table (deepseek-v2-lite only)
+  graph_tuned_us  graph replay, one stream, with the tuned table (deepseek-v2-lite, qwen3-30b-a3b)
   floor_us        (distinct experts touched * 3*H*I*2 + 3*H*IS*2 + gate bytes) bytes
                   / 4.2e12 B/s (experts touched: mean over the weight sets; IS = shared
                   width; gate bytes = E*H*2 (+ H*2 shared gate, + E*4 bias))
@@ -260,17 +261,30 @@ _TUNED_H100_E64_N1408_JSON = """
 """
 TUNED_TABLE = {int(k): v for k, v in json.loads(_TUNED_H100_E64_N1408_JSON).items()}
 
-
-TUNED_SHAPE = (64, 1408)  # (E, N=I) the embedded table was tuned for
+# E=128,N=768,device_name=NVIDIA_H200.json (vllm-project/vllm @ 4652ef5d87ed, same folder): the
+# table vLLM itself runs for Qwen3-30B-A3B (TP1) on an H200.
+_TUNED_H200_E128_N768 = {
+    1: (16, 64, 64, 1, 4, 5), 2: (16, 64, 64, 1, 4, 4), 4: (16, 64, 128, 16, 4, 2),
+    8: (16, 64, 128, 1, 4, 3), 16: (16, 64, 256, 1, 4, 2), 24: (16, 64, 128, 1, 4, 4),
+    32: (16, 64, 128, 16, 4, 2), 48: (16, 128, 128, 16, 4, 3), 64: (16, 256, 128, 1, 8, 2),
+    96: (16, 128, 128, 1, 4, 2), 128: (16, 128, 128, 1, 4, 2), 256: (32, 256, 128, 16, 4, 2),
+    512: (64, 128, 64, 1, 4, 3), 1024: (128, 256, 64, 16, 8, 4), 1536: (128, 256, 64, 1, 8, 4),
+    2048: (128, 256, 64, 1, 8, 4), 3072: (128, 256, 64, 1, 8, 4), 4096: (128, 256, 64, 16, 8, 4)}
+_CFG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+# (E, N=I) -> {batch size: config}: the tuned tables embedded here.
+TUNED_TABLES = {(64, 1408): TUNED_TABLE,
+                (128, 768): {m: dict(zip(_CFG_KEYS, v)) for m, v in _TUNED_H200_E128_N768.items()}}
+TUNED_SHAPE = (64, 1408)  # the deepseek-v2-lite table (kept for the self-test)
 
 
 def tuned_config(M: int, num_experts: int | None = None) -> dict:
     # vLLM try_get_optimal_moe_config: the entry whose batch size is nearest to M
     num_experts = E if num_experts is None else num_experts
-    if (num_experts, I) != TUNED_SHAPE:
-        raise ValueError("no tuned table for E=%d,N=%d (only E=%d,N=%d)" % ((num_experts, I) + TUNED_SHAPE))
-    key = min(TUNED_TABLE.keys(), key=lambda k: abs(k - M))
-    return dict(TUNED_TABLE[key])
+    table = TUNED_TABLES.get((num_experts, I))
+    if table is None:
+        raise ValueError("no tuned table for E=%d,N=%d (only %s)" % (num_experts, I, sorted(TUNED_TABLES)))
+    key = min(table.keys(), key=lambda k: abs(k - M))
+    return dict(table[key])
 
 
 CONFIG_SOURCES = {
@@ -282,8 +296,8 @@ CONFIG_SOURCES = {
 
 def config_unavailable(name: str) -> str:
     """'' if config source `name` applies to the current preset's shape, else why not."""
-    if name == "tuned" and (E, I) != TUNED_SHAPE:
-        return "no tuned table for E=%d,N=%d (the embedded one is E=%d,N=%d)" % ((E, I) + TUNED_SHAPE)
+    if name == "tuned" and (E, I) not in TUNED_TABLES:
+        return "no tuned table for E=%d,N=%d (embedded: %s)" % (E, I, sorted(TUNED_TABLES))
     return ""
 
 
@@ -1565,7 +1579,10 @@ def _cpu_selftest():
             raised = False
         except ValueError:
             raised = True
-        report("tuned not used for %s (E=%d,N=%d)" % (name, E, I), bool(why) and raised, why)
+        if (E, I) in TUNED_TABLES:
+            report("tuned applies to %s (E=%d,N=%d)" % (name, E, I), not why and not raised, why)
+        else:
+            report("tuned not used for %s (E=%d,N=%d)" % (name, E, I), bool(why) and raised, why)
         report("default config for %s reads its E" % name,
                vllm_default_config(8192) == vllm_default_config(8192, E), cfg_str(vllm_default_config(8192)))
     apply_preset("qwen1.5-moe")
