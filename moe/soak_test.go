@@ -3,6 +3,8 @@ package moe
 import (
 	"bytes"
 	"context"
+	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"sync"
@@ -18,10 +20,12 @@ import (
 // GPUCTX_SOAK_BACKEND, default cuda): goroutines share one BLAS Context through
 // per-stream views, one more Context is switched between two streams with
 // SetStream before every call, and each goroutine repeats GEMM, strided
-// batched GEMM, grouped GEMM and geam calls and dual-stream MoE forwards (its
-// own Layer, fused and grouped-GEMM paths), comparing every result bitwise with
-// the result the same call gave on one stream before the soak. Device memory
-// must be back where it started once everything is closed.
+// batched GEMM, grouped GEMM, geam and cuBLASLt matmul calls, replays of a
+// graph that recorded a GEMM (on whichever stream the caller is on) and
+// dual-stream MoE forwards (its own Layer, fused and grouped-GEMM paths),
+// comparing every result bitwise with the result the same call gave on one
+// stream before the soak. Device memory must be back where it started once
+// everything is closed.
 func TestSoak(t *testing.T) {
 	dur, err := time.ParseDuration(os.Getenv("GPUCTX_SOAK"))
 	if err != nil || dur <= 0 {
@@ -123,13 +127,65 @@ func TestSoak(t *testing.T) {
 // soakCase is one BLAS call with fixed inputs and its one-stream result.
 type soakCase struct {
 	name string
-	run  func(h gpuctx.Blas) error
+	run  func(c *gpuctx.Context, s *gpuctx.Stream) error // queues the call on s, c's current stream
+	gemm *gpuctx.Gemm                                    // the call, for the case a graph records
 	out  *gpuctx.Buffer
 	want []byte
 }
 
-// soakCases makes the worker's BLAS calls on fresh random inputs.
-func soakCases(dev *gpuctx.Device, r *rand.Rand) ([]*soakCase, []*gpuctx.Buffer, error) {
+// blasCase is a soakCase body that runs fn through c's cuBLAS handle.
+func blasCase(fn func(h gpuctx.Blas) error) func(*gpuctx.Context, *gpuctx.Stream) error {
+	return func(c *gpuctx.Context, _ *gpuctx.Stream) error { return c.Blas(fn) }
+}
+
+// soakCases makes the worker's BLAS calls on fresh random inputs: cuBLAS
+// (gemm, strided, grouped, geam), cuBLASLt (lt) and the replay of a graph that
+// recorded a GEMM through c on s (graph; close it with closeGraph).
+func soakCases(dev *gpuctx.Device, c *gpuctx.Context, s *gpuctx.Stream, r *rand.Rand) (cases []*soakCase, bufs []*gpuctx.Buffer, closeGraph func(), err error) {
+	closeGraph = func() {}
+	cases, bufs, err = soakBlasCases(dev, r)
+	if err != nil {
+		return nil, bufs, closeGraph, err
+	}
+	g, err := soakGraph(c, s, cases[0]) // the gemm case, recorded into its own output
+	if err != nil {
+		return nil, bufs, closeGraph, err
+	}
+	closeGraph = func() { _ = g.graph.Close() }
+	bufs = append(bufs, g.out)
+	return append(cases, g.soakCase), bufs, closeGraph, nil
+}
+
+type graphCase struct {
+	*soakCase
+	graph *gpuctx.Graph
+}
+
+// soakGraph records the GEMM of gemm (redirected to a fresh output) through c on
+// s into a graph whose case replays it on the caller's stream.
+func soakGraph(c *gpuctx.Context, s *gpuctx.Stream, gemm *soakCase) (graphCase, error) {
+	out, err := c.Device().Alloc(gemm.out.Size())
+	if err != nil {
+		return graphCase{}, err
+	}
+	g := *gemm.gemm
+	g.C = out
+	if err := s.BeginCapture(); err != nil {
+		_ = out.Free()
+		return graphCase{}, err
+	}
+	err = c.Blas(func(h gpuctx.Blas) error { return h.Gemm(g) })
+	graph, endErr := s.EndCapture()
+	if err = errors.Join(err, endErr); err != nil {
+		_ = out.Free()
+		return graphCase{}, err
+	}
+	run := func(_ *gpuctx.Context, s *gpuctx.Stream) error { return graph.Launch(s) }
+	return graphCase{&soakCase{name: "graph", out: out, run: run}, graph}, nil
+}
+
+// soakBlasCases makes the cuBLAS and cuBLASLt cases on fresh random inputs.
+func soakBlasCases(dev *gpuctx.Device, r *rand.Rand) ([]*soakCase, []*gpuctx.Buffer, error) {
 	var bufs []*gpuctx.Buffer
 	up := func(n int) (*gpuctx.Buffer, error) {
 		v := make([]float32, n)
@@ -153,7 +209,7 @@ func soakCases(dev *gpuctx.Device, r *rand.Rand) ([]*soakCase, []*gpuctx.Buffer,
 	if err != nil {
 		return nil, bufs, err
 	}
-	var outs [4]*gpuctx.Buffer
+	var outs [5]*gpuctx.Buffer
 	for i := range outs {
 		size := count * m * n
 		if i == 3 { // geam: m x k
@@ -178,21 +234,26 @@ func soakCases(dev *gpuctx.Device, r *rand.Rand) ([]*soakCase, []*gpuctx.Buffer,
 		groups = append(groups, gi)
 	}
 	geam := gpuctx.Geam{Layout: gpuctx.RowMajor, M: m, N: k, Alpha: 2, Beta: -1, A: a, B: a, C: outs[3], Type: gpuctx.F32}
+	lt := g
+	lt.C = outs[4]
 	cases := []*soakCase{
-		{name: "gemm", out: outs[0], run: func(h gpuctx.Blas) error { return h.Gemm(gemm) }},
-		{name: "strided", out: outs[1], run: func(h gpuctx.Blas) error {
+		{name: "gemm", out: outs[0], gemm: &gemm, run: blasCase(func(h gpuctx.Blas) error { return h.Gemm(gemm) })},
+		{name: "strided", out: outs[1], run: blasCase(func(h gpuctx.Blas) error {
 			return h.GemmStridedBatched(strided, count, m*k, k*n, m*n)
+		})},
+		{name: "grouped", out: outs[2], run: blasCase(func(h gpuctx.Blas) error { return h.GemmGrouped(groups) })},
+		{name: "geam", out: outs[3], run: blasCase(func(h gpuctx.Blas) error { return h.Geam(geam) })},
+		{name: "lt", out: outs[4], run: func(c *gpuctx.Context, _ *gpuctx.Stream) error {
+			return c.BlasLt(func(h gpuctx.BlasLt) error { return h.Matmul(lt) })
 		}},
-		{name: "grouped", out: outs[2], run: func(h gpuctx.Blas) error { return h.GemmGrouped(groups) }},
-		{name: "geam", out: outs[3], run: func(h gpuctx.Blas) error { return h.Geam(geam) }},
 	}
 	return cases, bufs, nil
 }
 
 // soakCheck runs c through ctx on its current stream s and compares the output.
 func soakCheck(ctx *gpuctx.Context, s *gpuctx.Stream, c *soakCase, record bool) (bool, error) {
-	if err := ctx.Blas(c.run); err != nil {
-		return false, err
+	if err := c.run(ctx, s); err != nil {
+		return false, fmt.Errorf("%s: %w", c.name, err)
 	}
 	if err := s.Synchronize(); err != nil {
 		return false, err
@@ -220,12 +281,13 @@ func soakWorker(ctx context.Context, dev *gpuctx.Device, shared *gpuctx.Context,
 		return err
 	}
 	r := rand.New(rand.NewPCG(uint64(g), 99))
-	cases, bufs, err := soakCases(dev, r)
+	cases, bufs, closeGraph, err := soakCases(dev, view, s, r)
 	defer func() {
 		for _, b := range bufs {
 			_ = b.Free()
 		}
 	}()
+	defer closeGraph() // before the buffers it writes are freed
 	if err != nil {
 		return err
 	}
@@ -296,12 +358,13 @@ func soakSwitcher(ctx context.Context, dev *gpuctx.Device, ops, mismatches *atom
 		return err
 	}
 	defer c.Close()
-	cases, bufs, err := soakCases(dev, rand.New(rand.NewPCG(7, 7)))
+	cases, bufs, closeGraph, err := soakCases(dev, c, ss[0], rand.New(rand.NewPCG(7, 7)))
 	defer func() {
 		for _, b := range bufs {
 			_ = b.Free()
 		}
 	}()
+	defer closeGraph() // before the buffers it writes are freed
 	if err != nil {
 		return err
 	}
