@@ -64,8 +64,16 @@ func checkDims(rows, cols, n int, block [2]int) error {
 // the block's largest value maps to +-448. A NaN or infinite weight is an
 // error naming it.
 func Quantize(w []float32, rows, cols int, block [2]int) (*Weight, error) {
-	if err := checkDims(rows, cols, len(w), block); err != nil {
+	q, err := quantize(w, rows, cols, block)
+	if err != nil {
 		return nil, fmt.Errorf("fp8: Quantize: %w", err)
+	}
+	return q, nil
+}
+
+func quantize(w []float32, rows, cols int, block [2]int) (*Weight, error) {
+	if err := checkDims(rows, cols, len(w), block); err != nil {
+		return nil, err
 	}
 	ss := ScaleShape(rows, cols, block)
 	q := &Weight{Rows: rows, Cols: cols, Block: block, Codes: make([]uint8, len(w)), Scales: make([]float32, ss[0]*ss[1])}
@@ -81,7 +89,7 @@ func Quantize(w []float32, rows, cols int, block [2]int) (*Weight, error) {
 			}
 			if amax > math.MaxFloat32 || amax != amax {
 				i, j := firstNonFinite(w, cols, r0, r1, c0, c1)
-				return nil, fmt.Errorf("fp8: Quantize: weight [%d][%d] is %v: only finite weights can be quantized", i, j, w[i*cols+j])
+				return nil, fmt.Errorf("weight [%d][%d] is %v: only finite weights can be quantized", i, j, w[i*cols+j])
 			}
 			s := max(amax, scaleEps) / MaxE4M3
 			q.Scales[br*ss[1]+bc] = s
