@@ -194,115 +194,139 @@ func TestQuantizeTensorsErrors(t *testing.T) {
 	}
 }
 
-// TestCheckpointBadInput covers every bad-input case of the loader side, on
-// Hub names: each builds a valid expert weight and its scales, breaks one
-// thing, and expects CheckHeader (headers) or ReadWeight (values) to name it.
-func TestCheckpointBadInput(t *testing.T) {
-	const name = "model.layers.3.mlp.experts.5.gate_proj.weight"
-	const rows, cols = 136, 300 // scales [2, 3]
-	good := func() (w, s safetensors.Tensor) {
-		q, err := Quantize(randMatrix(rows, cols, 9), rows, cols, defaultBlock)
-		if err != nil {
-			t.Fatal(err)
-		}
-		s, _ = safetensors.FromFloat32(ScaleName(name), safetensors.F32, []int{2, 3}, q.Scales)
-		return safetensors.Tensor{Name: name, DType: safetensors.F8E4M3, Shape: []int{rows, cols}, Data: q.Codes}, s
+// The loader-side bad-input cases use one routed expert weight of a
+// DeepSeek-V3-style checkpoint, with partial blocks (scales [2, 3]).
+const (
+	badName             = "model.layers.3.mlp.experts.5.gate_proj.weight"
+	badRows, badCols    = 136, 300
+	badScaleRows, badSC = 2, 3
+)
+
+// goodExpert returns a valid FP8 weight and its F32 scales.
+func goodExpert(t *testing.T) (w, s safetensors.Tensor) {
+	t.Helper()
+	q, err := Quantize(randMatrix(badRows, badCols, 9), badRows, badCols, defaultBlock)
+	if err != nil {
+		t.Fatal(err)
 	}
-	scales := func(dt safetensors.DType, shape []int, v ...float32) safetensors.Tensor {
-		s, err := safetensors.FromFloat32(ScaleName(name), dt, shape, v)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s
+	return safetensors.Tensor{Name: badName, DType: safetensors.F8E4M3, Shape: []int{badRows, badCols}, Data: q.Codes},
+		scaleTensor(t, safetensors.F32, []int{badScaleRows, badSC}, q.Scales...)
+}
+
+func scaleTensor(t *testing.T, dt safetensors.DType, shape []int, v ...float32) safetensors.Tensor {
+	t.Helper()
+	s, err := safetensors.FromFloat32(ScaleName(badName), dt, shape, v)
+	if err != nil {
+		t.Fatal(err)
 	}
-	nan, inf := float32(math.NaN()), float32(math.Inf(1))
-	for _, tc := range []struct {
-		name   string
-		tensor func() []safetensors.Tensor
-		header bool // the header check already fails
-		want   string
-	}{
-		{"valid", func() []safetensors.Tensor { w, s := good(); return []safetensors.Tensor{w, s} }, false, ""},
-		{"valid BF16 scales", func() []safetensors.Tensor {
-			w, _ := good()
-			return []safetensors.Tensor{w, scales(safetensors.BF16, []int{2, 3}, 1, 2, 3, 4, 5, 6)}
-		}, false, ""},
-		{"weight missing", func() []safetensors.Tensor { _, s := good(); return []safetensors.Tensor{s} }, true,
-			"tensor " + name + " (F8_E4M3 [136, 300] expected) is missing"},
-		{"scale missing", func() []safetensors.Tensor { w, _ := good(); return []safetensors.Tensor{w} }, true,
-			"tensor " + name + "_scale_inv (F32 [2 3], the block scales of " + name + ") is missing"},
-		{"weight BF16", func() []safetensors.Tensor {
-			_, s := good()
-			w, _ := safetensors.FromFloat32(name, safetensors.BF16, []int{rows, cols}, make([]float32, rows*cols))
-			return []safetensors.Tensor{w, s}
-		}, true, "has dtype BF16; config.json's quantization_config (fp8, e4m3) wants F8_E4M3"},
-		{"weight E5M2", func() []safetensors.Tensor {
-			w, s := good()
-			w.DType = safetensors.F8E5M2
-			return []safetensors.Tensor{w, s}
-		}, true, "has dtype F8_E5M2"},
-		{"weight shape", func() []safetensors.Tensor {
-			w, s := good()
-			w.Shape = []int{cols, rows}
-			return []safetensors.Tensor{w, s}
-		}, true, "has shape [300 136], expected [136, 300]"},
-		{"scale shape", func() []safetensors.Tensor {
-			w, _ := good()
-			return []safetensors.Tensor{w, scales(safetensors.F32, []int{3, 2}, 1, 1, 1, 1, 1, 1)}
-		}, true, "has shape [3 2]; a [136, 300] weight in quantization_config.weight_block_size [128 128] blocks needs [2 3]"},
-		{"scales of 64x64 blocks", func() []safetensors.Tensor {
-			w, _ := good()
-			v := make([]float32, 3*5)
-			for i := range v {
-				v[i] = 1
-			}
-			return []safetensors.Tensor{w, scales(safetensors.F32, []int{3, 5}, v...)}
-		}, true, "(the tensors fit [64, 64] blocks: the checkpoint does not match its config.json)"},
-		{"scale dtype", func() []safetensors.Tensor {
-			w, _ := good()
-			s, _ := safetensors.FromInt32(ScaleName(name), []int{2, 3}, make([]int32, 6))
-			return []safetensors.Tensor{w, s}
-		}, true, "has dtype I32; block scales must be F32, BF16 or F16"},
-		{"NaN scale", func() []safetensors.Tensor {
-			w, _ := good()
-			return []safetensors.Tensor{w, scales(safetensors.F32, []int{2, 3}, 1, 1, 1, 1, nan, 1)}
-		}, false, "tensor " + name + "_scale_inv: scale_inv [1][1] = NaN: block scales must be finite and positive"},
-		{"Inf scale", func() []safetensors.Tensor {
-			w, _ := good()
-			return []safetensors.Tensor{w, scales(safetensors.F32, []int{2, 3}, 1, 1, inf, 1, 1, 1)}
-		}, false, "scale_inv [0][2] = +Inf"},
-		{"zero scale", func() []safetensors.Tensor {
-			w, _ := good()
-			return []safetensors.Tensor{w, scales(safetensors.F32, []int{2, 3}, 1, 0, 1, 1, 1, 1)}
-		}, false, "scale_inv [0][1] = 0"},
-		{"negative scale", func() []safetensors.Tensor {
-			w, _ := good()
-			return []safetensors.Tensor{w, scales(safetensors.F32, []int{2, 3}, 1, 1, 1, 1, 1, -2)}
-		}, false, "scale_inv [1][2] = -2"},
-		{"NaN weight code", func() []safetensors.Tensor {
-			w, s := good()
-			w.Data[7*cols+11] = 0xff
-			return []safetensors.Tensor{w, s}
-		}, false, "tensor " + name + ": element [7][11] is the E4M3 NaN code 0xff"},
-	} {
+	return s
+}
+
+type badInputCase struct {
+	name    string
+	tensors func(t *testing.T) []safetensors.Tensor
+	want    string // "" for valid input
+}
+
+// runBadInput checks each case with CheckHeader and ReadWeight: a valid
+// case passes both; a header case (header true) fails both, a value case
+// only ReadWeight; the errors are one line containing want.
+func runBadInput(t *testing.T, header bool, cases []badInputCase) {
+	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			src := newMemSource(t, tc.tensor())
-			herr := CheckHeader(src, name, rows, cols, HubQuantConfig())
-			_, rerr := ReadWeight(src, name, rows, cols, HubQuantConfig())
+			src := newMemSource(t, tc.tensors(t))
+			herr := CheckHeader(src, badName, badRows, badCols, HubQuantConfig())
+			_, rerr := ReadWeight(src, badName, badRows, badCols, HubQuantConfig())
 			if tc.want == "" {
 				if herr != nil || rerr != nil {
 					t.Fatalf("valid input: CheckHeader: %v; ReadWeight: %v", herr, rerr)
 				}
 				return
 			}
-			if tc.header != (herr != nil) || (herr != nil && !strings.Contains(herr.Error(), tc.want)) {
-				t.Errorf("CheckHeader = %v; want an error: %v, containing %q", herr, tc.header, tc.want)
+			if header != (herr != nil) || (herr != nil && !strings.Contains(herr.Error(), tc.want)) {
+				t.Errorf("CheckHeader = %v; want an error: %v, containing %q", herr, header, tc.want)
 			}
 			if rerr == nil || !strings.Contains(rerr.Error(), tc.want) || strings.Contains(rerr.Error(), "\n") {
 				t.Errorf("ReadWeight error = %v, want one line containing %q", rerr, tc.want)
 			}
 		})
 	}
+}
+
+// TestCheckHeaderBadInput covers the bad inputs the headers show, on Hub
+// names: a missing weight or scale tensor, a weight not F8_E4M3 or of the
+// wrong shape, scales of the wrong dtype or shape (with the block size they
+// fit named).
+func TestCheckHeaderBadInput(t *testing.T) {
+	ones := func(n int) []float32 {
+		v := make([]float32, n)
+		for i := range v {
+			v[i] = 1
+		}
+		return v
+	}
+	runBadInput(t, true, []badInputCase{
+		{"valid", func(t *testing.T) []safetensors.Tensor { w, s := goodExpert(t); return []safetensors.Tensor{w, s} }, ""},
+		{"valid BF16 scales", func(t *testing.T) []safetensors.Tensor {
+			w, _ := goodExpert(t)
+			return []safetensors.Tensor{w, scaleTensor(t, safetensors.BF16, []int{2, 3}, ones(6)...)}
+		}, ""},
+		{"weight missing", func(t *testing.T) []safetensors.Tensor { _, s := goodExpert(t); return []safetensors.Tensor{s} },
+			"tensor " + badName + " (F8_E4M3 [136, 300] expected) is missing"},
+		{"scale missing", func(t *testing.T) []safetensors.Tensor { w, _ := goodExpert(t); return []safetensors.Tensor{w} },
+			"tensor " + badName + "_scale_inv (F32 [2 3], the block scales of " + badName + ") is missing"},
+		{"weight BF16", func(t *testing.T) []safetensors.Tensor {
+			_, s := goodExpert(t)
+			w, _ := safetensors.FromFloat32(badName, safetensors.BF16, []int{badRows, badCols}, make([]float32, badRows*badCols))
+			return []safetensors.Tensor{w, s}
+		}, "has dtype BF16; config.json's quantization_config (fp8, e4m3) wants F8_E4M3"},
+		{"weight E5M2", func(t *testing.T) []safetensors.Tensor {
+			w, s := goodExpert(t)
+			w.DType = safetensors.F8E5M2
+			return []safetensors.Tensor{w, s}
+		}, "has dtype F8_E5M2"},
+		{"weight shape", func(t *testing.T) []safetensors.Tensor {
+			w, s := goodExpert(t)
+			w.Shape = []int{badCols, badRows}
+			return []safetensors.Tensor{w, s}
+		}, "has shape [300 136], expected [136, 300]"},
+		{"scale shape", func(t *testing.T) []safetensors.Tensor {
+			w, _ := goodExpert(t)
+			return []safetensors.Tensor{w, scaleTensor(t, safetensors.F32, []int{3, 2}, ones(6)...)}
+		}, "has shape [3 2]; a [136, 300] weight in quantization_config.weight_block_size [128 128] blocks needs [2 3]"},
+		{"scales of 64x64 blocks", func(t *testing.T) []safetensors.Tensor {
+			w, _ := goodExpert(t)
+			return []safetensors.Tensor{w, scaleTensor(t, safetensors.F32, []int{3, 5}, ones(15)...)}
+		}, "(the tensors fit [64, 64] blocks: the checkpoint does not match its config.json)"},
+		{"scale dtype", func(t *testing.T) []safetensors.Tensor {
+			w, _ := goodExpert(t)
+			s, _ := safetensors.FromInt32(ScaleName(badName), []int{2, 3}, make([]int32, 6))
+			return []safetensors.Tensor{w, s}
+		}, "has dtype I32; block scales must be F32, BF16 or F16"},
+	})
+}
+
+// TestReadWeightBadValues covers the bad inputs only the values show: NaN,
+// infinite, zero or negative scales, and a weight holding the E4M3 NaN code.
+func TestReadWeightBadValues(t *testing.T) {
+	withScales := func(v ...float32) func(t *testing.T) []safetensors.Tensor {
+		return func(t *testing.T) []safetensors.Tensor {
+			w, _ := goodExpert(t)
+			return []safetensors.Tensor{w, scaleTensor(t, safetensors.F32, []int{2, 3}, v...)}
+		}
+	}
+	nan, inf := float32(math.NaN()), float32(math.Inf(1))
+	runBadInput(t, false, []badInputCase{
+		{"NaN scale", withScales(1, 1, 1, 1, nan, 1), "tensor " + badName + "_scale_inv: scale_inv [1][1] = NaN: block scales must be finite and positive"},
+		{"Inf scale", withScales(1, 1, inf, 1, 1, 1), "scale_inv [0][2] = +Inf"},
+		{"zero scale", withScales(1, 0, 1, 1, 1, 1), "scale_inv [0][1] = 0"},
+		{"negative scale", withScales(1, 1, 1, 1, 1, -2), "scale_inv [1][2] = -2"},
+		{"NaN weight code", func(t *testing.T) []safetensors.Tensor {
+			w, s := goodExpert(t)
+			w.Data[7*badCols+11] = 0xff
+			return []safetensors.Tensor{w, s}
+		}, "tensor " + badName + ": element [7][11] is the E4M3 NaN code 0xff"},
+	})
 }
 
 // TestWriteCheckpoint writes a layer to disk and reads it back as moe's
