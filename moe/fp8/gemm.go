@@ -92,7 +92,7 @@ func GemmW8A8(y []float32, x *Activations, w *Weight) error {
 			for b, s := range scales {
 				var p float32
 				for k := b * B1; k < min((b+1)*B1, K); k++ {
-					p += e4m3Table[xr[k]] * e4m3Table[codes[k]]
+					p += float32(e4m3Table[xr[k]] * e4m3Table[codes[k]])
 				}
 				acc += float32(float32(p*xs[b]) * s)
 			}
