@@ -10,7 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/internal/benchkit"
+	"github.com/gpuctx/gpuctx/bench"
 )
 
 func init() { register(newGemmCmd) }
@@ -247,8 +247,8 @@ func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 			return err
 		}
 		for range sets {
-			ha := benchkit.Encode(benchkit.RandVec(r, o.m*o.k), t)
-			hb := benchkit.Encode(benchkit.RandVec(r, o.k*o.n), t)
+			ha := bench.Encode(bench.RandVec(r, o.m*o.k), t)
+			hb := bench.Encode(bench.RandVec(r, o.k*o.n), t)
 			var g gemmSet
 			if g.a, err = alloc(aBytes, ha); err != nil {
 				return err
@@ -305,7 +305,7 @@ func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 	var totals []float64
 	per := make([][]float64, o.streams)
 	for range o.repeats {
-		all, each, err := benchkit.TimeRound(dev, streams, func(s int) error { return issue(s, o.iters) })
+		all, each, err := bench.TimeRound(dev, streams, func(s int) error { return issue(s, o.iters) })
 		if err != nil {
 			return err
 		}
@@ -324,7 +324,7 @@ func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 		for s, st := range streams {
 			tr.tr.NameStream(st, fmt.Sprintf("stream %d (Context view %d)", s, s))
 		}
-		if _, _, err := benchkit.TimeRound(dev, streams, func(s int) error { return issue(s, o.iters) }); err != nil {
+		if _, _, err := bench.TimeRound(dev, streams, func(s int) error { return issue(s, o.iters) }); err != nil {
 			tr.pause()
 			return err
 		}
@@ -335,11 +335,11 @@ func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 	rep := gemmReport{Backend: dev.Backend(), Device: dev.Info().Name, M: o.m, N: o.n, K: o.k, DType: o.dtype,
 		Streams: o.streams, Iters: o.iters, Policy: o.policy, Path: map[bool]string{false: "blas", true: "blasLt"}[o.lt],
 		ScaledDown: note != "", Note: note}
-	medAll := benchkit.Median(totals)
+	medAll := bench.Median(totals)
 	rep.TFLOPS = flop * float64(o.streams) / medAll / 1e12
 	rep.MedianUS = medAll / float64(o.iters) * 1e6
 	for s := range per {
-		rep.PerStream = append(rep.PerStream, flop/benchkit.Median(per[s])/1e12)
+		rep.PerStream = append(rep.PerStream, flop/bench.Median(per[s])/1e12)
 	}
 	if o.check {
 		if rep.MaxRelErr, rep.Checked, err = checkGemm(r, o, t, data); err != nil {
@@ -391,11 +391,11 @@ func checkGemm(r *rand.Rand, o gemmOpts, t gpuctx.DType, data [][]gemmSet) (floa
 				i, j := r.IntN(o.m), r.IntN(o.n)
 				var want, scale float64
 				for p := range o.k {
-					x := benchkit.Decode(g.hostA, i*o.k+p, t) * benchkit.Decode(g.hB, p*o.n+j, t)
+					x := bench.Decode(g.hostA, i*o.k+p, t) * bench.Decode(g.hB, p*o.n+j, t)
 					want += x
 					scale += math.Abs(x)
 				}
-				got := benchkit.Decode(hc, i*o.n+j, t)
+				got := bench.Decode(hc, i*o.n+j, t)
 				// Error relative to the sum of |terms| (the dot product's condition).
 				e := math.Abs(got-want) / max(scale, 1e-30)
 				if math.IsNaN(got) {

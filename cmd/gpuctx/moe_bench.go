@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -22,7 +21,7 @@ import (
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/internal/atomicfile"
-	"github.com/gpuctx/gpuctx/internal/benchkit"
+	"github.com/gpuctx/gpuctx/bench"
 	"github.com/gpuctx/gpuctx/internal/sysmem"
 	"github.com/gpuctx/gpuctx/moe"
 )
@@ -367,17 +366,8 @@ func stderrIsTerminal(w io.Writer) bool {
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
 
-// benchErr turns a benchkit failure into the CLI's (same message and advice).
-func benchErr(err error) error {
-	var be *benchkit.Error
-	if errors.As(err, &be) {
-		return fail(be.What, be.Fix, be.Err)
-	}
-	return err
-}
-
 // batchFLOPs is the arithmetic of one forward of T tokens.
-func batchFLOPs(c *moe.Config, T int) float64 { return benchkit.BatchFLOPs(c, T) }
+func batchFLOPs(c *moe.Config, T int) float64 { return bench.BatchFLOPs(c, T) }
 
 func (a *app) runMoeBench(cmd *cobra.Command, o moeBenchOpts) error {
 	changed := cmd.Flags().Changed
@@ -586,12 +576,12 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 	if cpu {
 		rep.CopyBytes, rep.GemmN, gemmPerRound = copyBytesCPU, gemmNCPU, 1
 	}
-	if rep.CopyBW, err = benchkit.CopyBandwidth(dev, rep.CopyBytes, max(rep.Iters, 5)); err != nil {
-		return nil, benchErr(err)
+	if rep.CopyBW, err = bench.CopyBandwidth(dev, rep.CopyBytes, max(rep.Iters, 5)); err != nil {
+		return nil, err
 	}
 	step("copy ceiling")
-	if rep.GemmRate, err = benchkit.GemmRate(dev, rep.GemmN, dt, gemmPerRound, min(max(rep.Iters, 3), 10)); err != nil {
-		return nil, benchErr(err)
+	if rep.GemmRate, err = bench.GemmRate(dev, rep.GemmN, dt, gemmPerRound, min(max(rep.Iters, 3), 10)); err != nil {
+		return nil, err
 	}
 	step("GEMM ceiling")
 
@@ -600,7 +590,7 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 		return nil, fail("building the MoE layer on the device", "try fewer experts (another preset) or --dtype bf16", err)
 	}
 	defer l.Close()
-	timer, err := benchkit.NewTimer(dev, l.MainStream())
+	timer, err := bench.NewTimer(dev, l.MainStream())
 	if err != nil {
 		return nil, fail("creating timing events", "", err)
 	}
@@ -631,7 +621,7 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, cfg *moe.Confi
 		if err != nil {
 			return nil, err
 		}
-		f := benchkit.NewFloor(row.WeightBytes, row.FLOPs, rep.CopyBW, rep.GemmRate)
+		f := bench.NewFloor(row.WeightBytes, row.FLOPs, rep.CopyBW, rep.GemmRate)
 		row.BytesFloorUS, row.ComputeFloorUS, row.FloorUS, row.Bound = f.BytesUS, f.ComputeUS, f.US, f.Bound
 		row.PctOfFloor = 100 * row.FloorUS / row.MedianUS[row.Best]
 		rep.Rows = append(rep.Rows, row)
@@ -656,12 +646,12 @@ func boolInt(b bool) int {
 }
 
 // benchTokens times every variant for T tokens on fresh random inputs.
-func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *benchkit.Timer, cfg *moe.Config, dt gpuctx.DType,
+func (a *app) benchTokens(l *moe.Layer, dev *gpuctx.Device, timer *bench.Timer, cfg *moe.Config, dt gpuctx.DType,
 	modes []moe.Mode, T int, seed uint64, iters, warmup int, step func(string), tr *traceRun) (benchRow, error) {
 	H := cfg.HiddenSize
 	row := benchRow{Tokens: T, MedianUS: map[string]float64{}}
 	r := rand.New(rand.NewPCG(seed, uint64(T)+1000))
-	host := benchkit.Encode(benchkit.RandVec(r, T*H), dt)
+	host := bench.Encode(bench.RandVec(r, T*H), dt)
 	x, err := dev.Alloc(len(host))
 	if err != nil {
 		return row, fail(fmt.Sprintf("allocating the input for %d tokens", T), "use fewer --tokens", err)

@@ -12,7 +12,7 @@ import (
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/backend/cpu"
-	"github.com/gpuctx/gpuctx/internal/benchkit"
+	"github.com/gpuctx/gpuctx/bench"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
@@ -430,15 +430,15 @@ func TestPlotRangesAndTicks(t *testing.T) {
 
 func TestFloorModel(t *testing.T) {
 	// 1 MB at 1e12 B/s = 1 µs; 1e9 FLOP at 1e15 FLOP/s = 1 µs
-	f := benchkit.NewFloor(2e6, 1e9, 1e12, 1e15)
+	f := bench.NewFloor(2e6, 1e9, 1e12, 1e15)
 	if f.BytesUS != 2 || f.ComputeUS != 1 || f.US != 2 || f.Bound != "bytes" {
 		t.Errorf("bytes-bound floor %+v", f)
 	}
-	f = benchkit.NewFloor(1e6, 3e9, 1e12, 1e15)
+	f = bench.NewFloor(1e6, 3e9, 1e12, 1e15)
 	if f.US != 3 || f.Bound != "compute" {
 		t.Errorf("compute-bound floor %+v", f)
 	}
-	if m := benchkit.Median([]float64{3, 1, 2, 10}); m != 3 {
+	if m := bench.Median([]float64{3, 1, 2, 10}); m != 3 {
 		t.Errorf("median %v, want the upper median 3", m)
 	}
 }
