@@ -1,4 +1,4 @@
-package main
+package bench
 
 import (
 	"bufio"
@@ -12,7 +12,6 @@ import (
 	"os"
 	"os/exec"
 	"sort"
-	"strconv"
 	"strings"
 	"sync"
 )
@@ -21,26 +20,34 @@ import (
 // (bench/peers/triton_fused_moe.py; torch + triton, CUDA only). It prints
 // progress lines and one JSON object per token count on stdout, and a last
 // line "PASS: ..." or "FAIL: ..."; it exits non-zero when a token count
-// failed its check.
+// failed its check. It draws its weights from N(0, 0.02²) (moe.InitNormal),
+// rotates --sets weight and input sets, and runs vLLM's tuned tile table
+// where vLLM ships one for the shape (its "graph tuned" mode).
 const (
-	peerName          = "vLLM Triton fused MoE"
-	peerDefaultScript = "bench/peers/triton_fused_moe.py"
+	PeerName          = "vLLM Triton fused MoE"
+	PeerDefaultScript = "bench/peers/triton_fused_moe.py"
 )
 
-// peerPresets maps gpuctx preset names to the peer's --preset names.
-var peerPresets = map[string]string{
+// PeerPresets maps gpuctx preset names to the peer's --preset names.
+var PeerPresets = map[string]string{
 	"deepseek-v2-lite": "deepseek-v2-lite",
 	"qwen1.5-moe":      "qwen1.5-moe",
 	"qwen3-30b-a3b":    "qwen3-30b-a3b",
 	"deepseek-v3":      "deepseek-v3",
 }
 
-// allowPeerOnCPU lets tests run a fake peer on the CPU backend; the real peer
-// needs CUDA.
-var allowPeerOnCPU = false
+// PeerSets is the number of weight sets the peer rotates by default for a
+// preset (3; 2 for deepseek-v3, whose set is 22.5 GB); a fair comparison
+// rotates as many in gpuctx.
+func PeerSets(preset string) int {
+	if preset == "deepseek-v3" {
+		return 2
+	}
+	return 3
+}
 
-// peerReport describes the peer run of a bench (nil: no --peer).
-type peerReport struct {
+// PeerReport describes the peer runs of a bench (nil: no peer).
+type PeerReport struct {
 	Name       string   `json:"name"`
 	Script     string   `json:"script"`
 	Python     string   `json:"python"`
@@ -48,16 +55,18 @@ type peerReport struct {
 	Command    string   `json:"command"`
 	OK         bool     `json:"ok"`
 	Error      string   `json:"error,omitempty"`
-	MinSpeedup *float64 `json:"min_speedup,omitempty"` // over token counts, peer best / gpuctx best
+	Runs       int      `json:"runs"`                  // peer invocations (one per round while it passes)
+	MinSpeedup *float64 `json:"min_speedup,omitempty"` // over token counts, of the median per token count
 	MaxSpeedup *float64 `json:"max_speedup,omitempty"`
 }
 
-// peerRow is what the bench keeps of one of the peer's JSON lines.
-type peerRow struct {
-	Tokens int
-	OK     bool
-	US     map[string]float64 // per mode (see peerModeName)
-	Errors []string
+// PeerRow is what the bench keeps of one of the peer's JSON lines.
+type PeerRow struct {
+	Tokens        int
+	OK            bool
+	US            map[string]float64 // per mode (see peerModeName)
+	ActiveExperts *float64           // distinct experts its batches touched, mean over its sets
+	Errors        []string
 }
 
 // peerModeName names the peer's timing field f ("graph_dual_us"): eager,
@@ -81,17 +90,18 @@ func peerModeName(f string) string {
 // parsePeerLine parses one JSON line of the peer. A timing of another tile
 // config (graph_tuned_us) counts only if that config passed its check
 // (ok_tuned is not false); null timings are left out.
-func parsePeerLine(line []byte) (peerRow, error) {
+func parsePeerLine(line []byte) (PeerRow, error) {
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(line, &m); err != nil {
-		return peerRow{}, err
+		return PeerRow{}, err
 	}
-	var r peerRow
+	var r PeerRow
 	if err := json.Unmarshal(m["tokens"], &r.Tokens); err != nil || r.Tokens < 1 {
-		return peerRow{}, fmt.Errorf("no token count in %.80s", line)
+		return PeerRow{}, fmt.Errorf("no token count in %.80s", line)
 	}
 	_ = json.Unmarshal(m["ok"], &r.OK)
 	_ = json.Unmarshal(m["errors"], &r.Errors)
+	_ = json.Unmarshal(m["active_experts"], &r.ActiveExperts)
 	r.US = map[string]float64{}
 	for k, raw := range m {
 		name := peerModeName(k)
@@ -114,7 +124,7 @@ func parsePeerLine(line []byte) (peerRow, error) {
 }
 
 // best returns the fastest mode of r.
-func (r peerRow) best() (string, float64, bool) {
+func (r PeerRow) best() (string, float64, bool) {
 	names := make([]string, 0, len(r.US))
 	for k := range r.US {
 		names = append(names, k)
@@ -131,7 +141,7 @@ func (r peerRow) best() (string, float64, bool) {
 
 // peerOutput is what readPeerOutput found on the peer's stdout.
 type peerOutput struct {
-	rows    map[int]peerRow
+	rows    map[int]PeerRow
 	verdict string   // the last "PASS: ..." or "FAIL: ..." line
 	fails   []string // every line starting with FAIL
 }
@@ -140,7 +150,7 @@ type peerOutput struct {
 // parsed, every other line is copied to progress with a "peer: " prefix as it
 // comes.
 func readPeerOutput(r io.Reader, progress io.Writer) (peerOutput, error) {
-	out := peerOutput{rows: map[int]peerRow{}}
+	out := peerOutput{rows: map[int]PeerRow{}}
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 16<<20)
 	for sc.Scan() {
@@ -165,22 +175,11 @@ func readPeerOutput(r io.Reader, progress io.Writer) (peerOutput, error) {
 	return out, sc.Err()
 }
 
-// peerArgs is the peer's command line for a bench of tokens with the same
-// iteration and warm-up counts.
-func peerArgs(script, preset string, tokens []int, iters, warmup int) []string {
-	ts := make([]string, len(tokens))
-	for i, t := range tokens {
-		ts[i] = strconv.Itoa(t)
-	}
-	return []string{script, "--preset", preset, "--tokens", strings.Join(ts, ","),
-		"--iters", strconv.Itoa(iters), "--warmup", strconv.Itoa(warmup)}
-}
-
 // runPeer runs the peer script with python, its stderr streamed to errOut and
 // its stdout's progress lines copied there too, and returns its rows. err says
 // why the peer failed: python or the script missing, a non-zero exit, a FAIL
 // verdict, a token count without a passing row; rows holds whatever passed.
-func runPeer(ctx context.Context, python string, args []string, tokens []int, errOut io.Writer) (map[int]peerRow, error) {
+func runPeer(ctx context.Context, python string, args []string, tokens []int, errOut io.Writer) (map[int]PeerRow, error) {
 	exe, err := exec.LookPath(python)
 	if err != nil {
 		return nil, fmt.Errorf("--peer-python %s: %w", python, err)
@@ -203,7 +202,7 @@ func runPeer(ctx context.Context, python string, args []string, tokens []int, er
 		_, _ = io.Copy(io.Discard, stdout)
 	}
 	werr := cmd.Wait()
-	rows := map[int]peerRow{}
+	rows := map[int]PeerRow{}
 	var bad []string
 	for _, T := range tokens {
 		r, ok := out.rows[T]
@@ -256,61 +255,4 @@ func (l *lockedWriter) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.w.Write(p)
-}
-
-// applyPeer adds the peer's columns to the rows of rep and the speedup range
-// to rep.Peer: per row the peer's timings, its best mode and peer best /
-// gpuctx best (>1: gpuctx faster).
-func (rep *moeBenchReport) applyPeer(rows map[int]peerRow) {
-	lo, hi := math.Inf(1), math.Inf(-1)
-	for i := range rep.Rows {
-		row := &rep.Rows[i]
-		p, ok := rows[row.Tokens]
-		if !ok {
-			continue
-		}
-		mode, us, ok := p.best()
-		if !ok {
-			continue
-		}
-		row.PeerUS = p.US
-		row.PeerBestUS, row.PeerBestMode = &us, mode
-		if ours := row.MedianUS[row.Best]; ours > 0 {
-			s := us / ours
-			row.SpeedupVsPeer = &s
-			lo, hi = min(lo, s), max(hi, s)
-		}
-	}
-	if lo <= hi {
-		rep.Peer.MinSpeedup, rep.Peer.MaxSpeedup = &lo, &hi
-	}
-}
-
-// fmtSpeedup formats a speed ratio: "1.23x".
-func fmtSpeedup(s float64) string { return fmt.Sprintf("%.2fx", s) }
-
-// peerSummary is the one-line summary of the speed against the peer.
-func (rep *moeBenchReport) peerSummary() string {
-	p := rep.Peer
-	if p == nil {
-		return ""
-	}
-	n := 0
-	for _, r := range rep.Rows {
-		if r.SpeedupVsPeer != nil {
-			n++
-		}
-	}
-	var s string
-	switch {
-	case p.MinSpeedup == nil:
-		s = fmt.Sprintf("speed vs peer (%s, preset %s): no token count to compare", p.Name, p.Preset)
-	default:
-		s = fmt.Sprintf("speed vs peer (%s, preset %s): %s to %s over %d of %d token counts (peer best / gpuctx best; >1 = gpuctx faster)",
-			p.Name, p.Preset, fmtSpeedup(*p.MinSpeedup), fmtSpeedup(*p.MaxSpeedup), n, len(rep.Rows))
-	}
-	if !p.OK {
-		s += "; the peer FAILED: " + p.Error
-	}
-	return s
 }
