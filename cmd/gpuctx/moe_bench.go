@@ -192,13 +192,6 @@ func gib(b float64) string                         { return bench.GiB(b) }
 // batchFLOPs is the arithmetic of one forward of T tokens.
 func batchFLOPs(c *moe.Config, T int) float64 { return bench.BatchFLOPs(c, T) }
 
-func boolInt(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
-}
-
 // buildCommit, when set at link time (-ldflags "-X main.buildCommit=REV"),
 // is the commit moe bench reports; binaries built with -buildvcs=false (the
 // default GOFLAGS here) carry no VCS information otherwise.
