@@ -262,6 +262,17 @@ func (b *MoEBench) routing(l *moe.Layer, r *tokenRun) error {
 	return nil
 }
 
+// warmup is the number of untimed forwards before a timing: Warmup, and with
+// several sets at least two per set, so that each layer's first forwards of a
+// shape (tile tuning, Auto's choice, the graph capture on the second run) are
+// never timed.
+func (b *MoEBench) warmup() int {
+	if len(b.layers) == 1 {
+		return b.o.Warmup
+	}
+	return max(b.o.Warmup, 2*len(b.layers))
+}
+
 // forward runs the next set's forward of r in mode m (part p).
 func (b *MoEBench) forward(r *tokenRun, m moe.Mode, p moe.Part) error {
 	s := r.next
@@ -273,7 +284,7 @@ func (b *MoEBench) forward(r *tokenRun, m moe.Mode, p moe.Part) error {
 // microseconds.
 func (b *MoEBench) variant(r *tokenRun, name string, m moe.Mode, p moe.Part) (float64, error) {
 	r.next = 0
-	sec, err := b.timer.Median(b.o.Warmup, b.o.Iters, func() error { return b.forward(r, m, p) })
+	sec, err := b.timer.Median(b.warmup(), b.o.Iters, func() error { return b.forward(r, m, p) })
 	if err != nil {
 		return 0, Fail(fmt.Sprintf("timing %s for %d tokens", name, r.T), "check 'gpuctx info'; try --backend cpu to compare", err)
 	}
@@ -324,17 +335,10 @@ func (b *MoEBench) tokens(T int, first bool) (MoERow, error) {
 }
 
 // check compares the output each set's layer last wrote in mode m (its last
-// timed forward; a set no timed forward reached is run once more) with the
+// timed forward: warm-up and timed forwards together reach every set) with the
 // set's single-stream reference, and fails when they differ by more than
 // CheckTol (relative, Frobenius), or when either is not finite.
 func (b *MoEBench) check(r *tokenRun, m moe.Mode) (float64, error) {
-	if b.o.Warmup+b.o.Iters < len(b.layers) {
-		for range len(b.layers) - b.o.Warmup - b.o.Iters {
-			if err := b.forward(r, m, moe.Whole); err != nil {
-				return 0, Fail(fmt.Sprintf("the %s forward of %d tokens", m, r.T), "", err)
-			}
-		}
-	}
 	if err := b.main.Synchronize(); err != nil {
 		return 0, err
 	}
