@@ -491,7 +491,7 @@ func (a *app) benchWeights(dev *gpuctx.Device, o *moeBenchOpts, p *moeBenchPlan,
 			return nil, nil, err
 		}
 		rep.Model, rep.Layer = o.model, &layer
-		if cpu {
+		if cpu && largerThanCPUShape(cfg) {
 			fmt.Fprintf(a.errOut, "moe bench: warning: the checkpoint's layer runs at its full size (H=%d, E=%d, I=%d) on the CPU backend: expect minutes per token count\n", cfg.HiddenSize, cfg.NumExperts, cfg.Intermediate)
 		}
 		return cfg, func(int) (*moe.Weights, error) { return w, nil }, nil
@@ -513,7 +513,7 @@ func (a *app) benchWeights(dev *gpuctx.Device, o *moeBenchOpts, p *moeBenchPlan,
 	if err != nil {
 		return nil, nil, err
 	}
-	if cpu && o.fullSize {
+	if cpu && o.fullSize && largerThanCPUShape(cfg) {
 		fmt.Fprintf(a.errOut, "moe bench: warning: preset %s runs at its full size on the CPU backend (--full-size): expect minutes per token count\n", o.preset)
 	}
 	if note != "" {
@@ -526,6 +526,13 @@ func (a *app) benchWeights(dev *gpuctx.Device, o *moeBenchOpts, p *moeBenchPlan,
 		}
 		return w, nil
 	}, nil
+}
+
+// largerThanCPUShape reports whether cfg has more weights than the shape the
+// CPU backend scales presets down to (such a layer takes minutes there).
+func largerThanCPUShape(cfg *moe.Config) bool {
+	small, err := scaleDown(cfg)
+	return err != nil || layerElems(cfg) > layerElems(small)
 }
 
 // benchTracer records moe bench's traced forwards into a --trace run.

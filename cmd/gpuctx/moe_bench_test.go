@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe"
 )
 
 // onlyProgress fails unless every line of stderr is a progress line or a
@@ -88,5 +89,44 @@ func TestMoeBenchFlagFailures(t *testing.T) {
 			code, stdout, stderr := execute(t, append([]string{"moe", "bench", "--tokens", "1", "--iters", "1"}, c.args...)...)
 			wantOneLineFailure(t, code, stdout, stderr, c.want)
 		})
+	}
+}
+
+func TestLargerThanCPUShape(t *testing.T) {
+	tiny, err := moe.LoadConfig(fixture)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name string
+		cfg  *moe.Config
+		want bool
+	}{
+		{"fixture checkpoint (H=64)", tiny, false},
+	}
+	for _, p := range moe.PresetNames() {
+		cfg, err := moe.Preset(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cases = append(cases, struct {
+			name string
+			cfg  *moe.Config
+			want bool
+		}{"preset " + p, cfg, true})
+		small, err := scaleDown(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cases = append(cases, struct {
+			name string
+			cfg  *moe.Config
+			want bool
+		}{"preset " + p + " scaled down", small, false})
+	}
+	for _, c := range cases {
+		if got := largerThanCPUShape(c.cfg); got != c.want {
+			t.Errorf("%s: %v, want %v", c.name, got, c.want)
+		}
 	}
 }

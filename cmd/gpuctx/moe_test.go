@@ -342,8 +342,8 @@ func TestParseTokens(t *testing.T) {
 func TestMoeBenchModel(t *testing.T) {
 	t.Setenv(gpuctx.BackendEnv, "cpu")
 	code, stdout, stderr := execute(t, "moe", "bench", "--model", fixture, "--tokens", "2", "--iters", "1", "--warmup", "0", "--dtype", "f32", "--json")
-	if code != 0 || !strings.Contains(stderr, "moe bench: warning: the checkpoint's layer runs at its full size") {
-		t.Fatalf("exit code %d, no full-size warning on stderr %q", code, stderr)
+	if code != 0 || strings.Contains(stderr, "warning") {
+		t.Fatalf("exit code %d, stderr %q (a layer smaller than the CPU shape is no full-size warning)", code, stderr)
 	}
 	onlyProgress(t, "moe bench", stderr)
 	var rep moeBenchReport
