@@ -69,6 +69,7 @@ type MoEBench struct {
 	timer            *Timer
 	CopyBW, GemmRate float64
 	passes           [][]MoERow
+	prefix           string // of the progress steps ("round 2: ")
 }
 
 // NewMoEBench measures the two ceilings and builds a Layer per weight set;
@@ -288,7 +289,7 @@ func (b *MoEBench) variant(r *tokenRun, name string, m moe.Mode, p moe.Part) (fl
 	if err != nil {
 		return 0, Fail(fmt.Sprintf("timing %s for %d tokens", name, r.T), "check 'gpuctx info'; try --backend cpu to compare", err)
 	}
-	b.o.Progress.Step(fmt.Sprintf("T=%d %s", r.T, name))
+	b.o.Progress.Step(fmt.Sprintf("%sT=%d %s", b.prefix, r.T, name))
 	return sec * 1e6, nil
 }
 
@@ -304,7 +305,7 @@ func (b *MoEBench) tokens(T int, first bool) (MoERow, error) {
 	defer r.free()
 	n := len(b.layers)
 	row.WeightBytes, row.ActiveExperts = r.bytesTotal/int64(n), float64(r.experts)/float64(n)
-	b.o.Progress.Step(fmt.Sprintf("T=%d reference", T))
+	b.o.Progress.Step(fmt.Sprintf("%sT=%d reference", b.prefix, T))
 	for _, m := range b.o.Modes {
 		us, err := b.variant(r, m.String(), m, moe.Whole)
 		if err != nil {

@@ -144,6 +144,7 @@ type peerOutput struct {
 	rows    map[int]PeerRow
 	verdict string   // the last "PASS: ..." or "FAIL: ..." line
 	fails   []string // every line starting with FAIL
+	sets    int      // the weight sets it rotated ("weights: N set(s) ..."), 0: not said
 }
 
 // readPeerOutput reads the peer's stdout: JSON lines (starting with '{') are
@@ -165,6 +166,10 @@ func readPeerOutput(r io.Reader, progress io.Writer) (peerOutput, error) {
 		}
 		s := string(line)
 		fmt.Fprintf(progress, "peer: %s\n", s)
+		var n int
+		if _, err := fmt.Sscanf(s, "weights: %d set(s)", &n); err == nil {
+			out.sets = n
+		}
 		if strings.HasPrefix(s, "PASS") || strings.HasPrefix(s, "FAIL: ") {
 			out.verdict = s
 		}
@@ -176,13 +181,14 @@ func readPeerOutput(r io.Reader, progress io.Writer) (peerOutput, error) {
 }
 
 // runPeer runs the peer script with python, its stderr streamed to errOut and
-// its stdout's progress lines copied there too, and returns its rows. err says
-// why the peer failed: python or the script missing, a non-zero exit, a FAIL
+// its stdout's progress lines copied there too, and returns its rows and the
+// number of weight sets it said it rotated (0: it did not say). err says why
+// the peer failed: python or the script missing, a non-zero exit, a FAIL
 // verdict, a token count without a passing row; rows holds whatever passed.
-func runPeer(ctx context.Context, python string, args []string, tokens []int, errOut io.Writer) (map[int]PeerRow, error) {
+func runPeer(ctx context.Context, python string, args []string, tokens []int, errOut io.Writer) (map[int]PeerRow, int, error) {
 	exe, err := exec.LookPath(python)
 	if err != nil {
-		return nil, fmt.Errorf("--peer-python %s: %w", python, err)
+		return nil, 0, fmt.Errorf("--peer-python %s: %w", python, err)
 	}
 	// the peer's stderr (copied by exec's goroutine) and its progress lines
 	// (copied here) go to the same writer
@@ -192,16 +198,24 @@ func runPeer(ctx context.Context, python string, args []string, tokens []int, er
 	cmd.Stderr = errOut
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("starting %s: %w", python, err)
+		return nil, 0, fmt.Errorf("starting %s: %w", python, err)
 	}
 	out, rerr := readPeerOutput(stdout, errOut)
 	if rerr != nil {
 		_, _ = io.Copy(io.Discard, stdout)
 	}
 	werr := cmd.Wait()
+	rows, err := judgePeer(out, tokens, werr, rerr)
+	return rows, out.sets, err
+}
+
+// judgePeer returns the passing rows of out for tokens, and an error that
+// says why the peer failed (exit status, unreadable output, its FAIL lines,
+// else the token counts without a passing row), or nil.
+func judgePeer(out peerOutput, tokens []int, werr, rerr error) (map[int]PeerRow, error) {
 	rows := map[int]PeerRow{}
 	var bad []string
 	for _, T := range tokens {

@@ -34,8 +34,9 @@ func (p *PeerSpec) Command(tokens []int, iters, warmup int) string {
 	return p.Python + " " + strings.Join(p.Args(tokens, iters, warmup), " ")
 }
 
-// Run runs the peer once and returns its passing rows (see runPeer).
-func (p *PeerSpec) Run(ctx context.Context, tokens []int, iters, warmup int) (map[int]PeerRow, error) {
+// Run runs the peer once and returns its passing rows and the number of
+// weight sets it rotated (see runPeer).
+func (p *PeerSpec) Run(ctx context.Context, tokens []int, iters, warmup int) (map[int]PeerRow, int, error) {
 	return runPeer(ctx, p.Python, p.Args(tokens, iters, warmup), tokens, p.ErrOut)
 }
 
@@ -52,8 +53,11 @@ func (b *MoEBench) RunRounds(ctx context.Context, peer *PeerSpec, rounds int, re
 			return
 		}
 		fmt.Fprintf(peer.ErrOut, "moe bench: round %d of %d: running the peer: %s\n", r+1, rounds, peer.Command(b.o.Tokens, b.o.Iters, b.o.Warmup))
-		rows, perr := peer.Run(ctx, b.o.Tokens, b.o.Iters, b.o.Warmup)
+		rows, sets, perr := peer.Run(ctx, b.o.Tokens, b.o.Iters, b.o.Warmup)
 		runs = append(runs, rows)
+		if sets > 0 && sets != len(b.layers) {
+			rep.Notes = append(rep.Notes, fmt.Sprintf("round %d: the peer rotated %d weight set(s), gpuctx %d (the peer drops sets that do not fit in 60%% of its free device memory)", r+1, sets, len(b.layers)))
+		}
 		if perr != nil {
 			peerErr = perr
 		}
@@ -62,6 +66,10 @@ func (b *MoEBench) RunRounds(ctx context.Context, peer *PeerSpec, rounds int, re
 	for r := range rounds {
 		if r%2 == 1 {
 			runPeer(r)
+		}
+		b.prefix = ""
+		if rounds > 1 {
+			b.prefix = fmt.Sprintf("round %d: ", r+1)
 		}
 		if _, err := b.Pass(); err != nil {
 			return peerErr, err

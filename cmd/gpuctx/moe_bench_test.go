@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -58,6 +59,9 @@ func TestMoeBenchRounds(t *testing.T) {
 	if rep.Rounds != 3 || rep.Sets != 2 || rep.WeightDist != "normal" || rep.Peer == nil || rep.Peer.Runs != 3 {
 		t.Fatalf("report: rounds %d sets %d dist %q peer %+v", rep.Rounds, rep.Sets, rep.WeightDist, rep.Peer)
 	}
+	if r := rep.Rows[0]; r.PeerActiveExperts == nil || *r.PeerActiveExperts != 5.5 {
+		t.Errorf("T=1: the peer's active experts %v, want 5.5", r.PeerActiveExperts)
+	}
 	for _, r := range rep.Rows {
 		if len(r.RoundSpeedups) != 3 || r.SpeedupMin == nil || r.SpeedupMax == nil || *r.SpeedupMin > *r.SpeedupVsPeer || *r.SpeedupVsPeer > *r.SpeedupMax {
 			t.Errorf("T=%d: ratios %v, min/median/max %v %v %v", r.Tokens, r.RoundSpeedups, r.SpeedupMin, r.SpeedupVsPeer, r.SpeedupMax)
@@ -65,6 +69,9 @@ func TestMoeBenchRounds(t *testing.T) {
 		if len(r.CheckRelErr) != 2 || r.ActiveExperts <= 0 {
 			t.Errorf("T=%d: check %v, experts %v", r.Tokens, r.CheckRelErr, r.ActiveExperts)
 		}
+	}
+	if !slices.Contains(rep.Notes, "round 1: the peer rotated 1 weight set(s), gpuctx 2 (the peer drops sets that do not fit in 60% of its free device memory)") {
+		t.Errorf("no note that the peer rotated fewer sets: %q", rep.Notes)
 	}
 	if md := markdown(&rep); !strings.Contains(md, "3 run(s) alternating") || !strings.Contains(md, "rotating over 2 weight and input set(s)") ||
 		!strings.Contains(md, "N(0, 0.02²)") || !strings.Contains(md, ") |") {
