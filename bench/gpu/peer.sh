@@ -11,7 +11,8 @@
 # machine, from the checkout root, with .gpu carried:  bash bench/gpu/peer.sh
 # Environment: PRESETS (default the three; one per device call keeps a call
 # under 10 minutes), ROUNDS (3), TOKENS (a --tokens list; default the CLI's),
-# LIMIT (seconds per preset, 590).
+# ITERS (timed forwards per cell, default the CLI's 50; deepseek-v3 fits a
+# 10-minute call with 20), LIMIT (seconds per preset, 590).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t0=$(date +%s)
@@ -20,7 +21,7 @@ for p in ${PRESETS:-deepseek-v2-lite qwen3-30b-a3b deepseek-v3}; do
   modes=single,dual,auto,fused
   [ "$p" = qwen3-30b-a3b ] && modes=single,auto   # no shared expert: dual and fused are single
   timeout "${LIMIT:-590}" .gpu/gpuctx moe bench --preset "$p" --mode "$modes" --small-batch -1 --rounds "${ROUNDS:-3}" \
-    ${TOKENS:+--tokens "$TOKENS"} --peer .gpu/peers/triton_fused_moe.py \
+    ${TOKENS:+--tokens "$TOKENS"} ${ITERS:+--iters "$ITERS"} --peer .gpu/peers/triton_fused_moe.py \
     --out "$OUT/moe-$p.md" --plot "$OUT/moe-$p.png" > "$OUT/moe-$p.json.txt" 2> "$OUT/bench-$p.log"
   echo "== $p rc=$? after $(( $(date +%s) - t0 )) s"; table "$OUT/moe-$p.md"
   grep -E "^gpuctx: " "$OUT/bench-$p.log"
