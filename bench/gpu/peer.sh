@@ -22,7 +22,7 @@ for p in ${PRESETS:-deepseek-v2-lite qwen3-30b-a3b deepseek-v3}; do
   [ "$p" = qwen3-30b-a3b ] && modes=single,auto   # no shared expert: dual and fused are single
   timeout "${LIMIT:-590}" .gpu/gpuctx moe bench --preset "$p" --mode "$modes" --small-batch -1 --rounds "${ROUNDS:-3}" \
     ${TOKENS:+--tokens "$TOKENS"} ${ITERS:+--iters "$ITERS"} --peer .gpu/peers/triton_fused_moe.py \
-    --out "$OUT/moe-$p.md" --plot "$OUT/moe-$p.png" > "$OUT/moe-$p.json.txt" 2> "$OUT/bench-$p.log"
+    --out "$OUT/moe-$p.md" --plot "$OUT/moe-$p.png" > /dev/null 2> "$OUT/bench-$p.log"
   echo "== $p rc=$? after $(( $(date +%s) - t0 )) s"; table "$OUT/moe-$p.md"
   grep -E "^gpuctx: " "$OUT/bench-$p.log"
 done
