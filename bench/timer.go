@@ -3,8 +3,9 @@ package bench
 import (
 	"math"
 	"slices"
-	"sync"
 	"time"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/gpuctx/gpuctx"
 )
@@ -96,22 +97,17 @@ func TimeRound(dev *gpuctx.Device, streams []*gpuctx.Stream, work func(s int) er
 			return 0, nil, err
 		}
 	}
-	var wg sync.WaitGroup
-	errs := make([]error, len(streams))
+	var g errgroup.Group
 	for s := range streams {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if errs[s] = work(s); errs[s] == nil {
-				errs[s] = ends[s].Record(streams[s])
+		g.Go(func() error {
+			if err := work(s); err != nil {
+				return err
 			}
-		}()
+			return ends[s].Record(streams[s])
+		})
 	}
-	wg.Wait()
-	for _, e := range errs {
-		if e != nil {
-			return 0, nil, e
-		}
+	if err := g.Wait(); err != nil {
+		return 0, nil, err
 	}
 	var all float64
 	each := make([]float64, len(streams))
