@@ -133,7 +133,7 @@ Progress goes to stderr: a bar on a terminal, else one line per step.`,
 	f.StringVar(&o.modes, "mode", "single,dual", "comma-separated modes to time: single, dual, auto, fused (the shared expert inside the fused kernels)")
 	f.StringVar(&o.dtype, "dtype", "bf16", "layer compute type: bf16 or f32")
 	f.IntVar(&o.iters, "iters", benchIters, fmt.Sprintf("timed forwards per measurement; the median is reported (on the CPU backend %d unless set)", cpuBenchIters))
-	f.IntVar(&o.warmup, "warmup", benchWarmup, fmt.Sprintf("untimed forwards first (on the CPU backend %d unless set)", cpuBenchWarmup))
+	f.IntVar(&o.warmup, "warmup", benchWarmup, fmt.Sprintf("untimed forwards first, at least two per weight set with --sets above 1 (on the CPU backend %d unless set)", cpuBenchWarmup))
 	f.Uint64Var(&o.seed, "seed", 1, "seed of the random weights and inputs")
 	f.StringVar(&o.plot, "plot", "", "write a log-log PNG of latency vs tokens to this file")
 	f.StringVar(&o.out, "out", "", "write the markdown header and table to this file (for bench/RESULTS.md)")
