@@ -100,3 +100,34 @@ func TestMoEBenchRounds(t *testing.T) {
 		})
 	}
 }
+
+// TestMoEBenchCheck: the output check reads every set's timed output (the
+// rotation reaches every set) and fails, naming the set, when one differs
+// from its reference.
+func TestMoEBenchCheck(t *testing.T) {
+	dev, o := smallBench(t)
+	b, err := NewMoEBench(dev, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	r, err := b.newTokenRun(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.free()
+	if _, err := b.variant(r, "single", moe.Single, moe.Whole); err != nil {
+		t.Fatal(err)
+	}
+	if e, err := b.check(r, moe.Single); err != nil || e != 0 {
+		t.Fatalf("single against the single-stream reference: %v, %v (want 0: the same forward)", e, err)
+	}
+	for i := range r.refHost[2] { // set 2's reference replaced
+		r.refHost[2][i] = 0
+	}
+	copy(r.refHost[2], Encode([]float32{1, 2, 3, 4}, gpuctx.BF16))
+	_, err = b.check(r, moe.Single)
+	if err == nil || !strings.Contains(err.Error(), "weight set 2") {
+		t.Fatalf("a wrong output in set 2: err %v", err)
+	}
+}
