@@ -2,15 +2,13 @@ package main
 
 import (
 	"fmt"
-	"math"
-	"math/rand/v2"
+	"io"
 	"strings"
 
-	"github.com/schollz/progressbar/v3"
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/internal/benchkit"
+	"github.com/gpuctx/gpuctx/bench"
 )
 
 func init() { register(newGemmCmd) }
@@ -73,8 +71,8 @@ rotated so that small problems do not sit in L2), random data, warm-up first,
 then the median of --repeats timed rounds of --iters GEMMs per stream, timed
 with device events. It prints the rate for all streams together and for each
 stream (TFLOP/s, or GFLOP/s below 1 TFLOP/s), and checks sampled entries of C
-against a float64 host reference. A progress bar runs on stderr when it is a
-terminal.
+against a float64 host reference. Progress goes to stderr: a bar on a terminal,
+else one line per step.
 
 The default sizes and the examples are GPU sizes. On the CPU backend (no GPU,
 or --backend cpu) gemm caps M, N and K at 512 and, unless they are set, runs 1
@@ -147,11 +145,6 @@ func (o *gemmOpts) types() (gpuctx.DType, gpuctx.Flavour) {
 	return gpuctx.F32, gpuctx.Default
 }
 
-type gemmSet struct {
-	a, b, c   *gpuctx.Buffer
-	hostA, hB []byte
-}
-
 // scaleForCPU shrinks o for the CPU backend (see cpuGemmDim) and returns a
 // note saying what changed, or "" when nothing did.
 func (o *gemmOpts) scaleForCPU(changed func(string) bool) string {
@@ -208,160 +201,67 @@ func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 		note = o.scaleForCPU(cmd.Flags().Changed)
 	}
 	t, flavour := o.types()
-	es := t.Size()
-	aBytes, bBytes, cBytes := o.m*o.k*es, o.k*o.n*es, o.m*o.n*es
-	sets := o.sets
-	if sets == 0 {
-		sets = max(1, min(8, (256<<20)/(aBytes+bBytes+cBytes)+1))
-	}
 	policy := gpuctx.PooledHandles
 	if o.policy == "shared" {
 		policy = gpuctx.SharedHandle
 	}
-	root, err := dev.NewContext(gpuctx.ContextOptions{Policy: policy, AllowTF32: true})
+	pr := a.newProgress("gemm")
+	bo := bench.GemmOptions{M: o.m, N: o.n, K: o.k, DType: t, Flavour: flavour, Lt: o.lt, Policy: policy, Streams: o.streams,
+		Iters: o.iters, Warmup: o.warmup, Repeats: o.repeats, Sets: o.sets, Check: o.check, Progress: pr}
+	g, err := bench.NewGemmBench(dev, bo)
 	if err != nil {
-		return fail("creating a Context", "", err)
+		return err
 	}
-	defer root.Close()
-
-	r := rand.New(rand.NewPCG(42, uint64(o.m*31+o.n*7+o.k)))
-	streams := make([]*gpuctx.Stream, o.streams)
-	views := make([]*gpuctx.Context, o.streams)
-	data := make([][]gemmSet, o.streams)
-	alloc := func(n int, host []byte) (*gpuctx.Buffer, error) {
-		b, err := dev.Alloc(n)
-		if err != nil {
-			return nil, fail(fmt.Sprintf("allocating %d MiB for operands", n>>20), "use smaller --m/--n/--k, fewer --streams or --sets", err)
-		}
-		if host != nil {
-			err = b.CopyFromHost(host)
-		}
-		return b, err
+	defer g.Close()
+	pr.Begin(bench.GemmSteps(bo), "warm-up")
+	res, err := g.Run()
+	pr.End()
+	if err != nil {
+		return err
 	}
-	for s := range o.streams {
-		if streams[s], err = dev.NewStream(gpuctx.StreamOptions{}); err != nil {
-			return fail("creating a stream", "", err)
-		}
-		defer streams[s].Close()
-		if views[s], err = root.WithStream(streams[s]); err != nil {
-			return err
-		}
-		for range sets {
-			ha := benchkit.Encode(benchkit.RandVec(r, o.m*o.k), t)
-			hb := benchkit.Encode(benchkit.RandVec(r, o.k*o.n), t)
-			var g gemmSet
-			if g.a, err = alloc(aBytes, ha); err != nil {
-				return err
-			}
-			if g.b, err = alloc(bBytes, hb); err != nil {
-				return err
-			}
-			if g.c, err = alloc(cBytes, nil); err != nil {
-				return err
-			}
-			g.hostA, g.hB = ha, hb
-			data[s] = append(data[s], g)
-		}
-	}
-	issue := func(s, count int) error {
-		for i := range count {
-			g := data[s][i%len(data[s])]
-			gm := gpuctx.Gemm{M: o.m, N: o.n, K: o.k, Alpha: 1, A: g.a, B: g.b, C: g.c, AB: t, CType: t}
-			var err error
-			if o.lt {
-				err = views[s].BlasLt(func(lt gpuctx.BlasLt) error { return lt.Matmul(gm) })
-			} else {
-				err = views[s].BlasFlavour(flavour, func(h gpuctx.Blas) error { return h.Gemm(gm) })
-			}
-			if err != nil {
-				return fail("GEMM failed", "", err)
-			}
-		}
-		return nil
-	}
-	var bar *progressbar.ProgressBar
-	if !a.json && stderrIsTerminal(a.errOut) {
-		bar = progressbar.NewOptions(1+o.repeats+boolInt(o.check), progressbar.OptionSetWriter(a.errOut), progressbar.OptionSetWidth(30),
-			progressbar.OptionShowCount(), progressbar.OptionClearOnFinish(), progressbar.OptionSetDescription("gemm: warm-up"))
-		defer bar.Finish()
-	}
-	step := func(desc string) {
-		if bar != nil {
-			bar.Describe("gemm: " + desc)
-			_ = bar.Add(1)
-		}
-	}
-	// Warm-up on every stream (handle creation, library heuristics, clocks).
-	for s := range o.streams {
-		if err := issue(s, o.warmup); err != nil {
-			return err
-		}
-	}
-	if err := dev.Synchronize(); err != nil {
-		return fail("warm-up", "", err)
-	}
-	step("timed rounds")
-	flop := 2 * float64(o.m) * float64(o.n) * float64(o.k) * float64(o.iters)
-	var totals []float64
-	per := make([][]float64, o.streams)
-	for range o.repeats {
-		all, each, err := benchkit.TimeRound(dev, streams, func(s int) error { return issue(s, o.iters) })
-		if err != nil {
-			return err
-		}
-		totals = append(totals, all)
-		for s := range each {
-			per[s] = append(per[s], each[s])
-		}
-		step("timed rounds")
-	}
-	if o.trace != "" { // one more round, untimed, with a tracer attached
-		tr, err := startTrace(dev, o.trace, nil, map[string]string{"command": commandLine(cmd),
-			"traced": fmt.Sprintf("one untimed round after the timed ones: %d GEMMs on each of %d streams", o.iters, o.streams)})
-		if err != nil {
-			return err
-		}
-		for s, st := range streams {
-			tr.tr.NameStream(st, fmt.Sprintf("stream %d (Context view %d)", s, s))
-		}
-		if _, _, err := benchkit.TimeRound(dev, streams, func(s int) error { return issue(s, o.iters) }); err != nil {
-			tr.pause()
-			return err
-		}
-		if err := a.finishTrace(tr); err != nil {
-			return err
-		}
+	if err := a.traceGemm(cmd, dev, g, o); err != nil {
+		return err
 	}
 	rep := gemmReport{Backend: dev.Backend(), Device: dev.Info().Name, M: o.m, N: o.n, K: o.k, DType: o.dtype,
 		Streams: o.streams, Iters: o.iters, Policy: o.policy, Path: map[bool]string{false: "blas", true: "blasLt"}[o.lt],
+		TFLOPS: res.TFLOPS, PerStream: res.PerStream, MedianUS: res.MedianUS, MaxRelErr: res.MaxRelErr, Checked: res.Checked,
 		ScaledDown: note != "", Note: note}
-	medAll := benchkit.Median(totals)
-	rep.TFLOPS = flop * float64(o.streams) / medAll / 1e12
-	rep.MedianUS = medAll / float64(o.iters) * 1e6
-	for s := range per {
-		rep.PerStream = append(rep.PerStream, flop/benchkit.Median(per[s])/1e12)
-	}
-	if o.check {
-		if rep.MaxRelErr, rep.Checked, err = checkGemm(r, o, t, data); err != nil {
-			return err
-		}
-		step("checked")
-		tol := map[string]float64{"f32": 1e-4, "tf32": 5e-3, "bf16": 2e-2, "f16": 1e-2, "f64": 1e-10}[o.dtype]
-		if !(rep.MaxRelErr <= tol) {
-			return fail(fmt.Sprintf("GEMM result wrong: sampled relative error %.3g > %.1g", rep.MaxRelErr, tol), "report this with 'gpuctx info' output", nil)
-		}
-	}
-	if bar != nil {
-		_ = bar.Finish()
+	if tol := map[string]float64{"f32": 1e-4, "tf32": 5e-3, "bf16": 2e-2, "f16": 1e-2, "f64": 1e-10}[o.dtype]; o.check && !(rep.MaxRelErr <= tol) {
+		return fail(fmt.Sprintf("GEMM result wrong: sampled relative error %.3g > %.1g", rep.MaxRelErr, tol), "report this with 'gpuctx info' output", nil)
 	}
 	if a.json {
 		return a.jsonOut(rep)
 	}
-	w := a.out
+	printGemm(a.out, rep, o)
+	return nil
+}
+
+// traceGemm runs one more round, untimed, with a tracer attached (--trace).
+func (a *app) traceGemm(cmd *cobra.Command, dev *gpuctx.Device, g *bench.GemmBench, o gemmOpts) error {
+	if o.trace == "" {
+		return nil
+	}
+	tr, err := startTrace(dev, o.trace, nil, map[string]string{"command": commandLine(cmd),
+		"traced": fmt.Sprintf("one untimed round after the timed ones: %d GEMMs on each of %d streams", o.iters, o.streams)})
+	if err != nil {
+		return err
+	}
+	for s, st := range g.Streams() {
+		tr.tr.NameStream(st, fmt.Sprintf("stream %d (Context view %d)", s, s))
+	}
+	if _, _, err := g.Round(); err != nil {
+		tr.pause()
+		return err
+	}
+	return a.finishTrace(tr)
+}
+
+// printGemm prints the text report.
+func printGemm(w io.Writer, rep gemmReport, o gemmOpts) {
 	fmt.Fprintf(w, "gemm (%s) on %s (%s): C[%d×%d] = A[%d×%d]·B[%d×%d], %s, %d stream(s), %s handles\n",
 		rep.Path, rep.Device, rep.Backend, o.m, o.n, o.m, o.k, o.k, o.n, o.dtype, o.streams, o.policy)
-	if note != "" {
-		fmt.Fprintf(w, "note: %s\n", note)
+	if rep.Note != "" {
+		fmt.Fprintf(w, "note: %s\n", rep.Note)
 	}
 	fmt.Fprintf(w, "all streams: %s (median of %d rounds of %d GEMMs per stream; %.1f µs per GEMM on each stream)\n",
 		flopRate(rep.TFLOPS), o.repeats, o.iters, rep.MedianUS)
@@ -371,40 +271,4 @@ func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 	if o.check {
 		fmt.Fprintf(w, "check: %d sampled entries, max relative error %.2g\n", rep.Checked, rep.MaxRelErr)
 	}
-	return nil
-}
-
-// checkGemm compares 64 sampled entries of every stream's last-written C sets
-// with float64 dot products of the host operands (as stored on the device).
-func checkGemm(r *rand.Rand, o gemmOpts, t gpuctx.DType, data [][]gemmSet) (float64, int, error) {
-	var worst float64
-	checked := 0
-	for s := range data {
-		// Sets 0..written-1 were the operands of at least one GEMM.
-		written := min(len(data[s]), max(o.warmup, o.iters))
-		for _, g := range data[s][:written] {
-			hc := make([]byte, g.c.Size())
-			if err := g.c.CopyToHost(hc); err != nil {
-				return 0, 0, fail("reading C back", "", err)
-			}
-			for range 8 {
-				i, j := r.IntN(o.m), r.IntN(o.n)
-				var want, scale float64
-				for p := range o.k {
-					x := benchkit.Decode(g.hostA, i*o.k+p, t) * benchkit.Decode(g.hB, p*o.n+j, t)
-					want += x
-					scale += math.Abs(x)
-				}
-				got := benchkit.Decode(hc, i*o.n+j, t)
-				// Error relative to the sum of |terms| (the dot product's condition).
-				e := math.Abs(got-want) / max(scale, 1e-30)
-				if math.IsNaN(got) {
-					e = math.Inf(1)
-				}
-				worst = max(worst, e)
-				checked++
-			}
-		}
-	}
-	return worst, checked, nil
 }

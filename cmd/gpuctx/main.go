@@ -27,6 +27,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/bench"
 	"github.com/gpuctx/gpuctx/internal/dynload"
 )
 
@@ -118,28 +119,12 @@ func run(args []string, stdout, stderr io.Writer) (code int) {
 
 func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
 
-// cliError is a failure with the advice to print after it.
-type cliError struct {
-	what string // what failed
-	fix  string // what to do
-	err  error  // cause, may be nil
-}
-
-func (e *cliError) Error() string {
-	s := e.what
-	if e.err != nil {
-		s += ": " + e.err.Error()
-	}
-	if e.fix != "" {
-		s += ": " + e.fix
-	}
-	return s
-}
-
-func (e *cliError) Unwrap() error { return e.err }
+// cliError is a failure with the advice to print after it: the one error type
+// of the CLI and of package bench (its What, Fix and cause Err).
+type cliError = bench.Error
 
 // fail returns an error printed as "gpuctx: <what>: <cause>: <fix>".
-func fail(what, fix string, err error) error { return &cliError{what: what, fix: fix, err: err} }
+func fail(what, fix string, err error) error { return bench.Fail(what, fix, err) }
 
 // errorLine renders err as the stderr text "gpuctx: ...": one line, except
 // when a vendor library could not be loaded (see loadErrorText). Errors that
@@ -183,12 +168,12 @@ func loadErrorText(err error, le *dynload.LoadError) string {
 	b.WriteString("gpuctx: ")
 	var ce *cliError
 	if errors.As(err, &ce) {
-		b.WriteString(ce.what + ": ")
+		b.WriteString(ce.What + ": ")
 	}
 	b.WriteString(le.Summary())
 	b.WriteString("\nwhat to do:")
-	if ce != nil && ce.fix != "" {
-		b.WriteString("\n  - " + ce.fix)
+	if ce != nil && ce.Fix != "" {
+		b.WriteString("\n  - " + ce.Fix)
 	}
 	b.WriteString("\n  - " + le.Fix())
 	b.WriteString("\npaths tried:")

@@ -9,74 +9,10 @@ import (
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/bench"
 )
 
 const fakePeer = "testdata/fake_peer.sh"
-
-func TestParsePeerLine(t *testing.T) {
-	r, err := parsePeerLine([]byte(`{"tokens": 8, "preset": "qwen1.5-moe", "floor_us": 10.0, "compute_floor_us": 0.2, "eager_us": 500.5,
-		"graph_us": 60.25, "graph_dual_us": null, "graph_tuned_us": 40.0, "ok_tuned": false, "graph_old_default_us": 55.0,
-		"rel_err": 0.001, "ok": true, "seconds": 3.1}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := map[string]float64{"eager": 500.5, "graph single": 60.25, "graph old default": 55}
-	if r.Tokens != 8 || !r.OK || len(r.US) != len(want) {
-		t.Fatalf("parsed %+v, want tokens 8, ok, modes %v", r, want)
-	}
-	for k, v := range want {
-		if r.US[k] != v {
-			t.Errorf("%s: %v, want %v", k, r.US[k], v)
-		}
-	}
-	if mode, us, ok := r.best(); !ok || mode != "graph old default" || us != 55 {
-		t.Errorf("best: %s %v %v", mode, us, ok)
-	}
-	for _, bad := range []string{`{"preset": "x"}`, `{"tokens": 0}`, `{"tokens": 1,`} {
-		if _, err := parsePeerLine([]byte(bad)); err == nil {
-			t.Errorf("%s parsed", bad)
-		}
-	}
-	for f, want := range map[string]string{"graph_dual_us": "graph dual", "floor_us": "", "compute_floor_us": "", "rel_err": "", "eager_us": "eager"} {
-		if got := peerModeName(f); got != want {
-			t.Errorf("peerModeName(%s) = %q, want %q", f, got, want)
-		}
-	}
-}
-
-func TestApplyPeerRatio(t *testing.T) {
-	rep := &moeBenchReport{Peer: &peerReport{Name: peerName, Preset: "deepseek-v2-lite", OK: true}, Rows: []benchRow{
-		{Tokens: 1, MedianUS: map[string]float64{"single": 50, "dual": 40}, Best: "dual"},
-		{Tokens: 8, MedianUS: map[string]float64{"single": 100}, Best: "single"},
-		{Tokens: 64, MedianUS: map[string]float64{"single": 100}, Best: "single"},
-	}}
-	rep.applyPeer(map[int]peerRow{
-		1: {Tokens: 1, OK: true, US: map[string]float64{"graph single": 60, "graph dual": 49.2, "eager": 300}},
-		8: {Tokens: 8, OK: true, US: map[string]float64{"graph single": 81}},
-	})
-	r0, r1, r2 := rep.Rows[0], rep.Rows[1], rep.Rows[2]
-	if r0.PeerBestUS == nil || *r0.PeerBestUS != 49.2 || r0.PeerBestMode != "graph dual" || math.Abs(*r0.SpeedupVsPeer-1.23) > 1e-12 {
-		t.Errorf("row 1: %+v", r0)
-	}
-	if fmtSpeedup(*r0.SpeedupVsPeer) != "1.23x" || fmtSpeedup(*r1.SpeedupVsPeer) != "0.81x" {
-		t.Errorf("speedups %s %s", fmtSpeedup(*r0.SpeedupVsPeer), fmtSpeedup(*r1.SpeedupVsPeer))
-	}
-	if r2.PeerBestUS != nil || r2.SpeedupVsPeer != nil || r2.PeerUS != nil {
-		t.Errorf("row 64 has peer values without a peer row: %+v", r2)
-	}
-	if *rep.Peer.MinSpeedup != 0.81 || math.Abs(*rep.Peer.MaxSpeedup-1.23) > 1e-12 {
-		t.Errorf("range %v..%v", *rep.Peer.MinSpeedup, *rep.Peer.MaxSpeedup)
-	}
-	if s := rep.peerSummary(); !strings.Contains(s, "0.81x to 1.23x over 2 of 3 token counts") {
-		t.Errorf("summary %q", s)
-	}
-	md := rep.markdown()
-	for _, w := range []string{"peer µs (best mode)", "vs peer", "49.2 (graph dual)", "1.23x", "0.81x"} {
-		if !strings.Contains(md, w) {
-			t.Errorf("markdown lacks %q:\n%s", w, md)
-		}
-	}
-}
 
 func TestMoeBenchPeerFake(t *testing.T) {
 	t.Setenv(gpuctx.BackendEnv, "cpu")
@@ -94,7 +30,7 @@ func TestMoeBenchPeerFake(t *testing.T) {
 		if code != 0 {
 			t.Fatalf("exit %d, stderr %s", code, stderr)
 		}
-		if b, _ := os.ReadFile(argsFile); strings.TrimSpace(string(b)) != fakePeer+" --preset deepseek-v2-lite --tokens 1,4 --iters 2 --warmup 0" {
+		if b, _ := os.ReadFile(argsFile); strings.TrimSpace(string(b)) != fakePeer+" --preset deepseek-v2-lite --tokens 1,4 --iters 2 --warmup 0 --sets 1" {
 			t.Errorf("peer args %q", b)
 		}
 		for _, w := range []string{"peer progress on stderr", "peer: env: ", "peer: PASS"} {
@@ -206,9 +142,9 @@ func TestMoeBenchPeerRefused(t *testing.T) {
 			wantOneLineFailure(t, code, stdout, stderr, c.want...)
 		})
 	}
-	saved := peerPresets["qwen3-30b-a3b"]
-	delete(peerPresets, "qwen3-30b-a3b")
-	defer func() { peerPresets["qwen3-30b-a3b"] = saved }()
+	saved := bench.PeerPresets["qwen3-30b-a3b"]
+	delete(bench.PeerPresets, "qwen3-30b-a3b")
+	defer func() { bench.PeerPresets["qwen3-30b-a3b"] = saved }()
 	code, stdout, stderr := execute(t, "moe", "bench", "--preset", "qwen3-30b-a3b", "--peer", fakePeer)
 	wantOneLineFailure(t, code, stdout, stderr, "the peer has no preset for qwen3-30b-a3b")
 }

@@ -33,7 +33,7 @@ type plotSeries struct {
 
 // series returns the plot's lines: one per mode, the shared expert alone, the
 // routed experts alone, the floor and, when a peer ran, the peer's best mode.
-func (r *moeBenchReport) series() []plotSeries {
+func series(r *moeBenchReport) []plotSeries {
 	var all []plotSeries
 	for _, m := range r.Modes {
 		all = append(all, plotSeries{name: m, value: func(b benchRow) (float64, bool) { v, ok := b.MedianUS[m]; return v, ok }})
@@ -119,7 +119,7 @@ func latencyTicks(lo, hi float64) []plot.Tick {
 
 // plotTitle is the plot's title; on the CPU backend a second line says that
 // the times say nothing about a GPU.
-func (r *moeBenchReport) plotTitle() string {
+func plotTitle(r *moeBenchReport) string {
 	name := r.Preset
 	if r.Model != "" {
 		name = r.Model
@@ -137,12 +137,12 @@ func (r *moeBenchReport) plotTitle() string {
 // writePlot draws latency against tokens on log-log axes, one line per mode
 // plus the shared expert alone, the routed experts alone, the floor and the
 // peer, and writes it as a PNG to path atomically.
-func (r *moeBenchReport) writePlot(path string) error {
+func writePlot(r *moeBenchReport, path string) error {
 	if !strings.HasSuffix(strings.ToLower(path), ".png") {
 		return fmt.Errorf("--plot %s: only PNG is written; name the file *.png", path)
 	}
 	p := plot.New()
-	p.Title.Text = r.plotTitle()
+	p.Title.Text = plotTitle(r)
 	p.X.Label.Text = "tokens"
 	p.Y.Label.Text = "latency (µs)"
 	p.X.Scale, p.Y.Scale = plot.LogScale{}, plot.LogScale{}
@@ -161,7 +161,7 @@ func (r *moeBenchReport) writePlot(path string) error {
 		tokens = append(tokens, row.Tokens)
 		xs = append(xs, float64(row.Tokens))
 	}
-	for i, s := range r.series() {
+	for i, s := range series(r) {
 		var xys plotter.XYs
 		for _, row := range r.Rows {
 			if v, ok := s.value(row); ok && v > 0 && !math.IsInf(v, 0) {

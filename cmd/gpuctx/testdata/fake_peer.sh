@@ -3,7 +3,8 @@
 # prints canned lines shaped like bench/peers/triton_fused_moe.py's stdout.
 # FAKE_PEER_ARGS=FILE records the arguments; FAKE_PEER_MODE picks the outcome:
 # ok (default), check (token count 4 fails its check, exit 1), exit (no rows,
-# exit 2, as when triton does not import).
+# exit 2, as when triton does not import). FAKE_PEER_SETS: the weight sets it
+# says it rotated (default 1).
 [ -n "$FAKE_PEER_ARGS" ] && echo "$@" > "$FAKE_PEER_ARGS"
 echo "peer progress on stderr" >&2
 case "${FAKE_PEER_MODE:-ok}" in
@@ -19,7 +20,8 @@ check)
   exit 1 ;;
 *)
   echo 'env: {"device": "fake"}'
-  echo '{"tokens": 1, "preset": "deepseek-v2-lite", "floor_us": 10.0, "eager_us": 900.0, "graph_us": 60.0, "graph_dual_us": 50.0, "graph_tuned_us": 45.0, "ok_tuned": true, "compute_floor_us": 0.1, "rel_err": 0.001, "ok": true}'
+  echo "weights: ${FAKE_PEER_SETS:-1} set(s) of 0.01 GB (rotated to defeat L2)"
+  echo '{"tokens": 1, "preset": "deepseek-v2-lite", "floor_us": 10.0, "active_experts": 5.5, "eager_us": 900.0, "graph_us": 60.0, "graph_dual_us": 50.0, "graph_tuned_us": 45.0, "ok_tuned": true, "compute_floor_us": 0.1, "rel_err": 0.001, "ok": true}'
   echo '{"tokens": 4, "preset": "deepseek-v2-lite", "floor_us": 10.0, "eager_us": 950.0, "graph_us": 80.0, "graph_dual_us": 90.0, "compute_floor_us": 0.4, "rel_err": 0.001, "ok": true}'
   echo "PASS: primary config failed at 0 of 2 token counts; other configs failed 0 time(s); 1 s total" ;;
 esac

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# peer.sh: gpuctx against its peers, as bench/RESULTS.md records them.
+#   MoE: the three presets (deepseek-v2-lite, qwen3-30b-a3b, deepseek-v3) in one
+#   `gpuctx moe bench --peer` invocation each, against vLLM's Triton fused MoE
+#   (bench/peers/triton_fused_moe.py, its tuned tile table where vLLM has one):
+#   the peer's weight distribution N(0, 0.02^2) and its number of rotated weight
+#   sets (3; 2 for deepseek-v3), ROUNDS rounds alternating gpuctx and the peer,
+#   every mode, the CLI's default token list (1-16384); tables, plots and logs in $OUT.
+#   GEMM=1: also `gpuctx gemm` against torch.matmul (bench/peers/torch_gemm.py).
+# Build first (here): bash bench/gpu/pack.sh ./cmd/gpuctx   -- then on the GPU
+# machine, from the checkout root, with .gpu carried:  bash bench/gpu/peer.sh
+# Environment: PRESETS (default the three; one per device call keeps a call
+# under 10 minutes), ROUNDS (3), TOKENS (a --tokens list; default the CLI's),
+# ITERS (timed forwards per cell, default the CLI's 50; deepseek-v3 fits a
+# 10-minute call with 20), LIMIT (seconds per preset, 590).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+t0=$(date +%s)
+table() { sed -n '/^| tokens/,/^$/p' "$1"; grep -E "^speed vs peer" "$1"; }
+for p in ${PRESETS:-deepseek-v2-lite qwen3-30b-a3b deepseek-v3}; do
+  modes=single,dual,auto,fused
+  [ "$p" = qwen3-30b-a3b ] && modes=single,auto   # no shared expert: dual and fused are single
+  timeout "${LIMIT:-590}" .gpu/gpuctx moe bench --preset "$p" --mode "$modes" --small-batch -1 --rounds "${ROUNDS:-3}" \
+    ${TOKENS:+--tokens "$TOKENS"} ${ITERS:+--iters "$ITERS"} --peer .gpu/peers/triton_fused_moe.py \
+    --out "$OUT/moe-$p.md" --plot "$OUT/moe-$p.png" > /dev/null 2> "$OUT/bench-$p.log"
+  echo "== $p rc=$? after $(( $(date +%s) - t0 )) s"; table "$OUT/moe-$p.md"
+  grep -E "^gpuctx: " "$OUT/bench-$p.log"
+done
+rm -f "$OUT/triton_moe_anchor.json"
+if [ -n "${GEMM:-}" ]; then
+  {
+    for args in "--m 8192 --n 8192 --k 8192 --dtype bf16" "--m 8192 --n 8192 --k 8192 --dtype bf16 --lt" \
+        "--m 4096 --n 4096 --k 4096 --dtype f32" "--m 4096 --n 4096 --k 4096 --dtype tf32"; do
+      .gpu/gpuctx gemm $args --iters 20 --repeats 7 --json | tr -d '\n'; echo
+    done
+    for s in 1 2 4 8; do
+      .gpu/gpuctx gemm --m 256 --n 256 --k 256 --dtype f32 --streams $s --iters 200 --repeats 5 --json | tr -d '\n'; echo
+    done
+    python3 .gpu/peers/torch_gemm.py | tr -d '\n'; echo
+  } > "$OUT/gemm.jsonl" 2> "$OUT/gemm.log"
+  echo "== gemm rc=$?"; cat "$OUT/gemm.jsonl"
+fi
+echo "== total $(( $(date +%s) - t0 )) s"

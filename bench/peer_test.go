@@ -1,0 +1,115 @@
+package bench
+
+import (
+	"math"
+	"strings"
+	"testing"
+
+	"github.com/gpuctx/gpuctx"
+)
+
+func TestParsePeerLine(t *testing.T) {
+	r, err := parsePeerLine([]byte(`{"tokens": 8, "preset": "qwen1.5-moe", "floor_us": 10.0, "compute_floor_us": 0.2, "eager_us": 500.5,
+		"graph_us": 60.25, "graph_dual_us": null, "graph_tuned_us": 40.0, "ok_tuned": false, "graph_old_default_us": 55.0,
+		"rel_err": 0.001, "ok": true, "seconds": 3.1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]float64{"eager": 500.5, "graph single": 60.25, "graph old default": 55}
+	if r.Tokens != 8 || !r.OK || len(r.US) != len(want) {
+		t.Fatalf("parsed %+v, want tokens 8, ok, modes %v", r, want)
+	}
+	for k, v := range want {
+		if r.US[k] != v {
+			t.Errorf("%s: %v, want %v", k, r.US[k], v)
+		}
+	}
+	if mode, us, ok := r.best(); !ok || mode != "graph old default" || us != 55 {
+		t.Errorf("best: %s %v %v", mode, us, ok)
+	}
+	for _, bad := range []string{`{"preset": "x"}`, `{"tokens": 0}`, `{"tokens": 1,`} {
+		if _, err := parsePeerLine([]byte(bad)); err == nil {
+			t.Errorf("%s parsed", bad)
+		}
+	}
+	for f, want := range map[string]string{"graph_dual_us": "graph dual", "floor_us": "", "compute_floor_us": "", "rel_err": "", "eager_us": "eager"} {
+		if got := peerModeName(f); got != want {
+			t.Errorf("peerModeName(%s) = %q, want %q", f, got, want)
+		}
+	}
+}
+
+func TestApplyPeerRounds(t *testing.T) {
+	row := func(T int, us map[string]float64) MoERow {
+		r := MoERow{Tokens: T, MedianUS: us}
+		r.derive()
+		return r
+	}
+	// gpuctx's passes (one per round) and the peer's runs
+	passes := [][]MoERow{
+		{row(1, map[string]float64{"single": 50, "dual": 40}), row(8, map[string]float64{"single": 100}), row(64, map[string]float64{"single": 100})},
+		{row(1, map[string]float64{"single": 52, "dual": 41}), row(8, map[string]float64{"single": 90}), row(64, map[string]float64{"single": 100})},
+		{row(1, map[string]float64{"single": 60, "dual": 50}), row(8, map[string]float64{"single": 80}), row(64, map[string]float64{"single": 100})},
+	}
+	runs := []map[int]PeerRow{
+		{1: {Tokens: 1, OK: true, US: map[string]float64{"graph single": 60, "graph dual": 49.2, "eager": 300}}, 8: {Tokens: 8, OK: true, US: map[string]float64{"graph single": 81}}},
+		{1: {Tokens: 1, OK: true, US: map[string]float64{"graph single": 61, "graph dual": 41}}, 8: {Tokens: 8, OK: true, US: map[string]float64{"graph single": 90}}},
+		{1: {Tokens: 1, OK: true, US: map[string]float64{"graph single": 62, "graph dual": 45}}, 8: {Tokens: 8, OK: true, US: map[string]float64{"graph single": 96}}},
+	}
+	cases := []struct {
+		name              string
+		rounds            int
+		lo, med, hi       [2]float64 // tokens 1 and 8
+		peerBest, ourBest [2]float64
+	}{
+		{"one round", 1, [2]float64{1.23, 0.81}, [2]float64{1.23, 0.81}, [2]float64{1.23, 0.81}, [2]float64{49.2, 81}, [2]float64{40, 100}},
+		{"three rounds", 3, [2]float64{0.9, 0.81}, [2]float64{1, 1}, [2]float64{1.23, 1.2}, [2]float64{45, 90}, [2]float64{41, 90}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			rep := &MoEReport{Rounds: c.rounds, Peer: &PeerReport{Name: PeerName, Preset: "deepseek-v2-lite", OK: true}}
+			rep.Rows = mergePasses(passes[:c.rounds])
+			applyPeer(rep, passes[:c.rounds], runs[:c.rounds])
+			for i := range 2 {
+				r := rep.Rows[i]
+				if r.PeerBestUS == nil || r.SpeedupVsPeer == nil || len(r.RoundSpeedups) != c.rounds {
+					t.Fatalf("row %d: %+v", i, r)
+				}
+				if math.Abs(*r.SpeedupMin-c.lo[i]) > 1e-9 || math.Abs(*r.SpeedupVsPeer-c.med[i]) > 1e-9 || math.Abs(*r.SpeedupMax-c.hi[i]) > 1e-9 {
+					t.Errorf("row %d: ratio %v / %v / %v, want %v / %v / %v", i, *r.SpeedupMin, *r.SpeedupVsPeer, *r.SpeedupMax, c.lo[i], c.med[i], c.hi[i])
+				}
+				if *r.PeerBestUS != c.peerBest[i] || r.MedianUS[r.Best] != c.ourBest[i] {
+					t.Errorf("row %d: peer best %v, gpuctx best %v, want %v and %v", i, *r.PeerBestUS, r.MedianUS[r.Best], c.peerBest[i], c.ourBest[i])
+				}
+			}
+			if r := rep.Rows[2]; r.PeerBestUS != nil || r.SpeedupVsPeer != nil || r.PeerUS != nil {
+				t.Errorf("row 64 has peer values without a peer row: %+v", r)
+			}
+			if s := rep.PeerSummary(); !strings.Contains(s, "over 2 of 3 token counts") {
+				t.Errorf("summary %q", s)
+			}
+		})
+	}
+	if FmtSpeedup(1.234) != "1.23x" {
+		t.Error(FmtSpeedup(1.234))
+	}
+}
+
+func TestRelDiff(t *testing.T) {
+	enc := func(x ...float32) []byte { return Encode(x, gpuctx.F32) }
+	cases := []struct {
+		name      string
+		got, want []byte
+		rel       float64
+	}{
+		{"equal", enc(1, 2, 2), enc(1, 2, 2), 0},
+		{"off by a third", enc(1, 2, 4), enc(1, 2, 2), 2.0 / 3},
+		{"nan", enc(1, float32(math.NaN()), 2), enc(1, 2, 2), math.Inf(1)},
+		{"zero reference", enc(1, 2, 2), enc(0, 0, 0), math.Inf(1)},
+	}
+	for _, c := range cases {
+		if got := RelDiff(c.got, c.want, gpuctx.F32); math.Abs(got-c.rel) > 1e-12 && got != c.rel {
+			t.Errorf("%s: %v, want %v", c.name, got, c.rel)
+		}
+	}
+}
