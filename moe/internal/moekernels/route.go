@@ -68,43 +68,12 @@ func actView(m kernels.Memory, what string, p Ptr, n int64, bf16 int32) (actSlic
 	return actSlice{f: f}, err
 }
 
-// routeArgs are the parameters of gpuctx_moe_route.
-type routeArgs struct {
-	Logits, Bias, TopkIdx, TopkW                                Ptr
-	T, E, K, Scoring, Method, Groups, TopkGroups, HasBias, Norm int32
-	NormEps, Scale                                              float32
-	Ks, Ns                                                      int32
-}
-
-// planArgs are the parameters of gpuctx_moe_plan.
-type planArgs struct {
-	TopkIdx, Counts, Offsets, Pos Ptr
-	TK, E                         int32
-}
-
-// gatherArgs are the parameters of gpuctx_moe_gather.
-type gatherArgs struct {
-	X, Pos, Xp          Ptr
-	TK, K, H, ElemBytes int32
-}
-
-// swigluArgs are the parameters of gpuctx_moe_swiglu.
-type swigluArgs struct {
-	H, Act        Ptr
-	Rows, I, BF16 int32
-}
-
-// combineArgs are the parameters of gpuctx_moe_combine.
-type combineArgs struct {
-	Out, Pos, W, Shared, Gate, Y                 Ptr
-	T, K, H, HasRouted, HasShared, HasGate, BF16 int32
-}
-
 func moeRoute(m kernels.Memory, a *routeArgs) error {
 	T, E, K := int(a.T), int(a.E), int(a.K)
-	scoring, method, groups, topkGroups := a.Scoring, a.Method, int(a.Groups), int(a.TopkGroups)
-	hasBias, norm := a.HasBias != 0, a.Norm != 0
-	normEps, scale := a.NormEps, a.Scale
+	r := a.Rule
+	scoring, method, groups, topkGroups := r.Scoring, r.Method, int(r.Groups), int(r.TopkGroups)
+	hasBias, norm := r.HasBias != 0, r.Norm != 0
+	normEps, scale := r.NormEps, r.Scale
 	ks, ns := int(a.Ks), int(a.Ns)
 	if T < 0 || E <= 0 || E > MaxExperts || K <= 0 || K > MaxTopK || K > E {
 		return fmt.Errorf("route: T=%d E=%d K=%d: want T >= 0, 0 < E <= %d, 0 < K <= min(E, %d)", T, E, K, MaxExperts, MaxTopK)
