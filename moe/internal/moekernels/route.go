@@ -403,67 +403,89 @@ func combine(m kernels.Memory, c combineOp) error {
 	if T < 0 || K < 0 || H <= 0 || (c.hasRouted && K == 0) {
 		return fmt.Errorf("combine: T=%d K=%d H=%d: want T >= 0, H > 0 and K > 0 when routed", T, K, H)
 	}
-	y, err := actView(m, "y", c.y, int64(T)*int64(H), c.bf)
-	if err != nil {
+	var v combineViews
+	var err error
+	if v.y, err = actView(m, "y", c.y, int64(T)*int64(H), c.bf); err != nil {
 		return err
 	}
-	var out actSlice
-	var pos []int32
-	var w []float32
 	if c.hasRouted {
-		if out, err = actView(m, "out", c.out, int64(T)*int64(K)*int64(H), c.bf); err != nil {
+		if err := c.routedViews(m, &v); err != nil {
 			return err
-		}
-		if !c.identity {
-			if pos, err = kernels.Slice[int32](m, "pos", c.pos, int64(T)*int64(K)); err != nil {
-				return err
-			}
-		}
-		if w, err = kernels.Slice[float32](m, "w", c.w, int64(T)*int64(K)); err != nil {
-			return err
-		}
-		for i, p := range pos {
-			if int(p) >= T*K {
-				return fmt.Errorf("pos[%d] = %d is outside the %d rows of out", i, p, T*K)
-			}
 		}
 	}
-	var shared actSlice
-	var gate []float32
 	if c.hasShared {
-		if shared, err = actView(m, "shared", c.shared, int64(T)*int64(H), c.bf); err != nil {
+		if v.shared, err = actView(m, "shared", c.shared, int64(T)*int64(H), c.bf); err != nil {
 			return err
 		}
 		if c.hasGate {
-			if gate, err = kernels.Slice[float32](m, "gate", c.gate, int64(T)); err != nil {
+			if v.gate, err = kernels.Slice[float32](m, "gate", c.gate, int64(T)); err != nil {
 				return err
 			}
 		}
 	}
 	for t := 0; t < T; t++ {
-		sg := float32(1)
-		if c.hasShared && c.hasGate {
-			sg = 1 / (1 + expf(-gate[t]))
+		c.token(&v, t)
+	}
+	return nil
+}
+
+// combineViews are the memory a combine reads and writes; the parts c does
+// not have are nil.
+type combineViews struct {
+	y, out, shared actSlice
+	pos            []int32 // nil for identity
+	w, gate        []float32
+}
+
+// routedViews sets v's routed rows, positions and weights, and checks the
+// positions.
+func (c combineOp) routedViews(m kernels.Memory, v *combineViews) error {
+	T, K, H := c.T, c.K, c.H
+	var err error
+	if v.out, err = actView(m, "out", c.out, int64(T)*int64(K)*int64(H), c.bf); err != nil {
+		return err
+	}
+	if !c.identity {
+		if v.pos, err = kernels.Slice[int32](m, "pos", c.pos, int64(T)*int64(K)); err != nil {
+			return err
 		}
-		row := t * H
-		for h := 0; h < H; h++ {
-			var acc float32
-			if c.hasRouted {
-				for k := 0; k < K; k++ {
-					p := int32(t*K + k)
-					if !c.identity {
-						p = pos[t*K+k]
-					}
-					if p >= 0 {
-						acc += w[t*K+k] * out.load(int(p)*H+h)
-					}
-				}
-			}
-			if c.hasShared {
-				acc += sg * shared.load(row+h)
-			}
-			y.store(row+h, acc)
+	}
+	if v.w, err = kernels.Slice[float32](m, "w", c.w, int64(T)*int64(K)); err != nil {
+		return err
+	}
+	for i, p := range v.pos {
+		if int(p) >= T*K {
+			return fmt.Errorf("pos[%d] = %d is outside the %d rows of out", i, p, T*K)
 		}
 	}
 	return nil
+}
+
+// token writes token t's row of y: its routed rows (k ascending, pos -1
+// skipped) weighted, plus the (gated) shared row.
+func (c combineOp) token(v *combineViews, t int) {
+	K, H := c.K, c.H
+	sg := float32(1)
+	if c.hasShared && c.hasGate {
+		sg = 1 / (1 + expf(-v.gate[t]))
+	}
+	row := t * H
+	for h := 0; h < H; h++ {
+		var acc float32
+		if c.hasRouted {
+			for k := 0; k < K; k++ {
+				p := t*K + k
+				if !c.identity {
+					p = int(v.pos[t*K+k])
+				}
+				if p >= 0 {
+					acc += v.w[t*K+k] * v.out.load(p*H+h)
+				}
+			}
+		}
+		if c.hasShared {
+			acc += sg * v.shared.load(row+h)
+		}
+		v.y.store(row+h, acc)
+	}
 }
