@@ -12,11 +12,7 @@ import (
 // TestDownTilesPast2to31 runs every down tile (CUDA only: the Go twins index
 // with Go's 64-bit int) over an act of more than 2^31 elements, the size of
 // T*K*I for DeepSeek-V3 past 131072 tokens: its rows from 2^31/I on start past
-// a 32-bit offset (issue 20). act holds 0.74609375 (bf16 0x3F3F) below that
-// row and 3 (0x4040) from it on, down small multiples of 1/16, so every f32
-// sum is exact and each output row is v times its weight sums, rounded to
-// bf16 once: the bits are known on the host. It needs about 4.4 GB of device
-// memory.
+// a 32-bit offset (issue 20). It needs about 4.4 GB of device memory.
 func TestDownTilesPast2to31(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short: 4.4 GB of device memory")
@@ -30,12 +26,24 @@ func TestDownTilesPast2to31(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const (
-		I     = 16384                  // Kdim of the down tiles
-		H     = 64                     // their N
-		split = (1 << 31) / I          // the first row past a 32-bit element offset
-		rows  = 384 * (split/384 + 10) // a multiple of every BM, past split
-	)
+	const I = 16384             // Kdim of the down tiles
+	const split = (1 << 31) / I // the first row past a 32-bit element offset
+	runDownSplit(t, dev, I, split, 384*(split/384+10))
+}
+
+// TestDownTilesSplit is TestDownTilesPast2to31 at a small size on the CPU
+// backend: it checks the test's own arithmetic on the Go twin.
+func TestDownTilesSplit(t *testing.T) {
+	runDownSplit(t, newTestDevice(t).dev, 64, 200, 384)
+}
+
+// runDownSplit runs every down tile on dev over rows rows of act of width I
+// (rows a multiple of every BM). act holds 0.74609375 (bf16 0x3F3F) in the
+// rows below split and 3 (0x4040) from it on, down small multiples of 1/16,
+// so every f32 sum is exact and each output row is v times its weight sums,
+// rounded to bf16 once: the bits are known on the host.
+func runDownSplit(t *testing.T, dev *gpuctx.Device, I, split, rows int) {
+	const H = 64 // the down tiles' N
 	s, err := dev.NewStream(gpuctx.StreamOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -83,7 +91,7 @@ func TestDownTilesPast2to31(t *testing.T) {
 		}
 		return d
 	}
-	dw, sp, np := upload(asBytes(down)), upload(asBytes(sorted)), upload(asBytes([]int32{rows}))
+	dw, sp, np := upload(asBytes(down)), upload(asBytes(sorted)), upload(asBytes([]int32{int32(rows)}))
 	bexp := upload(make([]byte, 4*rows/16)) // expert 0 for every block of any BM
 	want := make([]uint16, rows*H)
 	for p := range rows {
@@ -109,7 +117,7 @@ func TestDownTilesPast2to31(t *testing.T) {
 			}
 			gx, gy := c.Grid(H, rows, dev.Info().SMCount)
 			if err := l.Launch(s, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(false), Down{
-				Act: act, Down: dw, Sorted: sp, BlockExpert: bexp, Npost: np, Out: out, TK: rows, H: H, I: I,
+				Act: act, Down: dw, Sorted: sp, BlockExpert: bexp, Npost: np, Out: out, TK: int32(rows), H: H, I: int32(I),
 			}); err != nil {
 				t.Fatal(err)
 			}
@@ -122,7 +130,7 @@ func TestDownTilesPast2to31(t *testing.T) {
 			}
 			for p := range rows {
 				if g, w := got[p*H:(p+1)*H], want[p*H:(p+1)*H]; !slices.Equal(g, w) {
-					t.Fatalf("row %d (first past 2^31 elements: %d): out %04x..., want %04x...", p, split, g[:4], w[:4])
+					t.Fatalf("row %d (the first past the split: %d): out %04x..., want %04x...", p, split, g[:4], w[:4])
 				}
 			}
 		})
