@@ -48,3 +48,27 @@ func TestCheckLimits(t *testing.T) {
 		})
 	}
 }
+
+// TestMoEGemmFits checks the grid-y limit of the tiles that are not
+// persistent.
+func TestMoEGemmFits(t *testing.T) {
+	m16 := MoEGemm{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
+	m128 := MoEGemm{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 3}
+	p := MoEGemm{BM: 128, BN: 128, BK: 64, Warpgroups: 2, Stages: 4, Producers: 2}
+	cap := AlignCap(131072*8, 256, 128) // DeepSeek-V3, 131072 tokens
+	for _, tc := range []struct {
+		c    MoEGemm
+		cap  int
+		want bool
+	}{
+		{m16, 16 * MaxGridY, true}, {m16, 16*MaxGridY + 16, false}, {m16, cap, false},
+		{m128, cap, true}, {p, 1 << 30, true},
+	} {
+		if got := tc.c.Fits(tc.cap); got != tc.want {
+			t.Errorf("%s.Fits(%d) = %v, want %v", tc.c.Tag(), tc.cap, got, tc.want)
+		}
+		if _, y := tc.c.Grid(64, tc.cap, 132); (y <= MaxGridY) != tc.want {
+			t.Errorf("%s.Grid(64, %d, 132) has y = %d; Fits = %v", tc.c.Tag(), tc.cap, y, tc.want)
+		}
+	}
+}
