@@ -1,13 +1,16 @@
 // Package moekernels registers the Mixture-of-Experts kernels that package moe
-// drives: their CUDA C sources (moe.cu, moe_gemm.cu, embedded here), their Go
-// twins (the CPU backend runs them), their typed arguments (one struct per
-// kernel, whose fields are the launch arguments in order) and their limits
-// (MaxExperts, MaxTopK: the CUDA source gets them as #define through a
-// generated prelude). Registration happens in init, through package kernels;
-// the backends hold no MoE code.
+// drives: their CUDA C sources (moe.cu, moe_gemm.cu, moe_wgmma.cu, embedded
+// here), their Go twins (the CPU backend runs them), their typed arguments (one
+// struct per kernel, whose fields are the launch arguments in order: args.go),
+// the typed launchers package moe queues them with (Launcher: NewLauncher,
+// NewUp, NewDown) and their limits (MaxExperts, MaxTopK: the CUDA source gets
+// them as #define through a generated prelude). Registration happens in init,
+// through package kernels; the backends hold no MoE code.
 //
 // The kernels take int32 dimensions and flags (0/1), and some need a fixed
-// launch shape. "act" pointers hold f32, or bf16 bits when bf16 = 1
+// launch shape. Row counts and most element offsets are 32-bit; those whose
+// products can pass 2^31 for a batch moe.Config.CheckTokens accepts are
+// 64-bit, and CheckLimits bounds the rest (limits.go). "act" pointers hold f32, or bf16 bits when bf16 = 1
 // (elem_bytes 4 or 2); all math is f32 with a fixed summation order, bf16
 // stores round to nearest even. E <= MaxExperts experts, K <= MaxTopK per
 // token. Launch arguments are passed in the order listed:
