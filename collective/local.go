@@ -16,7 +16,9 @@ import (
 // what was queued before it and recv is no longer in use), meets the other
 // ranks, copies each block from the sender's buffer with synchronous copies
 // through host memory, waits until every rank has copied (so that no sender
-// reuses its buffer early) and returns. The effect is thus in stream order,
+// reuses its buffer early) and returns, holding its stream and buffers
+// (gpuctx.Stream.WithNative) from the rendezvous to the end: meanwhile a
+// Buffer.Free of send or recv fails and a Stream.Close waits. The effect is thus in stream order,
 // but the calling goroutine blocks for the whole exchange; work queued on
 // other streams (a shared expert on a side stream) keeps running meanwhile.
 type Local struct {
@@ -186,15 +188,19 @@ func (c *Local) AllToAllV(send *gpuctx.Buffer, sendCounts []int, recv *gpuctx.Bu
 	if err := stream.Synchronize(); err != nil {
 		return fmt.Errorf("collective: Local.AllToAllV: %w", err)
 	}
-	r, err := c.arrive(op, a2aArgs{send, append([]int(nil), sendCounts...), append([]int(nil), recvCounts...)})
-	if err != nil {
+	// The leases keep the stream open and both buffers allocated until every
+	// rank has copied: a peer reads send, and a Close of stream waits.
+	return stream.WithNative([]*gpuctx.Buffer{send, recv}, func(gpuctx.Native) error {
+		r, err := c.arrive(op, a2aArgs{send, append([]int(nil), sendCounts...), append([]int(nil), recvCounts...)})
+		if err != nil {
+			return err
+		}
+		err = c.copyIn(r, recv, recvCounts)
+		if lerr := c.leave(op, r); err == nil {
+			err = lerr
+		}
 		return err
-	}
-	err = c.copyIn(r, recv, recvCounts)
-	if lerr := c.leave(op, r); err == nil {
-		err = lerr
-	}
-	return err
+	})
 }
 
 // copyIn checks that every rank's counts agree with this rank's and copies
