@@ -24,6 +24,7 @@ import (
 	"os"
 	"sync"
 
+	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/internal/dynload"
 )
 
@@ -121,6 +122,13 @@ var ErrNCCL = errors.New("nccl call failed")
 
 // Unwrap returns ErrNCCL.
 func (e *Error) Unwrap() error { return ErrNCCL }
+
+// Is maps the ncclResult_t to the gpuctx sentinel it means:
+// ncclInvalidArgument (4) and ncclInvalidUsage (5) are gpuctx.ErrInvalid.
+// Other failures (CUDA, system, internal, remote) match only ErrNCCL.
+func (e *Error) Is(target error) bool {
+	return target == gpuctx.ErrInvalid && (e.Code == 4 || e.Code == 5)
+}
 
 // check turns an ncclResult_t into an error.
 func (l *Lib) check(op string, r int32) error {
