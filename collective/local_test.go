@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 
@@ -355,5 +356,39 @@ func TestLocalLeasesInFlight(t *testing.T) {
 		if err := errors.Join(send[r].Free(), recv[r].Free()); err != nil {
 			t.Errorf("rank %d: Free after the exchange: %v", r, err)
 		}
+	}
+}
+
+// TestMessageShape: errors read "collective: Op: what: cause", the sentinel
+// last.
+func TestMessageShape(t *testing.T) {
+	devs := cpuDevices(t, 1)
+	small, err := devs[0].Alloc(4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	comms, _ := NewLocal(1)
+	_, errNew := NewLocal(0)
+	for _, tc := range []struct {
+		name string
+		err  error
+		want error
+	}{
+		{"NewLocal(0)", errNew, gpuctx.ErrInvalid},
+		{"count length", CheckCounts("Op", 2, nil, []int{0}, nil, []int{0, 0}), gpuctx.ErrInvalid},
+		{"negative count", CheckCounts("Op", 1, nil, []int{-1}, nil, []int{0}), gpuctx.ErrInvalid},
+		{"nil buffer", CheckCounts("Op", 1, nil, []int{4}, nil, []int{0}), gpuctx.ErrInvalid},
+		{"small buffer", CheckCounts("Op", 1, small, []int{8}, nil, []int{0}), gpuctx.ErrSize},
+		{"nil stream", comms[0].AllToAllV(nil, []int{0}, nil, []int{0}, nil), gpuctx.ErrInvalid},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if !errors.Is(tc.err, tc.want) {
+				t.Fatalf("err %v, want %v", tc.err, tc.want)
+			}
+			msg := tc.err.Error()
+			if !strings.HasPrefix(msg, "collective: ") || !strings.HasSuffix(msg, ": "+tc.want.Error()) {
+				t.Errorf("message %q is not shaped \"collective: Op: what: cause\"", msg)
+			}
+		})
 	}
 }
