@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -97,7 +98,7 @@ func resolveModel(dir string, layer int) (*moe.Config, int, error) {
 	}
 	layers, err := moe.MoELayersInCheckpoint(dir, cfg)
 	if err != nil {
-		return nil, 0, fail(fmt.Sprintf("reading the checkpoint in %s", dir), "the directory must hold model.safetensors, or model.safetensors.index.json and its shards", err)
+		return nil, 0, fail(fmt.Sprintf("reading the checkpoint in %s", dir), checkpointFix(err), err)
 	}
 	if len(layers) == 0 {
 		return nil, 0, fail(fmt.Sprintf("the checkpoint in %s holds no MoE layer that config.json allows (no model.layers.<L>.mlp.gate.weight for an MoE layer L; the first MoE layer by config.json is %d)", dir, first),
@@ -111,7 +112,7 @@ func resolveModel(dir string, layer int) (*moe.Config, int, error) {
 func modelFiles(dir string) ([]readFile, error) {
 	files, err := moe.CheckpointFiles(dir)
 	if err != nil {
-		return nil, fail(fmt.Sprintf("reading the checkpoint in %s", dir), "the directory must hold model.safetensors, or model.safetensors.index.json and its shards", err)
+		return nil, fail(fmt.Sprintf("reading the checkpoint in %s", dir), checkpointFix(err), err)
 	}
 	out := []readFile{{"the model's config.json", filepath.Join(dir, "config.json")}}
 	for _, f := range files {
@@ -146,7 +147,23 @@ func loadLayerError(dir string, layer int, dt gpuctx.DType, err error) error {
 			return fail("building the MoE layer on the device", "try --dtype f32, or check 'gpuctx info'", err)
 		}
 	}
-	return fail(fmt.Sprintf("loading the weights of layer %d from %s", layer, dir), "check that the checkpoint matches config.json and holds that layer (--layer)", err)
+	fix := "check that the checkpoint matches config.json and holds that layer (--layer)"
+	if errors.Is(err, safetensors.ErrMalformed) {
+		fix = checkpointFix(err)
+	}
+	return fail(fmt.Sprintf("loading the weights of layer %d from %s", layer, dir), fix, err)
+}
+
+// checkpointFix is the advice after an error reading the checkpoint, by kind:
+// a file that is there but malformed, a file that is missing, anything else.
+func checkpointFix(err error) string {
+	switch {
+	case errors.Is(err, safetensors.ErrMalformed):
+		return "that file is damaged or not a safetensors file: re-download or re-export the checkpoint"
+	case errors.Is(err, fs.ErrNotExist):
+		return "the directory must hold model.safetensors, or model.safetensors.index.json and its shards"
+	}
+	return "check the checkpoint's files (model.safetensors, or model.safetensors.index.json and its shards)"
 }
 
 // readInput reads the input activations from a safetensors file: the tensor
