@@ -14,8 +14,13 @@
 // process environment before NCCL can read it (the purego runtime forwards
 // os.Setenv to the C environment).
 //
-// This binding has been compiled and unit-tested without a GPU; it has not run
-// on a multi-GPU machine yet.
+// Every NCCL call that takes a stream or buffers runs inside
+// gpuctx.Stream.WithNative: the stream cannot close and the buffers cannot be
+// freed while the call queues its work.
+//
+// TestOneRankCUDA runs a one-rank communicator (send/recv and all-to-all)
+// through the real libnccl where CUDA and NCCL are present, and skips
+// elsewhere; the binding has not run on a multi-GPU machine yet.
 package nccl
 
 import (
