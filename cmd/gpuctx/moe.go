@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/collective/nccl"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
@@ -375,6 +376,9 @@ func (a *app) runMoe(o moeRunOpts) error {
 		return err
 	}
 	defer rt.Close()
+	if comm, lib := pickMoeComm(rt.Backend(), o.gpus, o.trace != "", nccl.Load); comm == commNCCL {
+		return a.runMoeNCCL(o, moeParallelRun{rt: rt, cfg: cfg, layer: layer, x: x, T: T, name: name, reads: reads, dt: dt, start: start}, lib)
+	}
 	warmBlas(dev)
 	ph.begin("load")
 	k0 := dev.KernelStats()
