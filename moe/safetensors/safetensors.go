@@ -504,7 +504,7 @@ func Open(path string) (*File, error) {
 			me.Path = path
 			return nil, me
 		}
-		return nil, fmt.Errorf("%w (file %s)", err, path)
+		return nil, fmt.Errorf("safetensors: %s: %w", path, err)
 	}
 	return &File{Path: path, Header: h, f: f}, nil
 }
@@ -512,10 +512,10 @@ func Open(path string) (*File, error) {
 func readHeader(f *os.File, size int64) (*Header, error) {
 	var lenb [8]byte
 	if size < 8 {
-		return nil, fmt.Errorf("safetensors: file is %d bytes, shorter than the 8-byte header length", size)
+		return nil, malformed("", "file is %d bytes, shorter than the 8-byte header length", size)
 	}
 	if _, err := f.ReadAt(lenb[:], 0); err != nil {
-		return nil, fmt.Errorf("safetensors: reading the header length: %w", err)
+		return nil, fmt.Errorf("reading the header length: %w", err)
 	}
 	n := binary.LittleEndian.Uint64(lenb[:])
 	if n > MaxHeaderBytes || int64(n) > size-8 {
@@ -523,7 +523,7 @@ func readHeader(f *os.File, size int64) (*Header, error) {
 	}
 	buf := make([]byte, 8+n)
 	if _, err := f.ReadAt(buf, 0); err != nil {
-		return nil, fmt.Errorf("safetensors: reading the %d-byte header: %w", n, err)
+		return nil, fmt.Errorf("reading the %d-byte header: %w", n, err)
 	}
 	return ParseHeader(buf, size)
 }
