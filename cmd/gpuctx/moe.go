@@ -282,7 +282,11 @@ NCCL binding is package collective/nccl). The shared expert always runs on each
 rank's side stream while the rows are in flight, so --mode does not apply, nor
 --trace. On the CPU backend, which has one device per runtime, it opens N
 runtimes. In f32 the output equals the one-device run's bitwise for batches
-above the small-batch size (16 tokens on the grouped-GEMM path).`,
+above the small-batch size (16 tokens on the grouped-GEMM path).
+
+--gpus 1 on CUDA runs the layer the same way over a one-rank NCCL communicator
+(collective/nccl) when libnccl.so.2 loads, so that every run exercises the NCCL
+path; without NCCL, and with --trace, it runs the one-device layer.`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
   gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
   gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json
