@@ -130,6 +130,9 @@ type allocation struct {
 	ptr   hal.Ptr
 	size  int
 	freed atomic.Bool
+
+	mu     sync.Mutex // guards leases, and freed against a new lease (native.go)
+	leases int        // Stream.WithNative callbacks using the allocation
 }
 
 // Buffer is a range of device memory: a whole allocation from Device.Alloc, or a
@@ -227,7 +230,8 @@ func (b *Buffer) onDevice(op string, d *Device) error {
 }
 
 // Free releases b's memory. It does not wait for streams that still use it:
-// synchronise them first. Freeing a view, or freeing twice, is an error.
+// synchronise them first. Freeing a view, or freeing twice, is an error, and so
+// is freeing while a Stream.WithNative callback holds b (ErrInvalid).
 func (b *Buffer) Free() error {
 	if b == nil {
 		return fmt.Errorf("gpuctx: Buffer.Free: nil buffer: %w", ErrInvalid)
@@ -235,7 +239,9 @@ func (b *Buffer) Free() error {
 	if b.view {
 		return fmt.Errorf("gpuctx: Buffer.Free: b is a view made by Slice; free the buffer it came from: %w", ErrInvalid)
 	}
-	if !b.a.freed.CompareAndSwap(false, true) {
+	if busy, double := b.a.markFreed(); busy {
+		return fmt.Errorf("gpuctx: Buffer.Free: buffer in use by a Stream.WithNative callback: %w", ErrInvalid)
+	} else if double {
 		return fmt.Errorf("gpuctx: Buffer.Free: %w (double free)", ErrFreed)
 	}
 	d := b.dev

@@ -13,19 +13,33 @@ import (
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
-// TestOneSentinelPerCondition: the backends' and libraries' exported sentinels
-// are gpuctx's, so errors.Is matches across layers.
+// TestOneSentinelPerCondition: the libraries' exported sentinels are
+// gpuctx's, and the backends' error types match gpuctx's sentinels, so
+// errors.Is matches across layers.
 func TestOneSentinelPerCondition(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		got, want error
 	}{
-		{"cuda.ErrClosed", cuda.ErrClosed, gpuctx.ErrClosed},
-		{"cublas.ErrClosed", cublas.ErrClosed, gpuctx.ErrClosed},
+		{"hal.ErrClosed", hal.ErrClosed, gpuctx.ErrClosed},
 		{"blas.ErrInvalid", blas.ErrInvalid, gpuctx.ErrInvalid},
 	} {
 		if tc.got != tc.want {
 			t.Errorf("%s is not gpuctx's sentinel", tc.name)
+		}
+	}
+	for _, tc := range []struct {
+		name string
+		err  error
+		want error
+	}{
+		{"cuda.ErrOutOfMemory", cuda.ErrOutOfMemory, gpuctx.ErrOutOfMemory},
+		{"cuda.ErrIllegalAddr", cuda.ErrIllegalAddr, gpuctx.ErrDeviceLost},
+		{"cublas.DriverError out of memory", &cublas.DriverError{Call: "cuMemAlloc_v2", Result: 2}, gpuctx.ErrOutOfMemory},
+		{"cublas.StatusError alloc failed", &cublas.StatusError{Call: "cublasGemmEx", Status: 3}, gpuctx.ErrOutOfMemory},
+	} {
+		if !errors.Is(tc.err, tc.want) {
+			t.Errorf("%s does not match %v", tc.name, tc.want)
 		}
 	}
 }

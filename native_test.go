@@ -7,7 +7,7 @@ import (
 	"github.com/gpuctx/gpuctx"
 )
 
-func TestNativeHandleCPU(t *testing.T) {
+func TestNativeCPU(t *testing.T) {
 	rt, err := gpuctx.OpenBackend("cpu")
 	if err != nil {
 		t.Fatal(err)
@@ -21,8 +21,13 @@ func TestNativeHandleCPU(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.NativeHandle(); !errors.Is(err, gpuctx.ErrUnavailable) {
-		t.Errorf("NativeHandle on cpu: %v, want ErrUnavailable", err)
+	if err := s.WithNative(nil, func(n gpuctx.Native) error {
+		if n.Stream != 0 {
+			t.Errorf("WithNative on cpu: stream handle %#x, want 0", n.Stream)
+		}
+		return nil
+	}); err != nil {
+		t.Errorf("WithNative on cpu: %v", err)
 	}
 	ran := false
 	if err := d.OnThread(func() error { ran = true; return nil }); err != nil || !ran {
@@ -33,7 +38,7 @@ func TestNativeHandleCPU(t *testing.T) {
 		t.Errorf("OnThread returned %v, want fn's error", err)
 	}
 	_ = s.Close()
-	if _, err := s.NativeHandle(); !errors.Is(err, gpuctx.ErrClosed) {
+	if err := s.WithNative(nil, func(gpuctx.Native) error { return nil }); !errors.Is(err, gpuctx.ErrClosed) {
 		t.Errorf("after Close: %v", err)
 	}
 }

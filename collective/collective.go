@@ -66,12 +66,12 @@ func CheckCounts(op string, n int, send *gpuctx.Buffer, sendCounts []int, recv *
 		counts []int
 	}{{"send", send, sendCounts}, {"recv", recv, recvCounts}} {
 		if len(v.counts) != n {
-			return fmt.Errorf("%w: collective: %s: %d %s counts for %d ranks", gpuctx.ErrInvalid, op, len(v.counts), v.name, n)
+			return fmt.Errorf("collective: %s: %d %s counts for %d ranks: %w", op, len(v.counts), v.name, n, gpuctx.ErrInvalid)
 		}
 		total := 0
 		for r, c := range v.counts {
 			if c < 0 {
-				return fmt.Errorf("%w: collective: %s: %s count %d for rank %d is negative", gpuctx.ErrInvalid, op, v.name, c, r)
+				return fmt.Errorf("collective: %s: %s count %d for rank %d is negative: %w", op, v.name, c, r, gpuctx.ErrInvalid)
 			}
 			total += c
 		}
@@ -79,10 +79,10 @@ func CheckCounts(op string, n int, send *gpuctx.Buffer, sendCounts []int, recv *
 			continue
 		}
 		if v.buf == nil {
-			return fmt.Errorf("%w: collective: %s: %s buffer is nil but its counts sum to %d bytes", gpuctx.ErrInvalid, op, v.name, total)
+			return fmt.Errorf("collective: %s: %s buffer is nil but its counts sum to %d bytes: %w", op, v.name, total, gpuctx.ErrInvalid)
 		}
 		if v.buf.Size() < total {
-			return fmt.Errorf("%w: collective: %s: %s buffer holds %d bytes, its counts sum to %d", gpuctx.ErrSize, op, v.name, v.buf.Size(), total)
+			return fmt.Errorf("collective: %s: %s buffer holds %d bytes, its counts sum to %d: %w", op, v.name, v.buf.Size(), total, gpuctx.ErrSize)
 		}
 	}
 	return nil

@@ -16,7 +16,9 @@ import (
 // what was queued before it and recv is no longer in use), meets the other
 // ranks, copies each block from the sender's buffer with synchronous copies
 // through host memory, waits until every rank has copied (so that no sender
-// reuses its buffer early) and returns. The effect is thus in stream order,
+// reuses its buffer early) and returns, holding its stream and buffers
+// (gpuctx.Stream.WithNative) from the rendezvous to the end: meanwhile a
+// Buffer.Free of send or recv fails and a Stream.Close waits. The effect is thus in stream order,
 // but the calling goroutine blocks for the whole exchange; work queued on
 // other streams (a shared expert on a side stream) keeps running meanwhile.
 type Local struct {
@@ -50,7 +52,7 @@ type round struct {
 // closed.
 func NewLocal(n int) ([]*Local, error) {
 	if n < 1 {
-		return nil, fmt.Errorf("%w: collective: NewLocal: %d ranks: need at least 1", gpuctx.ErrInvalid, n)
+		return nil, fmt.Errorf("collective: NewLocal: %d ranks: need at least 1: %w", n, gpuctx.ErrInvalid)
 	}
 	g := &group{n: n, rounds: map[uint64]*round{}, closed: make(chan struct{})}
 	out := make([]*Local, n)
@@ -107,7 +109,7 @@ func (c *Local) arrive(op string, v any) (*round, error) {
 	for s, k := range r.kinds {
 		if k != op {
 			c.leave(op, r)
-			return nil, fmt.Errorf("%w: collective: Local.%s: rank %d called %s in the same round: every rank must call the same operations in the same order", gpuctx.ErrInvalid, op, s, k)
+			return nil, fmt.Errorf("collective: Local.%s: rank %d called %s in the same round: every rank must call the same operations in the same order: %w", op, s, k, gpuctx.ErrInvalid)
 		}
 	}
 	return r, nil
@@ -146,7 +148,7 @@ func (c *Local) AllGather(counts []int) ([]int, error) {
 	for s, v := range r.in {
 		in := v.([]int)
 		if len(in) != len(counts) && err == nil {
-			err = fmt.Errorf("%w: collective: Local.AllGather: rank %d passed %d counts, rank %d passed %d", gpuctx.ErrInvalid, s, len(in), c.rank, len(counts))
+			err = fmt.Errorf("collective: Local.AllGather: rank %d passed %d counts, rank %d passed %d: %w", s, len(in), c.rank, len(counts), gpuctx.ErrInvalid)
 		}
 		out = append(out, in...)
 	}
@@ -173,28 +175,32 @@ func (c *Local) AllToAllV(send *gpuctx.Buffer, sendCounts []int, recv *gpuctx.Bu
 	// Argument errors are reported before the rendezvous; the other ranks
 	// then wait until the group is closed, as they would with NCCL.
 	if stream == nil {
-		return fmt.Errorf("%w: collective: Local.AllToAllV: nil stream", gpuctx.ErrInvalid)
+		return fmt.Errorf("collective: Local.AllToAllV: nil stream: %w", gpuctx.ErrInvalid)
 	}
 	if err := CheckCounts("Local.AllToAllV", c.g.n, send, sendCounts, recv, recvCounts); err != nil {
 		return err
 	}
 	for _, b := range []*gpuctx.Buffer{send, recv} {
 		if b != nil && b.Device() != stream.Device() {
-			return fmt.Errorf("%w: collective: Local.AllToAllV: a buffer belongs to another device than the stream", gpuctx.ErrWrongDevice)
+			return fmt.Errorf("collective: Local.AllToAllV: a buffer belongs to another device than the stream: %w", gpuctx.ErrWrongDevice)
 		}
 	}
 	if err := stream.Synchronize(); err != nil {
 		return fmt.Errorf("collective: Local.AllToAllV: %w", err)
 	}
-	r, err := c.arrive(op, a2aArgs{send, append([]int(nil), sendCounts...), append([]int(nil), recvCounts...)})
-	if err != nil {
+	// The leases keep the stream open and both buffers allocated until every
+	// rank has copied: a peer reads send, and a Close of stream waits.
+	return stream.WithNative([]*gpuctx.Buffer{send, recv}, func(gpuctx.Native) error {
+		r, err := c.arrive(op, a2aArgs{send, append([]int(nil), sendCounts...), append([]int(nil), recvCounts...)})
+		if err != nil {
+			return err
+		}
+		err = c.copyIn(r, recv, recvCounts)
+		if lerr := c.leave(op, r); err == nil {
+			err = lerr
+		}
 		return err
-	}
-	err = c.copyIn(r, recv, recvCounts)
-	if lerr := c.leave(op, r); err == nil {
-		err = lerr
-	}
-	return err
+	})
 }
 
 // copyIn checks that every rank's counts agree with this rank's and copies
@@ -204,10 +210,10 @@ func (c *Local) copyIn(r *round, recv *gpuctx.Buffer, recvCounts []int) error {
 	for s, v := range r.in {
 		in := v.(a2aArgs)
 		if in.sendCounts[c.rank] != recvCounts[s] {
-			return fmt.Errorf("%w: collective: Local.AllToAllV: rank %d sends %d bytes to rank %d, which expects %d", gpuctx.ErrInvalid, s, in.sendCounts[c.rank], c.rank, recvCounts[s])
+			return fmt.Errorf("collective: Local.AllToAllV: rank %d sends %d bytes to rank %d, which expects %d: %w", s, in.sendCounts[c.rank], c.rank, recvCounts[s], gpuctx.ErrInvalid)
 		}
 		if in.recvCounts[c.rank] != me.sendCounts[s] {
-			return fmt.Errorf("%w: collective: Local.AllToAllV: rank %d sends %d bytes to rank %d, which expects %d", gpuctx.ErrInvalid, c.rank, me.sendCounts[s], s, in.recvCounts[c.rank])
+			return fmt.Errorf("collective: Local.AllToAllV: rank %d sends %d bytes to rank %d, which expects %d: %w", c.rank, me.sendCounts[s], s, in.recvCounts[c.rank], gpuctx.ErrInvalid)
 		}
 	}
 	rdispl, _ := Displacements(recvCounts)

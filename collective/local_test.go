@@ -3,6 +3,8 @@ package collective
 import (
 	"errors"
 	"fmt"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
 
@@ -263,5 +265,130 @@ func TestLocalCloseUnblocks(t *testing.T) {
 	}
 	if err := comms[1].Close(); err != nil {
 		t.Errorf("double Close: %v", err)
+	}
+}
+
+// arrivedAt waits until n ranks have arrived at round seq of g.
+func arrivedAt(g *group, seq uint64, n int) {
+	for {
+		g.mu.Lock()
+		r := g.rounds[seq]
+		ok := r != nil && r.arrived >= n
+		g.mu.Unlock()
+		if ok {
+			return
+		}
+		runtime.Gosched()
+	}
+}
+
+// TestLocalLeasesInFlight: while rank 0's AllToAllV waits for rank 1, its
+// send and recv buffers cannot be freed (Free fails with ErrInvalid, every
+// run) and its stream's Close waits until the exchange is over; the exchange
+// then delivers the right bytes and the buffers free normally.
+func TestLocalLeasesInFlight(t *testing.T) {
+	devs := cpuDevices(t, 2)
+	comms, err := NewLocal(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 64
+	send, recv, streams := make([]*gpuctx.Buffer, 2), make([]*gpuctx.Buffer, 2), make([]*gpuctx.Stream, 2)
+	for r := range 2 {
+		if send[r], err = devs[r].Alloc(2 * n); err != nil {
+			t.Fatal(err)
+		}
+		if recv[r], err = devs[r].Alloc(2 * n); err != nil {
+			t.Fatal(err)
+		}
+		if err := send[r].CopyFromHost(append(fill(r, 0, n), fill(r, 1, n)...)); err != nil {
+			t.Fatal(err)
+		}
+		if streams[r], err = devs[r].NewStream(gpuctx.StreamOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	counts := []int{n, n}
+	var mu sync.Mutex
+	var order []string
+	mark := func(s string) { mu.Lock(); order = append(order, s); mu.Unlock() }
+	rank0 := make(chan error, 1)
+	go func() {
+		err := comms[0].AllToAllV(send[0], counts, recv[0], counts, streams[0])
+		mark("rank 0 returned")
+		rank0 <- err
+	}()
+	arrivedAt(comms[0].g, 0, 1)
+	for name, b := range map[string]*gpuctx.Buffer{"send": send[0], "recv": recv[0]} {
+		if err := b.Free(); !errors.Is(err, gpuctx.ErrInvalid) {
+			t.Fatalf("Free of rank 0's %s buffer during the exchange = %v, want ErrInvalid", name, err)
+		}
+	}
+	closed := make(chan error, 1)
+	go func() {
+		err := streams[0].Close()
+		mark("stream closed")
+		closed <- err
+	}()
+	for range 100 {
+		runtime.Gosched() // give a Close that does not wait every chance to finish first
+	}
+	if err := comms[1].AllToAllV(send[1], counts, recv[1], counts, streams[1]); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-rank0; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	if order[0] != "rank 0 returned" {
+		t.Errorf("order %q: the stream closed while the exchange was in flight", order)
+	}
+	got := make([]byte, 2*n)
+	if err := recv[0].CopyToHost(got); err != nil {
+		t.Fatal(err)
+	}
+	if want := append(fill(0, 0, n), fill(1, 0, n)...); string(got) != string(want) {
+		t.Errorf("rank 0 received %v, want %v", got, want)
+	}
+	for r := range 2 {
+		if err := errors.Join(send[r].Free(), recv[r].Free()); err != nil {
+			t.Errorf("rank %d: Free after the exchange: %v", r, err)
+		}
+	}
+}
+
+// TestMessageShape: errors read "collective: Op: what: cause", the sentinel
+// last.
+func TestMessageShape(t *testing.T) {
+	devs := cpuDevices(t, 1)
+	small, err := devs[0].Alloc(4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	comms, _ := NewLocal(1)
+	_, errNew := NewLocal(0)
+	for _, tc := range []struct {
+		name string
+		err  error
+		want error
+	}{
+		{"NewLocal(0)", errNew, gpuctx.ErrInvalid},
+		{"count length", CheckCounts("Op", 2, nil, []int{0}, nil, []int{0, 0}), gpuctx.ErrInvalid},
+		{"negative count", CheckCounts("Op", 1, nil, []int{-1}, nil, []int{0}), gpuctx.ErrInvalid},
+		{"nil buffer", CheckCounts("Op", 1, nil, []int{4}, nil, []int{0}), gpuctx.ErrInvalid},
+		{"small buffer", CheckCounts("Op", 1, small, []int{8}, nil, []int{0}), gpuctx.ErrSize},
+		{"nil stream", comms[0].AllToAllV(nil, []int{0}, nil, []int{0}, nil), gpuctx.ErrInvalid},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if !errors.Is(tc.err, tc.want) {
+				t.Fatalf("err %v, want %v", tc.err, tc.want)
+			}
+			msg := tc.err.Error()
+			if !strings.HasPrefix(msg, "collective: ") || !strings.HasSuffix(msg, ": "+tc.want.Error()) {
+				t.Errorf("message %q is not shaped \"collective: Op: what: cause\"", msg)
+			}
+		})
 	}
 }

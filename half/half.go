@@ -64,14 +64,11 @@ func parallel(n int, fn func(lo, hi int)) {
 		fn(0, n)
 		return
 	}
+	// No errors to collect, so a WaitGroup rather than an errgroup.
 	var wg sync.WaitGroup
 	for p := range parts {
 		lo, hi := n*p/parts, n*(p+1)/parts
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			fn(lo, hi)
-		}()
+		wg.Go(func() { fn(lo, hi) })
 	}
 	wg.Wait()
 }

@@ -126,7 +126,7 @@ func (b *backend) Device(i int) (hal.Device, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return nil, fmt.Errorf("cuda: Device(%d): %w", i, ErrClosed)
+		return nil, fmt.Errorf("cuda: Device(%d): %w", i, hal.ErrClosed)
 	}
 	if i < 0 || i >= b.count {
 		return nil, fmt.Errorf("cuda: Device(%d): index out of range; this machine has %d CUDA device(s), numbered from 0", i, b.count)
@@ -147,7 +147,7 @@ func (b *backend) blasLib() (*cublas.Lib, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return nil, ErrClosed
+		return nil, fmt.Errorf("cuda: loading cuBLAS: backend: %w", hal.ErrClosed)
 	}
 	if b.blas != nil {
 		return b.blas, nil
@@ -180,7 +180,7 @@ func (b *backend) Libraries() []hal.Library {
 // streams, events, memory, then the primary context) and the cuBLAS library.
 // It waits for nothing queued: work still running on the device when its
 // context is released is abandoned. Close is idempotent; every other method
-// fails with ErrClosed afterwards.
+// fails with hal.ErrClosed afterwards.
 func (b *backend) Close() error {
 	b.mu.Lock()
 	if b.closed {

@@ -682,8 +682,8 @@ func TestClose(t *testing.T) {
 		{"Kernel", func() error { _, err := d.Kernel("gpuctx_empty"); return err }()},
 	}
 	for _, a := range after {
-		if !errors.Is(a.err, ErrClosed) {
-			t.Errorf("%s after Close = %v, want ErrClosed", a.name, a.err)
+		if !errors.Is(a.err, hal.ErrClosed) {
+			t.Errorf("%s after Close = %v, want hal.ErrClosed", a.name, a.err)
 		}
 	}
 	if err := errors.Join(s.Destroy(), e.Destroy()); err != nil {

@@ -125,14 +125,14 @@ func cStringBuf(b []byte) string {
 // locks the goroutine to its thread, makes the context current if another (or
 // none) is, runs fn and unlocks. Every driver and library call that needs a
 // context goes through Do. Do may be called from any goroutine, concurrently;
-// calls may nest. It fails with ErrClosed after Close.
+// calls may nest. It fails with hal.ErrClosed after Close.
 //
 // After a sticky error (illegal address, launch failure, ...; see stickyCode)
 // seen by any call, Do fails at once with a *DeviceLostError naming that first
 // failure, for every later call: nothing waits on a dead context.
 func (d *device) Do(fn func() error) error {
 	if d.closed.Load() {
-		return fmt.Errorf("cuda: device %d: %w", d.info.Index, ErrClosed)
+		return fmt.Errorf("cuda: device %d: %w", d.info.Index, hal.ErrClosed)
 	}
 	if err := d.sticky.err(); err != nil {
 		return err
@@ -367,7 +367,7 @@ func (d *device) close() error {
 	d.handles = nil
 	d.mu.Unlock()
 	for _, h := range handles {
-		if err := h.Destroy(); err != nil && !errors.Is(err, ErrClosed) {
+		if err := h.Destroy(); err != nil && !errors.Is(err, hal.ErrClosed) {
 			errs = append(errs, err)
 		}
 	}

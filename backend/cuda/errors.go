@@ -23,6 +23,7 @@ const (
 	cudaErrorNoBinaryForGPU  = 209
 	cudaErrorInvalidPTX      = 218
 	cudaErrorUnsupportedPTX  = 222
+	cudaErrorCtxDestroyed    = 709
 	cudaErrorInvalidHandle   = 400
 	cudaErrorNotFound        = 500
 	cudaErrorNotReady        = 600
@@ -154,8 +155,11 @@ func (e *Error) Error() string {
 }
 
 // Is reports whether target is the same status: a *Error with the same Code
-// (the sentinels below), or the hal error the status means
-// (hal.ErrUnavailable for a missing device or driver).
+// (the sentinels below), or the hal sentinel the status means (and so
+// gpuctx's): hal.ErrUnavailable for a missing device or driver,
+// hal.ErrOutOfMemory, hal.ErrInvalid for an invalid value, handle or device,
+// hal.ErrNoKernel for a kernel missing from its module, hal.ErrClosed for a
+// destroyed context, and hal.ErrDeviceLost for the sticky statuses.
 func (e *Error) Is(target error) bool {
 	if t, ok := target.(*Error); ok {
 		return t.Code == e.Code && (t.Call == "" || t.Call == e.Call)
@@ -168,8 +172,14 @@ func (e *Error) Is(target error) bool {
 		}
 	case hal.ErrOutOfMemory:
 		return e.Code == cudaErrorOutOfMemory
+	case hal.ErrInvalid:
+		return e.Code == cudaErrorInvalidValue || e.Code == cudaErrorInvalidHandle || e.Code == cudaErrorInvalidDevice
 	case hal.ErrNoKernel:
 		return e.Code == cudaErrorNotFound && e.Call == "cuModuleGetFunction"
+	case hal.ErrClosed:
+		return e.Code == cudaErrorCtxDestroyed
+	case hal.ErrDeviceLost:
+		return stickyCode(e.Code)
 	}
 	return false
 }
@@ -183,11 +193,6 @@ var (
 	ErrIllegalAddr   = &Error{Code: cudaErrorIllegalAddress, Name: "CUDA_ERROR_ILLEGAL_ADDRESS"}
 	ErrNoDevice      = &Error{Code: cudaErrorNoDevice, Name: "CUDA_ERROR_NO_DEVICE"}
 )
-
-// ErrClosed is returned (wrapped) by every call on a closed backend, device,
-// stream, event, module or graph. It is hal.ErrClosed, which package gpuctx
-// re-exports, so errors.Is matches it across backends.
-var ErrClosed = hal.ErrClosed
 
 // check turns a CUresult into nil or an *Error naming call. api may be nil or
 // partly bound; then the fallback name table is used.

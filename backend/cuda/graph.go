@@ -81,7 +81,7 @@ func (g *graph) Launch(hs hal.Stream) error {
 		return fmt.Errorf("cuda: Graph.Launch: the stream must come from the graph's device")
 	}
 	if g.destroyed.Load() {
-		return fmt.Errorf("cuda: Graph.Launch: %w", ErrClosed)
+		return fmt.Errorf("cuda: Graph.Launch: %w", hal.ErrClosed)
 	}
 	return s.do("Graph.Launch", func() error {
 		return check(g.d.api, "cuGraphLaunch", g.d.api.cuGraphLaunch(g.exec, s.h))

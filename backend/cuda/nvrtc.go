@@ -157,6 +157,13 @@ func (e *CompileError) Error() string {
 	return b.String()
 }
 
+// Is matches hal.ErrInvalid (and so gpuctx.ErrInvalid) when the source or the
+// options were refused: NVRTC_ERROR_INVALID_INPUT, INVALID_PROGRAM,
+// INVALID_OPTION and COMPILATION.
+func (e *CompileError) Is(target error) bool {
+	return target == hal.ErrInvalid && e.Code >= 3 && e.Code <= 6
+}
+
 // cstr returns s as a NUL-terminated byte slice.
 func cstr(s string) []byte { return append([]byte(s), 0) }
 
@@ -326,7 +333,7 @@ func image(file string, major, minor int) (*compiled, error) {
 // failure is a *CompileError with the full compiler log.
 func (d *device) Kernel(name string) (hal.Kernel, error) {
 	if d.closed.Load() {
-		return nil, fmt.Errorf("cuda: Kernel(%q): %w", name, ErrClosed)
+		return nil, fmt.Errorf("cuda: Kernel(%q): %w", name, hal.ErrClosed)
 	}
 	d.modMu.Lock()
 	k, ok := d.kernels[name]

@@ -26,7 +26,7 @@ func (s *stream) ID() uint64 { return s.id }
 // do runs fn inside the device's Do after checking the stream is alive.
 func (s *stream) do(call string, fn func() error) error {
 	if s.destroyed.Load() {
-		return fmt.Errorf("cuda: stream %d: %s: %w", s.id, call, ErrClosed)
+		return fmt.Errorf("cuda: stream %d: %s: %w", s.id, call, hal.ErrClosed)
 	}
 	return s.d.Do(fn)
 }
@@ -116,7 +116,7 @@ func (s *stream) Wait(e hal.Event) error {
 		return fmt.Errorf("cuda: stream %d Wait: event %T is not a CUDA event from this backend", s.id, e)
 	}
 	if ev.destroyed.Load() {
-		return fmt.Errorf("cuda: stream %d Wait: event: %w", s.id, ErrClosed)
+		return fmt.Errorf("cuda: stream %d Wait: event: %w", s.id, hal.ErrClosed)
 	}
 	return s.do("Wait", func() error {
 		return check(s.d.api, "cuStreamWaitEvent", s.d.api.streamWaitEvent(s.h, ev.h, 0))
@@ -157,7 +157,7 @@ func queryResult(api *driverAPI, call string, r int32, err error) (bool, error) 
 
 // Destroy releases s (cuStreamDestroy_v2); work already queued still runs to
 // completion. Destroying twice is harmless; other calls afterwards fail with
-// ErrClosed.
+// hal.ErrClosed.
 func (s *stream) Destroy() error {
 	if !s.destroyed.CompareAndSwap(false, true) {
 		return nil
@@ -178,7 +178,7 @@ type event struct {
 
 func (e *event) do(call string, fn func() error) error {
 	if e.destroyed.Load() {
-		return fmt.Errorf("cuda: event %s: %w", call, ErrClosed)
+		return fmt.Errorf("cuda: event %s: %w", call, hal.ErrClosed)
 	}
 	return e.d.Do(fn)
 }
@@ -194,7 +194,7 @@ func (e *event) Record(s hal.Stream) error {
 		return fmt.Errorf("cuda: event Record: stream %d is on device %d, event on device %d", st.id, st.d.info.Index, e.d.info.Index)
 	}
 	if st.destroyed.Load() {
-		return fmt.Errorf("cuda: event Record on stream %d: %w", st.id, ErrClosed)
+		return fmt.Errorf("cuda: event Record on stream %d: %w", st.id, hal.ErrClosed)
 	}
 	return e.do("Record", func() error { return check(e.d.api, "cuEventRecord", e.d.api.eventRecord(e.h, st.h)) })
 }
@@ -228,7 +228,7 @@ func (e *event) Elapsed(start hal.Event) (time.Duration, error) {
 		return 0, fmt.Errorf("cuda: Elapsed: both events must be made with NewEvent(true) (start timing=%v, end timing=%v)", st.timing, e.timing)
 	}
 	if st.destroyed.Load() {
-		return 0, fmt.Errorf("cuda: Elapsed: start event: %w", ErrClosed)
+		return 0, fmt.Errorf("cuda: Elapsed: start event: %w", hal.ErrClosed)
 	}
 	var ms float32
 	err := e.do("Elapsed", func() error {
@@ -244,7 +244,7 @@ func (e *event) Elapsed(start hal.Event) (time.Duration, error) {
 }
 
 // Destroy releases the event (cuEventDestroy_v2). Destroying twice is
-// harmless; other calls afterwards fail with ErrClosed.
+// harmless; other calls afterwards fail with hal.ErrClosed.
 func (e *event) Destroy() error {
 	if !e.destroyed.CompareAndSwap(false, true) {
 		return nil

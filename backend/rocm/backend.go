@@ -107,7 +107,7 @@ func (b *backend) Device(i int) (hal.Device, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return nil, fmt.Errorf("rocm: Device(%d): %w", i, ErrClosed)
+		return nil, fmt.Errorf("rocm: Device(%d): %w", i, hal.ErrClosed)
 	}
 	if i < 0 || i >= b.count {
 		return nil, fmt.Errorf("rocm: Device(%d): index out of range; this machine has %d HIP device(s), numbered from 0: %w", i, b.count, hal.ErrInvalid)

@@ -92,7 +92,7 @@ func (d *device) run(call string, fn func() error) error {
 	closed := d.closed
 	d.mu.Unlock()
 	if closed {
-		return fmt.Errorf("rocm: %s: device %d: %w", call, d.idx, ErrClosed)
+		return fmt.Errorf("rocm: %s: device %d: %w", call, d.idx, hal.ErrClosed)
 	}
 	if err := d.Do(fn); err != nil {
 		return fmt.Errorf("rocm: %s: %w", call, err)

@@ -19,6 +19,7 @@ const (
 	hipErrorInvalidHandle        = 400
 	hipErrorNotReady             = 600
 	hipErrorIllegalAddress       = 700
+	hipErrorContextIsDestroyed   = 709
 	hipErrorLaunchFailure        = 719
 	hipErrorNotSupported         = 801
 )
@@ -46,6 +47,8 @@ func (e *Error) Is(target error) bool {
 		return e.Code == hipErrorNoDevice || e.Code == hipErrorNotInitialized || e.Code == hipErrorNotSupported
 	case hal.ErrDeviceLost:
 		return e.Code == hipErrorIllegalAddress || e.Code == hipErrorLaunchFailure
+	case hal.ErrClosed:
+		return e.Code == hipErrorContextIsDestroyed
 	}
 	return false
 }
@@ -123,8 +126,5 @@ func blasCheck(a *rocblasAPI, call string, s int32) error {
 	}
 	return &BlasError{Call: call, Status: s, Name: name}
 }
-
-// ErrClosed is hal.ErrClosed.
-var ErrClosed = hal.ErrClosed
 
 var errNoCapture = errors.New("this HIP runtime has no stream capture (hipStreamBeginCapture)")

@@ -57,18 +57,39 @@ func (e *CompileError) Error() string {
 	return fmt.Sprintf("rocm: compiling %s with hipRTC: %v\n%s", e.File, e.Err, e.Log)
 }
 
-// Unwrap returns the hipRTC status error.
+// Unwrap returns the hipRTC status error (an *RTCError), which matches
+// hal.ErrInvalid for a refused source or option.
 func (e *CompileError) Unwrap() error { return e.Err }
+
+// RTCError is a failed hipRTC call: the call, the hiprtcResult and its text.
+type RTCError struct {
+	Call string
+	Code int32
+	Text string // hiprtcGetErrorString, may be empty
+}
+
+// Error reads "hiprtcCompileProgram: HIPRTC_ERROR_COMPILATION (6)".
+func (e *RTCError) Error() string { return fmt.Sprintf("%s: %s (%d)", e.Call, e.Text, e.Code) }
+
+// Is matches hal.ErrInvalid (and so gpuctx.ErrInvalid) when the source or the
+// options were refused: HIPRTC_ERROR_INVALID_INPUT, INVALID_PROGRAM,
+// INVALID_OPTION and COMPILATION.
+func (e *RTCError) Is(target error) bool {
+	return target == hal.ErrInvalid && e.Code >= 3 && e.Code <= 6
+}
 
 func rtcCheck(a *hiprtcAPI, call string, r int32) error {
 	if r == 0 {
 		return nil
 	}
-	name := ""
+	e := &RTCError{Call: call, Code: r}
 	if a.getErrorString != nil {
-		name = a.getErrorString(r)
+		e.Text = a.getErrorString(r)
 	}
-	return fmt.Errorf("%s: %s (%d)", call, name, r)
+	if e.Text == "" {
+		e.Text = "hiprtcResult?"
+	}
+	return e
 }
 
 func cstr(s string) []byte { return append([]byte(s), 0) }
@@ -98,7 +119,7 @@ func compile(a *hiprtcAPI, file, src string) ([]byte, error) {
 				log = cString(buf)
 			}
 		}
-		return nil, &CompileError{File: file, Log: log, Err: fmt.Errorf("%w: %w", err, hal.ErrInvalid)}
+		return nil, &CompileError{File: file, Log: log, Err: err}
 	}
 	var n uintptr
 	if err := rtcCheck(a, "hiprtcGetCodeSize", a.getCodeSize(prog, &n)); err != nil {
@@ -136,7 +157,7 @@ func (d *device) Kernel(name string) (hal.Kernel, error) {
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
-		return nil, fmt.Errorf("rocm: Kernel(%q): %w", name, ErrClosed)
+		return nil, fmt.Errorf("rocm: Kernel(%q): %w", name, hal.ErrClosed)
 	}
 	m := d.modules[file]
 	if m == nil {

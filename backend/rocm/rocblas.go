@@ -73,7 +73,7 @@ func (h *handle) lock(call string) error {
 	h.mu.Lock()
 	if h.destroyed {
 		h.mu.Unlock()
-		return fmt.Errorf("rocm: rocBLAS %s: handle destroyed: %w", call, ErrClosed)
+		return fmt.Errorf("rocm: rocBLAS %s: handle destroyed: %w", call, hal.ErrClosed)
 	}
 	return nil
 }

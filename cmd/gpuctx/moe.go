@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/collective/nccl"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
@@ -97,7 +99,7 @@ func resolveModel(dir string, layer int) (*moe.Config, int, error) {
 	}
 	layers, err := moe.MoELayersInCheckpoint(dir, cfg)
 	if err != nil {
-		return nil, 0, fail(fmt.Sprintf("reading the checkpoint in %s", dir), "the directory must hold model.safetensors, or model.safetensors.index.json and its shards", err)
+		return nil, 0, fail(fmt.Sprintf("reading the checkpoint in %s", dir), checkpointFix(err), err)
 	}
 	if len(layers) == 0 {
 		return nil, 0, fail(fmt.Sprintf("the checkpoint in %s holds no MoE layer that config.json allows (no model.layers.<L>.mlp.gate.weight for an MoE layer L; the first MoE layer by config.json is %d)", dir, first),
@@ -111,7 +113,7 @@ func resolveModel(dir string, layer int) (*moe.Config, int, error) {
 func modelFiles(dir string) ([]readFile, error) {
 	files, err := moe.CheckpointFiles(dir)
 	if err != nil {
-		return nil, fail(fmt.Sprintf("reading the checkpoint in %s", dir), "the directory must hold model.safetensors, or model.safetensors.index.json and its shards", err)
+		return nil, fail(fmt.Sprintf("reading the checkpoint in %s", dir), checkpointFix(err), err)
 	}
 	out := []readFile{{"the model's config.json", filepath.Join(dir, "config.json")}}
 	for _, f := range files {
@@ -146,7 +148,23 @@ func loadLayerError(dir string, layer int, dt gpuctx.DType, err error) error {
 			return fail("building the MoE layer on the device", "try --dtype f32, or check 'gpuctx info'", err)
 		}
 	}
-	return fail(fmt.Sprintf("loading the weights of layer %d from %s", layer, dir), "check that the checkpoint matches config.json and holds that layer (--layer)", err)
+	fix := "check that the checkpoint matches config.json and holds that layer (--layer)"
+	if errors.Is(err, safetensors.ErrMalformed) {
+		fix = checkpointFix(err)
+	}
+	return fail(fmt.Sprintf("loading the weights of layer %d from %s", layer, dir), fix, err)
+}
+
+// checkpointFix is the advice after an error reading the checkpoint, by kind:
+// a file that is there but malformed, a file that is missing, anything else.
+func checkpointFix(err error) string {
+	switch {
+	case errors.Is(err, safetensors.ErrMalformed):
+		return "that file is damaged or not a safetensors file: re-download or re-export the checkpoint"
+	case errors.Is(err, fs.ErrNotExist):
+		return "the directory must hold model.safetensors, or model.safetensors.index.json and its shards"
+	}
+	return "check the checkpoint's files (model.safetensors, or model.safetensors.index.json and its shards)"
 }
 
 // readInput reads the input activations from a safetensors file: the tensor
@@ -264,7 +282,11 @@ NCCL binding is package collective/nccl). The shared expert always runs on each
 rank's side stream while the rows are in flight, so --mode does not apply, nor
 --trace. On the CPU backend, which has one device per runtime, it opens N
 runtimes. In f32 the output equals the one-device run's bitwise for batches
-above the small-batch size (16 tokens on the grouped-GEMM path).`,
+above the small-batch size (16 tokens on the grouped-GEMM path).
+
+--gpus 1 on CUDA runs the layer the same way over a one-rank NCCL communicator
+(collective/nccl) when libnccl.so.2 loads, so that every run exercises the NCCL
+path; without NCCL, and with --trace, it runs the one-device layer.`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
   gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
   gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json
@@ -358,6 +380,9 @@ func (a *app) runMoe(o moeRunOpts) error {
 		return err
 	}
 	defer rt.Close()
+	if comm, lib := pickMoeComm(rt.Backend(), o.gpus, o.trace != "", nccl.Load); comm == commNCCL {
+		return a.runMoeNCCL(o, moeParallelRun{rt: rt, cfg: cfg, layer: layer, x: x, T: T, name: name, reads: reads, dt: dt, start: start}, lib)
+	}
 	warmBlas(dev)
 	ph.begin("load")
 	k0 := dev.KernelStats()

@@ -5,12 +5,14 @@ import (
 	"time"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/collective"
+	"github.com/gpuctx/gpuctx/collective/nccl"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
 
 // moeParallelRun is what runMoe has loaded when it hands over to
-// runMoeParallel.
+// runMoeParallel (runMoeNCCL loads w itself).
 type moeParallelRun struct {
 	rt    *gpuctx.Runtime // the first runtime (closed by the caller)
 	cfg   *moe.Config
@@ -68,9 +70,38 @@ func (a *app) openDevices(rt *gpuctx.Runtime, n int) ([]*gpuctx.Device, func(), 
 	return devs, closeAll, nil
 }
 
-// runMoeParallel is moe run --gpus N (N > 1): the layer runs expert parallel.
+// moeComm is how moe run joins the ranks of its layer.
+type moeComm int
+
+const (
+	commNone  moeComm = iota // no communicator: the one-device Layer (--gpus 1)
+	commLocal                // the in-process group, collective.Local (--gpus above 1)
+	commNCCL                 // a one-rank NCCL communicator (--gpus 1 on CUDA)
+)
+
+// pickMoeComm chooses the communicator of moe run --gpus gpus on backend:
+// above one device the in-process group (as before); one device on CUDA runs
+// expert parallel through a one-rank NCCL communicator when load (nccl.Load)
+// finds NCCL, so that every run exercises the NCCL path the multi-GPU layer
+// takes; otherwise, and with --trace (which traces the one-device layer's
+// kernels), the one-device layer. load is called only on that CUDA path.
+func pickMoeComm(backend string, gpus int, tracing bool, load func() (*nccl.Lib, error)) (moeComm, *nccl.Lib) {
+	switch {
+	case gpus > 1:
+		return commLocal, nil
+	case gpus != 1 || backend != "cuda" || tracing:
+		return commNone, nil
+	}
+	lib, err := load()
+	if err != nil {
+		return commNone, nil // no NCCL here: the one-device layer, as before
+	}
+	return commNCCL, lib
+}
+
+// runMoeParallel is moe run --gpus N (N > 1): the layer runs expert parallel
+// over an in-process group.
 func (a *app) runMoeParallel(o moeRunOpts, p moeParallelRun) error {
-	cfg, T := p.cfg, p.T
 	devs, closeAll, err := a.openDevices(p.rt, o.gpus)
 	defer closeAll()
 	if err != nil {
@@ -79,11 +110,47 @@ func (a *app) runMoeParallel(o moeRunOpts, p moeParallelRun) error {
 	for _, d := range devs {
 		warmBlas(d)
 	}
-	ep, err := moe.NewExpertParallel(devs, cfg, p.w, p.dt)
+	ep, err := moe.NewExpertParallel(devs, p.cfg, p.w, p.dt)
 	if err != nil {
-		return fail(fmt.Sprintf("building the expert-parallel MoE layer on %d devices", o.gpus), fmt.Sprintf("--gpus may be at most the %d experts; try --dtype f32", cfg.NumExperts), err)
+		return fail(fmt.Sprintf("building the expert-parallel MoE layer on %d devices", o.gpus), fmt.Sprintf("--gpus may be at most the %d experts; try --dtype f32", p.cfg.NumExperts), err)
 	}
 	defer ep.Close()
+	return a.runExpertParallel(o, p, ep, devs[0], "expert parallel")
+}
+
+// runMoeNCCL is moe run --gpus 1 on CUDA with NCCL (pickMoeComm): the layer
+// runs expert parallel over a one-rank NCCL communicator on device 0.
+func (a *app) runMoeNCCL(o moeRunOpts, p moeParallelRun, lib *nccl.Lib) error {
+	w, err := loadLayerWeights(o.model, p.cfg, p.layer) // the shard is built from the weights on the host
+	if err != nil {
+		return err
+	}
+	p.w = w
+	dev, err := p.rt.Device(0)
+	if err != nil {
+		return fail("opening device 0", "check 'gpuctx info'", err)
+	}
+	warmBlas(dev)
+	id, err := lib.UniqueID()
+	if err != nil {
+		return fail("making an NCCL communicator id", "check the NCCL installation (NCCL_DEBUG=INFO says more)", err)
+	}
+	comm, err := nccl.NewComm(lib, dev, id, 1, 0)
+	if err != nil {
+		return fail("opening a one-rank NCCL communicator on device 0", "check the NCCL installation (NCCL_DEBUG=INFO says more)", err)
+	}
+	ep, err := moe.NewExpertParallelComms([]*gpuctx.Device{dev}, []collective.Comm{comm}, p.cfg, p.w, p.dt)
+	if err != nil {
+		return fail("building the expert-parallel MoE layer on device 0", "try --dtype f32", err)
+	}
+	defer ep.Close()
+	return a.runExpertParallel(o, p, ep, dev, fmt.Sprintf("expert parallel over a one-rank NCCL %d communicator", lib.Version()))
+}
+
+// runExpertParallel runs ep's forward on p.x, writes y to --output and
+// reports; how describes the parallel run for the summary.
+func (a *app) runExpertParallel(o moeRunOpts, p moeParallelRun, ep *moe.ExpertParallel, dev *gpuctx.Device, how string) error {
+	cfg, T := p.cfg, p.T
 	load := time.Since(p.start)
 	t0 := time.Now()
 	y, err := ep.Forward(p.x, T)
@@ -95,7 +162,6 @@ func (a *app) runMoeParallel(o moeRunOpts, p moeParallelRun) error {
 		return fail(fmt.Sprintf("the layer returned %d values for T=%d, H=%d", len(y), T, cfg.HiddenSize), "please report this with the command line", nil)
 	}
 	const mode = "expert-parallel"
-	dev := devs[0]
 	yt, err := safetensors.FromFloat32("y", safetensors.F32, []int{T, cfg.HiddenSize}, y)
 	if err != nil {
 		return fail("encoding the output", "", err)
@@ -120,7 +186,7 @@ func (a *app) runMoeParallel(o moeRunOpts, p moeParallelRun) error {
 	if a.json {
 		return a.jsonOut(rep)
 	}
-	fmt.Fprintf(a.out, "moe run: %s layer %d of %s on %d × %s (%s), expert parallel\n", rep.Family, p.layer, o.model, o.gpus, rep.Device, rep.Backend)
+	fmt.Fprintf(a.out, "moe run: %s layer %d of %s on %d × %s (%s), %s\n", rep.Family, p.layer, o.model, o.gpus, rep.Device, rep.Backend, how)
 	fmt.Fprintf(a.out, "input %s[%d×%d] from %s, dtype %s, experts split %s\n", p.name, T, cfg.HiddenSize, o.input, rep.DType, expertSplit(cfg.NumExperts, o.gpus))
 	fmt.Fprintf(a.out, "load %.1f ms, forward %.3f ms (wall, host in/out); wrote y[%d×%d] F32 to %s\n", rep.LoadMS, rep.ForwardMS, T, cfg.HiddenSize, o.output)
 	return nil

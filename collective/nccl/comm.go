@@ -27,25 +27,25 @@ type Comm struct {
 
 // NewComm joins rank rank of a communicator of size ranks identified by id,
 // on dev (a CUDA device). It blocks until every rank has joined
-// (ncclCommInitRank).
+// (ncclCommInitRank). It fails with an error wrapping gpuctx.ErrInvalid for
+// bad arguments and gpuctx.ErrUnavailable on a device without vendor streams.
 func NewComm(lib *Lib, dev *gpuctx.Device, id UniqueID, size, rank int) (*Comm, error) {
-	const op = "nccl.NewComm"
+	const op = "nccl: NewComm"
 	if lib == nil || dev == nil {
-		return nil, fmt.Errorf("%w: %s: nil library or device", gpuctx.ErrInvalid, op)
+		return nil, fmt.Errorf("%s: nil library or device: %w", op, gpuctx.ErrInvalid)
 	}
 	if size < 1 || rank < 0 || rank >= size {
-		return nil, fmt.Errorf("%w: %s: rank %d of %d", gpuctx.ErrInvalid, op, rank, size)
+		return nil, fmt.Errorf("%s: rank %d of %d: %w", op, rank, size, gpuctx.ErrInvalid)
 	}
 	own, err := dev.NewStream(gpuctx.StreamOptions{})
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", op, err)
 	}
-	if _, err := own.NativeHandle(); err != nil {
-		_ = own.Close()
-		return nil, fmt.Errorf("%s: NCCL needs a CUDA device: %w", op, err)
-	}
 	c := &Comm{lib: lib, dev: dev, rank: rank, size: size, own: own}
-	err = dev.OnThread(func() error {
+	err = own.WithNative(nil, func(n gpuctx.Native) error {
+		if n.Stream == 0 {
+			return fmt.Errorf("NCCL needs a CUDA device, not a %s one: %w", dev.Backend(), gpuctx.ErrUnavailable)
+		}
 		return lib.check("ncclCommInitRank", lib.s.ncclCommInitRank(&c.comm, int32(size), ncclUniqueID{id}, int32(rank)))
 	})
 	if err != nil {
@@ -67,7 +67,10 @@ func (c *Comm) errClosed(op string) error {
 
 // AllToAllV implements collective.Comm: one ncclGroupStart/End around an
 // ncclSend and an ncclRecv per peer with a non-zero count, queued on stream
-// (the rank's own block included). It returns once the calls are queued.
+// (the rank's own block included). It returns once the calls are queued. The
+// calls run inside stream.WithNative: stream stays open and send and recv stay
+// allocated until they are queued (a concurrent Stream.Close waits, a
+// Buffer.Free fails). stream and the buffers must belong to the Comm's device.
 func (c *Comm) AllToAllV(send *gpuctx.Buffer, sendCounts []int, recv *gpuctx.Buffer, recvCounts []int, stream *gpuctx.Stream) error {
 	const op = "AllToAllV"
 	c.mu.Lock()
@@ -76,45 +79,38 @@ func (c *Comm) AllToAllV(send *gpuctx.Buffer, sendCounts []int, recv *gpuctx.Buf
 		return c.errClosed(op)
 	}
 	if stream == nil {
-		return fmt.Errorf("%w: nccl: Comm.AllToAllV: nil stream", gpuctx.ErrInvalid)
+		return fmt.Errorf("nccl: Comm.AllToAllV: nil stream: %w", gpuctx.ErrInvalid)
+	}
+	if stream.Device() != c.dev {
+		return fmt.Errorf("nccl: Comm.AllToAllV: the stream belongs to another device than the communicator: %w", gpuctx.ErrWrongDevice)
 	}
 	if err := collective.CheckCounts("Comm.AllToAllV", c.size, send, sendCounts, recv, recvCounts); err != nil {
 		return err
 	}
-	return c.exchange(send, sendCounts, recv, recvCounts, stream)
+	if err := c.exchange(send, sendCounts, recv, recvCounts, stream); err != nil {
+		return fmt.Errorf("nccl: Comm.AllToAllV: %w", err)
+	}
+	return nil
 }
 
-// exchange queues the send/recv group; c.mu is held.
+// exchange queues the send/recv group on stream with stream, send and recv
+// leased; c.mu is held.
 func (c *Comm) exchange(send *gpuctx.Buffer, sendCounts []int, recv *gpuctx.Buffer, recvCounts []int, stream *gpuctx.Stream) error {
-	h, err := stream.NativeHandle()
-	if err != nil {
-		return fmt.Errorf("nccl: %w", err)
-	}
-	var sp, rp gpuctx.Ptr
-	if send != nil {
-		if sp, err = send.Ptr(); err != nil {
-			return err
-		}
-	}
-	if recv != nil {
-		if rp, err = recv.Ptr(); err != nil {
-			return err
-		}
-	}
 	sd, _ := collective.Displacements(sendCounts)
 	rd, _ := collective.Displacements(recvCounts)
 	l := c.lib
-	return c.dev.OnThread(func() error {
+	return stream.WithNative([]*gpuctx.Buffer{send, recv}, func(nat gpuctx.Native) error {
+		sp, rp, h := uintptr(nat.Ptrs[0]), uintptr(nat.Ptrs[1]), nat.Stream
 		if err := l.check("ncclGroupStart", l.s.ncclGroupStart()); err != nil {
 			return err
 		}
 		var first error
 		for p := range c.size {
 			if n := sendCounts[p]; n > 0 && first == nil {
-				first = l.check("ncclSend", l.s.ncclSend(uintptr(sp)+uintptr(sd[p]), uintptr(n), ncclUint8, int32(p), c.comm, h))
+				first = l.check("ncclSend", l.s.ncclSend(sp+uintptr(sd[p]), uintptr(n), ncclUint8, int32(p), c.comm, h))
 			}
 			if n := recvCounts[p]; n > 0 && first == nil {
-				first = l.check("ncclRecv", l.s.ncclRecv(uintptr(rp)+uintptr(rd[p]), uintptr(n), ncclUint8, int32(p), c.comm, h))
+				first = l.check("ncclRecv", l.s.ncclRecv(rp+uintptr(rd[p]), uintptr(n), ncclUint8, int32(p), c.comm, h))
 			}
 		}
 		// The group is always closed, also after an error.
@@ -207,7 +203,10 @@ func (c *Comm) Close() error {
 	err = errors.Join(err, c.dev.OnThread(func() error {
 		return c.lib.check("ncclCommDestroy", c.lib.s.ncclCommDestroy(c.comm))
 	}))
-	return errors.Join(err, c.own.Close())
+	if err = errors.Join(err, c.own.Close()); err != nil {
+		return fmt.Errorf("nccl: Comm.Close: rank %d: %w", c.rank, err)
+	}
+	return nil
 }
 
 var _ collective.Comm = (*Comm)(nil)

@@ -14,8 +14,13 @@
 // process environment before NCCL can read it (the purego runtime forwards
 // os.Setenv to the C environment).
 //
-// This binding has been compiled and unit-tested without a GPU; it has not run
-// on a multi-GPU machine yet.
+// Every NCCL call that takes a stream or buffers runs inside
+// gpuctx.Stream.WithNative: the stream cannot close and the buffers cannot be
+// freed while the call queues its work.
+//
+// TestOneRankCUDA runs a one-rank communicator (send/recv and all-to-all)
+// through the real libnccl where CUDA and NCCL are present, and skips
+// elsewhere; the binding has not run on a multi-GPU machine yet.
 package nccl
 
 import (
@@ -24,6 +29,7 @@ import (
 	"os"
 	"sync"
 
+	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/internal/dynload"
 )
 
@@ -121,6 +127,13 @@ var ErrNCCL = errors.New("nccl call failed")
 
 // Unwrap returns ErrNCCL.
 func (e *Error) Unwrap() error { return ErrNCCL }
+
+// Is maps the ncclResult_t to the gpuctx sentinel it means:
+// ncclInvalidArgument (4) and ncclInvalidUsage (5) are gpuctx.ErrInvalid.
+// Other failures (CUDA, system, internal, remote) match only ErrNCCL.
+func (e *Error) Is(target error) bool {
+	return target == gpuctx.ErrInvalid && (e.Code == 4 || e.Code == 5)
+}
 
 // check turns an ncclResult_t into an error.
 func (l *Lib) check(op string, r int32) error {

@@ -93,6 +93,8 @@ func TestNewCommNeedsCUDA(t *testing.T) {
 	}
 	if _, err := NewComm(&Lib{}, d, UniqueID{}, 2, 2); !errors.Is(err, gpuctx.ErrInvalid) {
 		t.Errorf("rank 2 of 2: %v", err)
+	} else if msg := err.Error(); !strings.HasPrefix(msg, "nccl: NewComm: ") || !strings.HasSuffix(msg, ": "+gpuctx.ErrInvalid.Error()) {
+		t.Errorf("message %q is not shaped \"nccl: Op: what: cause\"", msg)
 	}
 }
 

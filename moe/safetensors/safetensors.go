@@ -27,6 +27,7 @@ import (
 	"math/bits"
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -137,12 +138,6 @@ func (h *Header) Names() []string {
 	return names
 }
 
-type rawEntry struct {
-	DType       string  `json:"dtype"`
-	Shape       []int64 `json:"shape"`
-	DataOffsets []int64 `json:"data_offsets"`
-}
-
 // objectEntries decodes a JSON object into its members in file order, refusing
 // a key that appears twice (encoding/json would silently keep the last one) and
 // anything after the closing brace.
@@ -168,7 +163,7 @@ func objectEntries(js []byte) ([]string, []json.RawMessage, error) {
 			return nil, nil, fmt.Errorf("object key is %v, not a string", tok)
 		}
 		if seen[k] {
-			return nil, nil, fmt.Errorf("%q appears twice", k)
+			return nil, nil, fmt.Errorf("the name %q appears twice", k)
 		}
 		seen[k] = true
 		var v json.RawMessage
@@ -191,81 +186,220 @@ func objectEntries(js []byte) ([]string, []json.RawMessage, error) {
 // and the whole JSON header; a longer prefix, such as the whole file, is fine).
 // Tensor names must be unique, and the tensors' data must tile the data section
 // exactly (starting at 0, each where the previous one ends, the last at the end
-// of the file), each matching dtype size times element count.
+// of the file), each matching dtype size times element count. A file that
+// breaks a rule gets a *MalformedError (errors.Is ErrMalformed) that says what
+// is wrong in the file's terms.
 func ParseHeader(prefix []byte, fileSize int64) (*Header, error) {
-	if len(prefix) < 8 || fileSize < 8 {
-		return nil, fmt.Errorf("safetensors: file is %d bytes, shorter than the 8-byte header length", fileSize)
-	}
-	n := binary.LittleEndian.Uint64(prefix[:8])
-	if n > MaxHeaderBytes {
-		return nil, fmt.Errorf("safetensors: header length %d exceeds the %d-byte limit (corrupt or not a safetensors file)", n, MaxHeaderBytes)
-	}
-	if int64(n) > fileSize-8 {
-		return nil, fmt.Errorf("safetensors: header length %d runs past the end of the %d-byte file", n, fileSize)
-	}
-	if int64(len(prefix)) < 8+int64(n) {
-		return nil, fmt.Errorf("safetensors: need %d header bytes, got %d", 8+n, len(prefix))
-	}
-	js := prefix[8 : 8+n]
-	trimmed := strings.TrimLeft(string(js), " \t\r\n")
-	if !strings.HasPrefix(trimmed, "{") {
-		return nil, errors.New("safetensors: header is not a JSON object")
+	js, err := headerJSON(prefix, fileSize)
+	if err != nil {
+		return nil, err
 	}
 	keys, vals, err := objectEntries(js)
 	if err != nil {
-		return nil, fmt.Errorf("safetensors: header JSON: %w", err)
+		return nil, jsonError(err)
 	}
-	h := &Header{DataOffset: 8 + int64(n), Tensors: make(map[string]TensorInfo, len(keys))}
+	h := &Header{DataOffset: 8 + int64(len(js)), Tensors: make(map[string]TensorInfo, len(keys))}
 	dataSize := fileSize - h.DataOffset
 	for i, name := range keys {
-		msg := vals[i]
 		if name == "__metadata__" {
-			if err := json.Unmarshal(msg, &h.Metadata); err != nil {
-				return nil, fmt.Errorf("safetensors: __metadata__ must map strings to strings: %w", err)
+			if h.Metadata, err = parseMetadata(vals[i]); err != nil {
+				return nil, err
 			}
 			continue
 		}
-		var e rawEntry
-		if err := json.Unmarshal(msg, &e); err != nil {
-			return nil, fmt.Errorf("safetensors: tensor %q: %w", name, err)
+		t, err := parseEntry(name, vals[i], dataSize)
+		if err != nil {
+			return nil, err
 		}
-		dt := DType(e.DType)
-		if dt.Bits() == 0 {
-			return nil, fmt.Errorf("safetensors: tensor %q has unsupported dtype %q (not a safetensors dtype)", name, e.DType)
-		}
-		if len(e.DataOffsets) != 2 {
-			return nil, fmt.Errorf("safetensors: tensor %q: data_offsets has %d entries, want 2", name, len(e.DataOffsets))
-		}
-		numel := uint64(1)
-		shape := make([]int, len(e.Shape))
-		for i, d := range e.Shape {
-			if d < 0 || d > math.MaxInt32 {
-				return nil, fmt.Errorf("safetensors: tensor %q: dimension %d is %d", name, i, d)
-			}
-			hi, lo := bits.Mul64(numel, uint64(d))
-			if hi != 0 || lo > math.MaxInt64/64 {
-				return nil, fmt.Errorf("safetensors: tensor %q: shape %v overflows", name, e.Shape)
-			}
-			numel = lo
-			shape[i] = int(d)
-		}
-		b, en := e.DataOffsets[0], e.DataOffsets[1]
-		if b < 0 || en < b || en > dataSize {
-			return nil, fmt.Errorf("safetensors: tensor %q: data_offsets [%d,%d] outside the %d-byte data section", name, b, en, dataSize)
-		}
-		nbits := numel * uint64(dt.Bits())
-		if nbits%8 != 0 {
-			return nil, fmt.Errorf("safetensors: tensor %q: %s%v is %d bits, not a whole number of bytes", name, dt, shape, nbits)
-		}
-		if want := nbits / 8; uint64(en-b) != want {
-			return nil, fmt.Errorf("safetensors: tensor %q: %d data bytes, but %s%v needs %d", name, en-b, dt, shape, want)
-		}
-		h.Tensors[name] = TensorInfo{Name: name, DType: dt, Shape: shape, Begin: b, End: en}
+		h.Tensors[name] = t
 	}
-	// The tensors must tile the data section: no overlap, no gap, no trailing
-	// bytes. Empty tensors sit anywhere inside it.
-	infos := make([]TensorInfo, 0, len(h.Tensors))
-	for _, t := range h.Tensors {
+	if err := checkTiling(h.Tensors, dataSize); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// headerJSON checks the 8-byte header length against the limit and the file
+// size and returns the JSON header it frames.
+func headerJSON(prefix []byte, fileSize int64) ([]byte, error) {
+	if len(prefix) < 8 || fileSize < 8 {
+		return nil, malformed("", "file is %d bytes, shorter than the 8-byte header length", fileSize)
+	}
+	n := binary.LittleEndian.Uint64(prefix[:8])
+	if n > MaxHeaderBytes {
+		return nil, malformed("", "header length %d exceeds the %d-byte limit (corrupt or not a safetensors file)", n, MaxHeaderBytes)
+	}
+	if int64(n) > fileSize-8 {
+		return nil, malformed("", "header length %d runs past the end of the %d-byte file", n, fileSize)
+	}
+	if int64(len(prefix)) < 8+int64(n) {
+		return nil, fmt.Errorf("safetensors: ParseHeader: need %d header bytes, got %d", 8+n, len(prefix))
+	}
+	js := prefix[8 : 8+n]
+	if !isJSON(js, '{') {
+		return nil, malformed("", "the header is %s, not a JSON object", clip(js))
+	}
+	return js, nil
+}
+
+// jsonError says what is wrong with header JSON that objectEntries refused.
+func jsonError(err error) error {
+	var se *json.SyntaxError
+	switch {
+	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+		return malformed("", "header JSON ends before its closing brace (truncated header)")
+	case errors.As(err, &se):
+		return malformed("", "header JSON is not valid at byte %d: %v", se.Offset, err)
+	}
+	return malformed("", "header JSON: %v", err)
+}
+
+// parseMetadata decodes __metadata__: a JSON object of strings (or null).
+func parseMetadata(raw json.RawMessage) (map[string]string, error) {
+	if isJSON(raw, 'n') {
+		return nil, nil
+	}
+	keys, vals, err := objectEntries(raw)
+	if err != nil {
+		return nil, malformed("", "__metadata__ is %s; it must be a JSON object of strings", clip(raw))
+	}
+	md := make(map[string]string, len(keys))
+	for i, k := range keys {
+		var v string
+		if !isJSON(vals[i], '"') || json.Unmarshal(vals[i], &v) != nil {
+			return nil, malformed("", "__metadata__ %q is %s; metadata values must be strings", k, clip(vals[i]))
+		}
+		md[k] = v
+	}
+	return md, nil
+}
+
+// parseEntry decodes and checks the header entry of tensor name: its dtype,
+// shape and data_offsets, and that the offsets hold exactly the shape's bytes
+// inside a data section of dataSize bytes.
+func parseEntry(name string, raw json.RawMessage, dataSize int64) (TensorInfo, error) {
+	var f map[string]json.RawMessage
+	if !isJSON(raw, '{') || json.Unmarshal(raw, &f) != nil {
+		return TensorInfo{}, malformed(name, "its entry is %s; it must be an object with dtype, shape and data_offsets", clip(raw))
+	}
+	dt, err := parseDType(name, f["dtype"])
+	if err != nil {
+		return TensorInfo{}, err
+	}
+	shape, numel, err := parseShape(name, f["shape"])
+	if err != nil {
+		return TensorInfo{}, err
+	}
+	b, en, err := parseOffsets(name, f["data_offsets"])
+	if err != nil {
+		return TensorInfo{}, err
+	}
+	if b < 0 || en < b || en > dataSize {
+		return TensorInfo{}, malformed(name, "data_offsets [%d,%d] outside the %d-byte data section", b, en, dataSize)
+	}
+	nbits := numel * uint64(dt.Bits())
+	if nbits%8 != 0 {
+		return TensorInfo{}, malformed(name, "%s%v is %d bits, not a whole number of bytes", dt, shape, nbits)
+	}
+	if want := nbits / 8; uint64(en-b) != want {
+		return TensorInfo{}, malformed(name, "data_offsets [%d,%d] hold %d data bytes, but %s%v needs %d", b, en, en-b, dt, shape, want)
+	}
+	return TensorInfo{Name: name, DType: dt, Shape: shape, Begin: b, End: en}, nil
+}
+
+// dtypeList names the safetensors dtypes for messages.
+const dtypeList = "BOOL, U8, I8, U16, I16, F16, BF16, U32, I32, F32, U64, I64, F64, C64, F8_E4M3, F8_E5M2, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, F6_E2M3, F6_E3M2, F4"
+
+// parseDType decodes a tensor's dtype field.
+func parseDType(name string, raw json.RawMessage) (DType, error) {
+	if raw == nil {
+		return "", malformed(name, "dtype is missing; it must be a string such as \"BF16\" or \"F32\"")
+	}
+	var s string
+	if !isJSON(raw, '"') || json.Unmarshal(raw, &s) != nil {
+		return "", malformed(name, "dtype is %s; it must be a string such as \"BF16\" or \"F32\"", clip(raw))
+	}
+	if DType(s).Bits() == 0 {
+		return "", malformed(name, "unsupported dtype %s (not a safetensors dtype; those are %s)", clip(raw), dtypeList)
+	}
+	return DType(s), nil
+}
+
+// parseShape decodes a tensor's shape field: whole numbers in [0, 2^31), whose
+// product, times 64 bits, fits an int64. numel is the product.
+func parseShape(name string, raw json.RawMessage) (shape []int, numel uint64, err error) {
+	const must = "it must be a list of whole numbers, such as [2048, 1408] ([] for a scalar)"
+	dims, err := wholeNumbers(name, "shape", raw, must)
+	if err != nil {
+		return nil, 0, err
+	}
+	numel = 1
+	shape = make([]int, len(dims))
+	for i, d := range dims {
+		if d.err != nil || d.v < 0 || d.v > math.MaxInt32 {
+			return nil, 0, malformed(name, "shape[%d] is %s; each dimension must be a whole number >= 0 and <= %d", i, clip(d.raw), math.MaxInt32)
+		}
+		hi, lo := bits.Mul64(numel, uint64(d.v))
+		if hi != 0 || lo > math.MaxInt64/64 {
+			return nil, 0, malformed(name, "shape %s overflows (more than 2^57 elements)", clip(raw))
+		}
+		numel = lo
+		shape[i] = int(d.v)
+	}
+	return shape, numel, nil
+}
+
+// parseOffsets decodes a tensor's data_offsets field: two whole numbers.
+func parseOffsets(name string, raw json.RawMessage) (begin, end int64, err error) {
+	const must = "it must be [begin, end], byte offsets into the data section"
+	offs, err := wholeNumbers(name, "data_offsets", raw, must)
+	if err != nil {
+		return 0, 0, err
+	}
+	if len(offs) != 2 {
+		return 0, 0, malformed(name, "data_offsets has %d entries; %s", len(offs), must)
+	}
+	for i, o := range offs {
+		if o.err != nil {
+			return 0, 0, malformed(name, "data_offsets[%d] is %s; each offset must be a whole number of bytes, at most the data section's size", i, clip(o.raw))
+		}
+	}
+	return offs[0].v, offs[1].v, nil
+}
+
+// number is one element of a JSON list that should hold whole numbers: its
+// text, and its value or why it has none.
+type number struct {
+	raw json.RawMessage
+	v   int64
+	err error
+}
+
+// wholeNumbers decodes raw, field of tensor name, as a JSON list and parses
+// each element as a whole number (the element's err says when it is not one:
+// a fraction, an exponent, a string, out of the int64 range). must says what
+// the field must be, for the message when it is missing or not a list.
+func wholeNumbers(name, field string, raw json.RawMessage, must string) ([]number, error) {
+	if raw == nil {
+		return nil, malformed(name, "%s is missing; %s", field, must)
+	}
+	var elems []json.RawMessage
+	if !isJSON(raw, '[') || json.Unmarshal(raw, &elems) != nil {
+		return nil, malformed(name, "%s is %s; %s", field, clip(raw), must)
+	}
+	out := make([]number, len(elems))
+	for i, e := range elems {
+		out[i].raw = e
+		out[i].v, out[i].err = strconv.ParseInt(string(bytes.TrimSpace(e)), 10, 64)
+	}
+	return out, nil
+}
+
+// checkTiling checks that the tensors tile the data section of dataSize bytes:
+// no overlap, no gap, no trailing bytes. Empty tensors sit anywhere inside it.
+func checkTiling(tensors map[string]TensorInfo, dataSize int64) error {
+	infos := make([]TensorInfo, 0, len(tensors))
+	for _, t := range tensors {
 		if t.End > t.Begin {
 			infos = append(infos, t)
 		}
@@ -276,16 +410,67 @@ func ParseHeader(prefix []byte, fileSize int64) (*Header, error) {
 	for _, t := range infos {
 		switch {
 		case t.Begin < next:
-			return nil, fmt.Errorf("safetensors: tensors %s and %q overlap (bytes [%d,%d) of the data section)", prev, t.Name, t.Begin, next)
+			return malformed("", "tensors %s and %q overlap (bytes [%d,%d) of the data section)", prev, t.Name, t.Begin, next)
 		case t.Begin > next:
-			return nil, fmt.Errorf("safetensors: gap of %d unused bytes between %s and tensor %q (data_offsets must be contiguous)", t.Begin-next, prev, t.Name)
+			return malformed("", "gap of %d unused bytes between %s and tensor %q (data_offsets must be contiguous)", t.Begin-next, prev, t.Name)
 		}
 		next, prev = t.End, fmt.Sprintf("%q", t.Name)
 	}
 	if next != dataSize {
-		return nil, fmt.Errorf("safetensors: %d unused bytes after the last tensor's data (the data section is %d bytes, the tensors cover %d)", dataSize-next, dataSize, next)
+		return malformed("", "%d unused bytes after the last tensor's data (the data section is %d bytes, the tensors cover %d)", dataSize-next, dataSize, next)
 	}
-	return h, nil
+	return nil
+}
+
+// ErrMalformed is matched (errors.Is) by every *MalformedError: the file is
+// not a valid safetensors file.
+var ErrMalformed = errors.New("malformed safetensors file")
+
+// MalformedError is a safetensors header that breaks the format: it says what
+// is wrong and what it must be, in the file's terms (tensor, field, value).
+type MalformedError struct {
+	Path    string // the file, set by Open ("" for bytes given to Parse)
+	Tensor  string // the tensor whose entry is wrong ("" for the header as a whole)
+	Problem string // what is wrong and what it must be
+}
+
+// Error reads "safetensors: <path>: tensor "<name>": <problem>", without the
+// parts that are empty.
+func (e *MalformedError) Error() string {
+	var b strings.Builder
+	b.WriteString("safetensors: ")
+	if e.Path != "" {
+		b.WriteString(e.Path + ": ")
+	}
+	if e.Tensor != "" {
+		fmt.Fprintf(&b, "tensor %q: ", e.Tensor)
+	}
+	b.WriteString(e.Problem)
+	return b.String()
+}
+
+// Is matches ErrMalformed.
+func (e *MalformedError) Is(target error) bool { return target == ErrMalformed }
+
+func malformed(tensor, format string, args ...any) error {
+	return &MalformedError{Tensor: tensor, Problem: fmt.Sprintf(format, args...)}
+}
+
+// isJSON reports whether the JSON value raw starts with c ('{' an object,
+// '[' a list, '"' a string, 'n' null).
+func isJSON(raw []byte, c byte) bool {
+	raw = bytes.TrimLeft(raw, " \t\r\n")
+	return len(raw) > 0 && raw[0] == c
+}
+
+// clip returns the JSON text raw on one line, shortened to 40 bytes, for a
+// message.
+func clip(raw []byte) string {
+	s := []rune(strings.Join(strings.Fields(string(raw)), " "))
+	if len(s) > 40 {
+		return string(s[:37]) + "..."
+	}
+	return string(s)
 }
 
 // Parse parses a whole safetensors file held in memory.
@@ -314,7 +499,12 @@ func Open(path string) (*File, error) {
 	h, err := readHeader(f, st.Size())
 	if err != nil {
 		_ = f.Close()
-		return nil, fmt.Errorf("%w (file %s)", err, path)
+		var me *MalformedError
+		if errors.As(err, &me) {
+			me.Path = path
+			return nil, me
+		}
+		return nil, fmt.Errorf("safetensors: %s: %w", path, err)
 	}
 	return &File{Path: path, Header: h, f: f}, nil
 }
@@ -322,10 +512,10 @@ func Open(path string) (*File, error) {
 func readHeader(f *os.File, size int64) (*Header, error) {
 	var lenb [8]byte
 	if size < 8 {
-		return nil, fmt.Errorf("safetensors: file is %d bytes, shorter than the 8-byte header length", size)
+		return nil, malformed("", "file is %d bytes, shorter than the 8-byte header length", size)
 	}
 	if _, err := f.ReadAt(lenb[:], 0); err != nil {
-		return nil, fmt.Errorf("safetensors: reading the header length: %w", err)
+		return nil, fmt.Errorf("reading the header length: %w", err)
 	}
 	n := binary.LittleEndian.Uint64(lenb[:])
 	if n > MaxHeaderBytes || int64(n) > size-8 {
@@ -333,7 +523,7 @@ func readHeader(f *os.File, size int64) (*Header, error) {
 	}
 	buf := make([]byte, 8+n)
 	if _, err := f.ReadAt(buf, 0); err != nil {
-		return nil, fmt.Errorf("safetensors: reading the %d-byte header: %w", n, err)
+		return nil, fmt.Errorf("reading the %d-byte header: %w", n, err)
 	}
 	return ParseHeader(buf, size)
 }

@@ -180,12 +180,12 @@ func (l *Lib) Close() error {
 // live returns the shared state, or an error naming call if l is closed.
 func (l *Lib) live(call string) (*state, error) {
 	if l == nil {
-		return nil, fmt.Errorf("cublas: %s on a nil Lib: %w", call, ErrClosed)
+		return nil, fmt.Errorf("cublas: %s on a nil Lib: %w", call, hal.ErrClosed)
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closed || l.st == nil {
-		return nil, fmt.Errorf("cublas: %s on a closed Lib: %w", call, ErrClosed)
+		return nil, fmt.Errorf("cublas: %s on a closed Lib: %w", call, hal.ErrClosed)
 	}
 	return l.st, nil
 }

@@ -33,7 +33,7 @@ func (h *handle) lock(call string) error {
 	h.mu.Lock()
 	if h.destroyed {
 		h.mu.Unlock()
-		return fmt.Errorf("cublas: %s on a destroyed handle: %w", call, ErrClosed)
+		return fmt.Errorf("cublas: %s on a destroyed handle: %w", call, hal.ErrClosed)
 	}
 	return nil
 }
@@ -249,7 +249,7 @@ func (h *handle) GroupedNative() bool {
 // Destroy waits for the handle's staged grouped-GEMM pointer arrays to be
 // consumed, frees them, and destroys the cuBLAS handle (cublasDestroy_v2, which
 // synchronises the device). A second Destroy returns nil; every other call
-// after Destroy returns an error wrapping ErrClosed.
+// after Destroy returns an error wrapping hal.ErrClosed.
 func (h *handle) Destroy() error {
 	h.mu.Lock()
 	defer h.mu.Unlock()

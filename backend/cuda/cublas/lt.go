@@ -87,7 +87,7 @@ func (h *ltHandle) Matmul(s hal.Stream, d hal.GemmDesc, ws hal.Ptr, wsSize int) 
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.destroyed {
-		return fmt.Errorf("cublas: Matmul on a destroyed Lt handle: %w", ErrClosed)
+		return fmt.Errorf("cublas: Matmul on a destroyed Lt handle: %w", hal.ErrClosed)
 	}
 	key := ltKey{ta: d.TransA, tb: d.TransB, m: d.M, n: d.N, k: d.K, lda: d.LDA, ldb: d.LDB, ldc: d.LDC, ab: d.AB, c: d.CType, ws: wsSize}
 	h.alpha.set(scaleF32, complex(d.Alpha, 0))
@@ -205,7 +205,7 @@ func (h *ltHandle) dropPlans() error {
 
 // Destroy releases the cached plans and the cuBLASLt handle
 // (cublasLtDestroy). A second Destroy returns nil; Matmul after Destroy returns
-// an error wrapping ErrClosed.
+// an error wrapping hal.ErrClosed.
 func (h *ltHandle) Destroy() error {
 	h.mu.Lock()
 	defer h.mu.Unlock()

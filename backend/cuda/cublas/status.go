@@ -25,6 +25,25 @@ func (e *StatusError) Error() string {
 	return s
 }
 
+// Is maps the status to the hal sentinel it means (and so gpuctx's):
+// CUBLAS_STATUS_ALLOC_FAILED is hal.ErrOutOfMemory, INVALID_VALUE
+// hal.ErrInvalid, and NOT_INITIALIZED, ARCH_MISMATCH, NOT_SUPPORTED and
+// LICENSE_ERROR hal.ErrUnavailable.
+func (e *StatusError) Is(target error) bool {
+	switch target {
+	case hal.ErrOutOfMemory:
+		return e.Status == 3
+	case hal.ErrInvalid:
+		return e.Status == 7
+	case hal.ErrUnavailable:
+		switch e.Status {
+		case 1, 8, 15, 16:
+			return true
+		}
+	}
+	return false
+}
+
 // DriverError is a failed CUDA driver call made by this package (the staging
 // of pointer arrays for grouped GEMM).
 type DriverError struct {
@@ -38,10 +57,33 @@ func (e *DriverError) Error() string {
 	return fmt.Sprintf("%s: %s (%d)", e.Call, e.Name, e.Result)
 }
 
-// ErrClosed is returned (wrapped) by every call on a closed Lib or a destroyed
-// handle. It is hal.ErrClosed, which package gpuctx re-exports, so errors.Is
-// matches it across backends.
-var ErrClosed = hal.ErrClosed
+// Is maps the CUresult to the hal sentinel it means (and so gpuctx's), as
+// package cuda's Error does: CUDA_ERROR_OUT_OF_MEMORY is hal.ErrOutOfMemory
+// (a grouped GEMM's staging that runs out of memory matches
+// gpuctx.ErrOutOfMemory), INVALID_VALUE and INVALID_HANDLE hal.ErrInvalid, a
+// missing device or driver hal.ErrUnavailable, CONTEXT_IS_DESTROYED
+// hal.ErrClosed, and the sticky statuses hal.ErrDeviceLost.
+func (e *DriverError) Is(target error) bool {
+	switch target {
+	case hal.ErrOutOfMemory:
+		return e.Result == 2
+	case hal.ErrInvalid:
+		return e.Result == 1 || e.Result == 400
+	case hal.ErrUnavailable:
+		switch e.Result {
+		case 3, 4, 34, 35, 100:
+			return true
+		}
+	case hal.ErrClosed:
+		return e.Result == 709
+	case hal.ErrDeviceLost:
+		switch e.Result {
+		case 214, 700, 702, 710, 714, 715, 716, 717, 718, 719: // cuda.h's sticky statuses
+			return true
+		}
+	}
+	return false
+}
 
 // statusNames are the cublasStatus_t names, used when the library does not
 // export cublasGetStatusName (or is a test fake).

@@ -314,7 +314,7 @@ func TestLibRefCount(t *testing.T) {
 	if f.st.refs != 2 || shared.st != f.st {
 		t.Fatalf("after closing both Libs: refs %d, shared %v; handles must keep the libraries", f.st.refs, shared.st == f.st)
 	}
-	if _, err := second.NewHandle(&directRunner{}, 9, 0); !errors.Is(err, ErrClosed) {
+	if _, err := second.NewHandle(&directRunner{}, 9, 0); !errors.Is(err, hal.ErrClosed) {
 		t.Errorf("NewHandle after Close = %v; want ErrClosed", err)
 	}
 	if libs := second.Libraries(); libs != nil {
@@ -335,10 +335,10 @@ func TestLibRefCount(t *testing.T) {
 	if f.destroyed != 1 {
 		t.Errorf("cublasDestroy_v2 called %d times; want 1", f.destroyed)
 	}
-	if err := h.Gemm(hal.GemmDesc{}); !errors.Is(err, ErrClosed) {
+	if err := h.Gemm(hal.GemmDesc{}); !errors.Is(err, hal.ErrClosed) {
 		t.Errorf("Gemm after Destroy = %v; want ErrClosed", err)
 	}
-	if err := lt.Matmul(fakeStream{h: 1}, hal.GemmDesc{AB: hal.F32, CType: hal.F32}, 0, 0); !errors.Is(err, ErrClosed) {
+	if err := lt.Matmul(fakeStream{h: 1}, hal.GemmDesc{AB: hal.F32, CType: hal.F32}, 0, 0); !errors.Is(err, hal.ErrClosed) {
 		t.Errorf("Matmul after Destroy = %v; want ErrClosed", err)
 	}
 }
