@@ -120,7 +120,14 @@ func TestSoak(t *testing.T) {
 		t.Error("the soak ran no operation")
 	}
 	if free1+64<<20 < freeWarm {
-		t.Errorf("device memory grew during the soak: %d MiB free after the first phase, %d MiB at the end", freeWarm>>20, free1>>20)
+		msg := fmt.Sprintf("device memory grew during the soak: %d MiB free after the first phase, %d MiB at the end", freeWarm>>20, free1>>20)
+		if os.Getenv("GPUCTX_SOAK_SHARED") != "" {
+			// Other processes use the device too: its free memory is theirs as
+			// much as ours; bench/gpu/soak.sh samples this process's own use.
+			t.Log(msg + " (GPUCTX_SOAK_SHARED: other processes share the device; not checked here)")
+		} else {
+			t.Error(msg)
+		}
 	}
 }
 
