@@ -16,7 +16,8 @@ LOG=${SOAK_LOG:-$OUT/soak.log}
 secs=$(( $(echo "$SOAK" | sed -E 's/m$/*60/; s/s$//') ))
 shared=(); [ "${SHARED:-0}" = 1 ] && shared=(GPUCTX_SOAK_SHARED=1)
 cd moe || exit 1
-env "${shared[@]}" GPUCTX_SOAK="$SOAK" timeout $((secs + 120)) ../.gpu/moe.test -test.count=1 -test.v \
+# env execs the test binary, so $! is the process nvidia-smi lists.
+env "${shared[@]}" GPUCTX_SOAK="$SOAK" ../.gpu/moe.test -test.count=1 -test.v \
   -test.timeout "$((secs + 100))s" -test.run 'TestSoak$' > "$LOG" 2>&1 &
 pid=$!
 : > "$LOG.mem"
