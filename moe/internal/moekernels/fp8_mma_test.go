@@ -13,17 +13,23 @@ import (
 	"github.com/gpuctx/gpuctx/moe/fp8"
 )
 
-// fp8MMACase is one routed batch through an FP8 expert layer: E experts of
-// gate, up ([I, H]) and down ([H, I]) block-scaled weights, T tokens of x
-// routed to K experts each (idx), and the down kernel's input rows (one per
-// assignment, actA), all bf16.
+// fp8MMAWeights are E experts of gate, up ([I, H]) and down ([H, I])
+// block-scaled FP8 weights.
+type fp8MMAWeights struct {
+	E, H, I        int
+	exact          bool
+	gate, up, down []*fp8.Weight
+}
+
+// fp8MMACase is one routed batch through fp8MMAWeights: T tokens of x routed
+// to K experts each (idx), and the down kernel's input rows (one per
+// assignment, actA), all bf16, with the aligned sorts by BM.
 type fp8MMACase struct {
-	E, H, I, T, K    int
+	*fp8MMAWeights
+	T, K             int
 	idx              []int32
 	x, actA          []uint16
-	gate, up, down   []*fp8.Weight
-	exact            bool
-	sorted, blockExp map[int][]int32 // by BM: the aligned sort of idx
+	sorted, blockExp map[int][]int32
 	npost            map[int]int32
 }
 
@@ -89,16 +95,28 @@ func fp8RandAct(r *lcg, n int, exact bool) []uint16 {
 	return out
 }
 
-// newFP8MMACase builds a case: token t's first expert is 0 for even t (so
-// expert 0 gets more rows than a tile), the others are distinct and random,
-// and the last expert gets none when E > K+1.
-func newFP8MMACase(E, H, I, T, K int, exact bool, seed uint64) *fp8MMACase {
+// newFP8MMAWeights returns random weights (fp8RandWeight).
+func newFP8MMAWeights(E, H, I int, exact bool, seed uint64) *fp8MMAWeights {
 	r := lcg(seed)
-	c := &fp8MMACase{E: E, H: H, I: I, T: T, K: K, exact: exact,
+	w := &fp8MMAWeights{E: E, H: H, I: I, exact: exact}
+	for range E {
+		w.gate = append(w.gate, fp8RandWeight(&r, I, H, exact))
+		w.up = append(w.up, fp8RandWeight(&r, I, H, exact))
+		w.down = append(w.down, fp8RandWeight(&r, H, I, exact))
+	}
+	return w
+}
+
+// batch returns a batch of T tokens through w: token t's first expert is 0
+// for even t (so expert 0 gets more rows than a tile), the others are
+// distinct and random, and the last expert gets none when E > K+1.
+func (w *fp8MMAWeights) batch(T, K int, seed uint64) *fp8MMACase {
+	r := lcg(seed)
+	c := &fp8MMACase{fp8MMAWeights: w, T: T, K: K,
 		sorted: map[int][]int32{}, blockExp: map[int][]int32{}, npost: map[int]int32{}}
-	avail := E
-	if E > K+1 {
-		avail = E - 1
+	avail := w.E
+	if w.E > K+1 {
+		avail = w.E - 1
 	}
 	for t := range T {
 		var row []int32
@@ -114,14 +132,14 @@ func newFP8MMACase(E, H, I, T, K int, exact bool, seed uint64) *fp8MMACase {
 		}
 		c.idx = append(c.idx, row...)
 	}
-	for range E {
-		c.gate = append(c.gate, fp8RandWeight(&r, I, H, exact))
-		c.up = append(c.up, fp8RandWeight(&r, I, H, exact))
-		c.down = append(c.down, fp8RandWeight(&r, H, I, exact))
-	}
-	c.x = fp8RandAct(&r, T*H, exact)
-	c.actA = fp8RandAct(&r, T*K*I, exact)
+	c.x = fp8RandAct(&r, T*w.H, w.exact)
+	c.actA = fp8RandAct(&r, T*K*w.I, w.exact)
 	return c
+}
+
+// newFP8MMACase returns a batch of T tokens through new random weights.
+func newFP8MMACase(E, H, I, T, K int, exact bool, seed uint64) *fp8MMACase {
+	return newFP8MMAWeights(E, H, I, exact, seed).batch(T, K, seed+1)
 }
 
 // align returns the aligned sort of the case's assignments for BM (host
@@ -150,7 +168,7 @@ func (c *fp8MMACase) align(BM int) (sorted, blockExpert []int32, npost int32, cp
 
 // weights returns the kernels' weight layouts: gu [E][2I][H] and gus
 // [E][2][NBI][KBH] for up, down [E][H][I] and downs for down.
-func (c *fp8MMACase) weights(up bool) (codes []uint8, scales []float32) {
+func (c *fp8MMAWeights) weights(up bool) (codes []uint8, scales []float32) {
 	for e := range c.E {
 		ws := []*fp8.Weight{c.down[e]}
 		if up {
@@ -180,6 +198,19 @@ func (c *fp8MMACase) actRows(BM int) []uint16 {
 	return act
 }
 
+// fp8WeightPtrs are fp8MMAWeights on a device.
+type fp8WeightPtrs struct{ gu, gus, down, downs Ptr }
+
+func (c *fp8MMAWeights) upload(t testing.TB, d *device) fp8WeightPtrs {
+	t.Helper()
+	var p fp8WeightPtrs
+	codes, scales := c.weights(true)
+	p.gu, p.gus = upload(t, d, codes), upload(t, d, asBytes(scales))
+	codes, scales = c.weights(false)
+	p.down, p.downs = upload(t, d, codes), upload(t, d, asBytes(scales))
+	return p
+}
+
 // fp8Launch launches name on d's device with its real grid, block and shared
 // memory, and waits.
 func fp8Launch(t testing.TB, d *device, name string, grid [2]int, threads, smem int, args ...any) error {
@@ -198,14 +229,16 @@ func fp8Launch(t testing.TB, d *device, name string, grid [2]int, threads, smem 
 
 // run runs the tile's up (act [cap][I]) or down (out [TK][H]) kernel of the
 // case on d and returns its bf16 output.
-func (c *fp8MMACase) run(t testing.TB, d *device, tile FP8Gemm, up bool) []uint16 {
+func (c *fp8MMACase) run(t testing.TB, d *device, wp fp8WeightPtrs, tile FP8Gemm, up bool) []uint16 {
 	t.Helper()
 	sorted, blockExpert, npost, cp := c.align(tile.BM)
 	TK := len(c.idx)
-	codes, scales := c.weights(up)
 	sp, bp := upload(t, d, asBytes(sorted)), upload(t, d, asBytes(blockExpert))
 	np := upload(t, d, asBytes([]int32{npost}))
-	w, ws := upload(t, d, codes), upload(t, d, asBytes(scales))
+	w, ws := wp.gu, wp.gus
+	if !up {
+		w, ws = wp.down, wp.downs
+	}
 	var err error
 	var out Ptr
 	var n int
@@ -333,7 +366,8 @@ func TestFP8MMATwin(t *testing.T) {
 			for _, tile := range fp8Tiles() {
 				for _, up := range []bool{true, false} {
 					t.Run(fmt.Sprintf("%s/exact=%v/BM=%d/up=%v", tc.name, exact, tile.BM, up), func(t *testing.T) {
-						got := c.run(t, newTestDevice(t), tile, up)
+						d := newTestDevice(t)
+						got := c.run(t, d, c.upload(t, d), tile, up)
 						want, f64 := c.reference(t, tile.BM, up)
 						for i := range want {
 							if got[i] != want[i] {
