@@ -92,11 +92,12 @@ static __device__ __forceinline__ void f8_bf16x4(unsigned w, unsigned& lo, unsig
     float f0, f1, f2, f3;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned h0, h1;
-    asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+    asm("{\n.reg .b16 f8c0, f8c1;\nmov.b32 {f8c0, f8c1}, %2;\n"
+        "cvt.rn.f16x2.e4m3x2 %0, f8c0;\ncvt.rn.f16x2.e4m3x2 %1, f8c1;\n}\n"
         : "=r"(h0), "=r"(h1)
         : "r"(w));
-    asm("{\n.reg .b16 a, b, c, d;\nmov.b32 {a, b}, %4;\nmov.b32 {c, d}, %5;\n"
-        "cvt.f32.f16 %0, a;\ncvt.f32.f16 %1, b;\ncvt.f32.f16 %2, c;\ncvt.f32.f16 %3, d;\n}\n"
+    asm("{\n.reg .f16 f8h0, f8h1, f8h2, f8h3;\nmov.b32 {f8h0, f8h1}, %4;\nmov.b32 {f8h2, f8h3}, %5;\n"
+        "cvt.f32.f16 %0, f8h0;\ncvt.f32.f16 %1, f8h1;\ncvt.f32.f16 %2, f8h2;\ncvt.f32.f16 %3, f8h3;\n}\n"
         : "=f"(f0), "=f"(f1), "=f"(f2), "=f"(f3)
         : "r"(h0), "r"(h1));
 #else
