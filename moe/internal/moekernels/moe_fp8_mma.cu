@@ -55,6 +55,12 @@ static __device__ __forceinline__ void f8_cp16(unsigned dst, const void* src, in
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
+// f8_cp16w is f8_cp16 for weight bytes, with an L2 prefetch of the 256-byte
+// segment (the row's next K block, read by the next stage).
+static __device__ __forceinline__ void f8_cp16w(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
 static __device__ __forceinline__ void f8_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>
@@ -231,11 +237,6 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     if (!moe_tile_begin<BM, THREADS, UP>(sorted, block_expert, npost, TK, topk, E0, ns, mb, row_src, row_dst, e)) return;
     const int tid = threadIdx.x;
     const int KB = (Kdim + FP8_BK - 1) / FP8_BK;
-    const int NBR = (N + FP8_BK - 1) / FP8_BK;
-    for (int i = tid; i < NB * KB; i += THREADS) {
-        const int q = i / KB, kb = i - q * KB;
-        sc[q][kb] = S[((long long)(e * NB + q) * NBR + n0 / FP8_BK) * KB + kb];
-    }
 
     // Each thread copies the same column chunk of fixed rows at every stage.
     const unsigned short* Ab = UP ? A : A + (long long)mb * BM * Kdim;
@@ -271,7 +272,7 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
             const bool ok = bok && gb[i] >= 0;
-            f8_cp16(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
+            f8_cp16w(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
         }
     };
 
@@ -290,6 +291,13 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KB) load(s, s);
         f8_commit();
+    }
+    // The block scales, staged once the first loads are in flight (the first
+    // barrier of the loop orders these stores before their reads).
+    const int NBR = (N + FP8_BK - 1) / FP8_BK;
+    for (int i = tid; i < NB * KB; i += THREADS) {
+        const int q = i / KB, kb = i - q * KB;
+        sc[q][kb] = S[((long long)(e * NB + q) * NBR + n0 / FP8_BK) * KB + kb];
     }
     for (int kb = 0; kb < KB; ++kb) {
         f8_wait<STAGES - 2>();
