@@ -301,14 +301,15 @@ type fp8Kernel struct {
 // fp8Timer times launches with CUDA events on one stream.
 type fp8Timer struct {
 	s      *gpuctx.Stream
-	ev     [3]*gpuctx.Event
+	ev     [2]*gpuctx.Event
 	nsets  int
 	warmup int
 	iters  int
 }
 
-// perCall returns the device time of one call of each fn in turn (the
-// mean over iters rounds, weight sets rotating) in microseconds.
+// perCall returns the device time of one call of each fn (in turn, each
+// the mean over iters back-to-back calls between two events, the weight set
+// rotating from call to call) in microseconds.
 func (tm *fp8Timer) perCall(b testing.TB, fns ...func(s *gpuctx.Stream, set int) error) []float64 {
 	for i := range tm.warmup {
 		for _, fn := range fns {
@@ -318,26 +319,26 @@ func (tm *fp8Timer) perCall(b testing.TB, fns ...func(s *gpuctx.Stream, set int)
 		}
 	}
 	out := make([]float64, len(fns))
-	for i := range tm.iters {
-		for j, fn := range fns {
-			if err := tm.ev[0].Record(tm.s); err != nil {
-				b.Fatal(err)
-			}
+	for j, fn := range fns {
+		if err := tm.ev[0].Record(tm.s); err != nil {
+			b.Fatal(err)
+		}
+		for i := range tm.iters {
 			if err := fn(tm.s, i%tm.nsets); err != nil {
 				b.Fatal(err)
 			}
-			if err := tm.ev[1].Record(tm.s); err != nil {
-				b.Fatal(err)
-			}
-			if err := tm.ev[1].Synchronize(); err != nil {
-				b.Fatal(err)
-			}
-			el, err := tm.ev[1].Elapsed(tm.ev[0])
-			if err != nil {
-				b.Fatal(err)
-			}
-			out[j] += float64(el.Nanoseconds()) / 1e3 / float64(tm.iters)
 		}
+		if err := tm.ev[1].Record(tm.s); err != nil {
+			b.Fatal(err)
+		}
+		if err := tm.ev[1].Synchronize(); err != nil {
+			b.Fatal(err)
+		}
+		el, err := tm.ev[1].Elapsed(tm.ev[0])
+		if err != nil {
+			b.Fatal(err)
+		}
+		out[j] = float64(el.Nanoseconds()) / 1e3 / float64(tm.iters)
 	}
 	return out
 }
@@ -516,11 +517,13 @@ func newFP8Timer(tb testing.TB, d *device, nsets, warmup, iters int) *fp8Timer {
 // fp8BenchPairs sweeps the FP8 and the bf16 tiles on a batch and returns
 // the fastest pair of each.
 func fp8BenchPairs(tb testing.TB, d *device, tm *fp8Timer, w *fp8BenchWeights, bb *fp8BenchBatch, H, I, K int) (fu, fd, bu, bd fp8Kernel) {
-	fu, fd, _ = tm.fp8Best(tb, fp8Kernels(d, w, bb, H, I, K))
-	bu, bd, _ = tm.fp8Best(tb, bf16Kernels(d, w, bb, H, I, K))
+	fu, fd, fus := tm.fp8Best(tb, fp8Kernels(d, w, bb, H, I, K))
+	bu, bd, bus := tm.fp8Best(tb, bf16Kernels(d, w, bb, H, I, K))
 	if fu.launch == nil || bu.launch == nil {
 		tb.Fatalf("no FP8 (%v) or no bf16 (%v) tile pair runs on this device", fu.launch != nil, bu.launch != nil)
 	}
+	tb.Logf("T=%d sweep: FP8 up %s + down %s %.1f us, bf16 up %s + down %s %.1f us (each kernel timed alone)",
+		bb.T, fu.tag, fd.tag, fus, bu.tag, bd.tag, bus)
 	return fu, fd, bu, bd
 }
 
@@ -528,22 +531,20 @@ func fp8BenchBatchRun(b *testing.B, d *device, w *fp8BenchWeights, nsets, E, H, 
 	bb := newFP8BenchBatch(b, d, E, H, I, K, T)
 	tm := newFP8Timer(b, d, nsets, 3, 10)
 	fu, fd, bu, bd := fp8BenchPairs(b, d, tm, w, bb, H, I, K)
-	b.Logf("T=%d: %d of %d experts touched; FP8 up %s down %s, bf16 up %s down %s", T, bb.touched, E, fu.tag, fd.tag, bu.tag, bd.tag)
-	tm.iters = 1
+	b.Logf("T=%d: %d of %d experts touched", T, bb.touched, E)
+	tm.warmup, tm.iters = 0, 20
+	pair := func(up, down fp8Kernel) func(*gpuctx.Stream, int) error {
+		return func(s *gpuctx.Stream, set int) error {
+			if err := up.launch(s, set); err != nil {
+				return err
+			}
+			return down.launch(s, set)
+		}
+	}
 	var fp8us, bf16us float64
 	n := 0
 	for b.Loop() {
-		t := tm.perCall(b, func(s *gpuctx.Stream, set int) error {
-			if err := fu.launch(s, (n+set)%nsets); err != nil {
-				return err
-			}
-			return fd.launch(s, (n+set)%nsets)
-		}, func(s *gpuctx.Stream, set int) error {
-			if err := bu.launch(s, (n+set)%nsets); err != nil {
-				return err
-			}
-			return bd.launch(s, (n+set)%nsets)
-		})
+		t := tm.perCall(b, pair(fu, fd), pair(bu, bd))
 		fp8us, bf16us = fp8us+t[0], bf16us+t[1]
 		n++
 	}
