@@ -21,6 +21,18 @@ func emuAChunk(r, ch int) int {
 
 func emuBChunk(R, ch int) int { return ((R>>3)*2+(ch>>2))*32 + 4*(R&7) + (ch & 3) }
 
+// emuARow and emuBRow are f8_arow and f8_brow: the source row and column
+// chunk of destination chunk d.
+func emuARow(d int) (r, ch int) {
+	lane, rest := d&31, d>>5
+	return 16*(rest>>3) + 8*((rest>>1)&1) + lane>>2, 8*((rest>>2)&1) + 2*(lane&3) + rest&1
+}
+
+func emuBRow(d int) (R, ch int) {
+	lane, rest := d&31, d>>5
+	return 8*(rest>>1) + lane>>2, 4*(rest&1) + lane&3
+}
+
 // emuTile is one block of the kernel: its inputs as the kernel sees them.
 type emuTile struct {
 	tile                   FP8Gemm
@@ -43,26 +55,31 @@ func (u *emuTile) stage(kb int) []byte {
 	sm := make([]byte, aBytes+NB*c.BN*8*16)
 	k0 := kb * fp8.BlockSize
 	for tid := range th {
-		ach, bch := tid&15, tid&7
 		for i := 0; i < c.BM*16/th; i++ {
-			r := (tid + i*th) >> 4
-			dst := sm[16*emuAChunk(r, ach):][:16]
-			if src := u.rowSrc[r]; src >= 0 && k0+ach*8 < u.Kdim {
-				base := u.A[src*u.Kdim+k0+ach*8:] // the kernel's Ab + (src - mb*BM)*Kdim for DOWN
+			d := tid + i*th
+			r, ch := emuARow(d)
+			if emuAChunk(r, ch) != d {
+				panic(fmt.Sprintf("f8_arow(%d) = (%d, %d), which f8_achunk maps to %d", d, r, ch, emuAChunk(r, ch)))
+			}
+			if src := u.rowSrc[r]; src >= 0 && k0+ch*8 < u.Kdim {
+				base := u.A[src*u.Kdim+k0+ch*8:] // the kernel's Ab + (src - mb*BM)*Kdim for DOWN
 				for j := range 8 {
-					dst[2*j], dst[2*j+1] = byte(base[j]), byte(base[j]>>8)
+					sm[16*d+2*j], sm[16*d+2*j+1] = byte(base[j]), byte(base[j]>>8)
 				}
 			}
 		}
 		for i := 0; i < NB*c.BN*8/th; i++ {
-			R := (tid + i*th) >> 3
+			d := tid + i*th
+			R, ch := emuBRow(d)
+			if emuBChunk(R, ch) != d {
+				panic(fmt.Sprintf("f8_brow(%d) = (%d, %d), which f8_bchunk maps to %d", d, R, ch, emuBChunk(R, ch)))
+			}
 			half, n := 0, u.n0+R%c.BN
 			if u.up {
 				half = R / c.BN
 			}
-			dst := sm[aBytes+16*emuBChunk(R, bch):][:16]
-			if n < u.N && k0+bch*16 < u.Kdim {
-				copy(dst, u.B[(half*u.N+n)*u.Kdim+k0+bch*16:][:16])
+			if n < u.N && k0+ch*16 < u.Kdim {
+				copy(sm[aBytes+16*d:][:16], u.B[(half*u.N+n)*u.Kdim+k0+ch*16:][:16])
 			}
 		}
 	}

@@ -41,7 +41,8 @@
 // the thread with c = lane % 4 supplies the k slots {2c, 2c+1, 2c+8, 2c+9} from
 // columns 64q + 16c + 4j + {0, 1, 2, 3}, for the activations (A) and the
 // weights (B) alike; the shared-memory tiles are stored in that fragment order
-// (one warp-wide 16-byte load reads 512 contiguous bytes, no bank conflicts).
+// (one warp-wide 16-byte load or copy covers 512 contiguous bytes, no bank
+// conflicts).
 //
 // The extern "C" instances are generated from moekernels.FP8Gemms and appended
 // to this file when it is loaded.
@@ -150,12 +151,19 @@ extern __shared__ __align__(128) unsigned char f8_dyn[];
 //   (((i*2 + q)*2 + rh)*2 + h)*32 + 4g + c.
 //   B chunk (row R, column chunk ch = 0..7 of 16 codes): n-tile t = R/8, g = R %
 //   8, q = ch/4, c = ch % 4 -> (t*2 + q)*32 + 4g + c.
-static __device__ __forceinline__ int f8_achunk(int r, int ch) {
-    return ((((r >> 4) * 2 + (ch >> 3)) * 2 + ((r >> 3) & 1)) * 2 + (ch & 1)) * 32 + 4 * (r & 7) + ((ch >> 1) & 3);
+// Thread tid copies the chunks tid + j*THREADS of each tile, so a warp writes
+// 512 contiguous bytes (no bank conflicts) and reads 64 contiguous bytes of
+// each of 8 weight rows; f8_arow, f8_brow invert the layout.
+static __device__ __forceinline__ void f8_arow(int d, int& r, int& ch) {
+    const int lane = d & 31, rest = d >> 5;
+    r = 16 * (rest >> 3) + 8 * ((rest >> 1) & 1) + (lane >> 2);
+    ch = 8 * ((rest >> 2) & 1) + 2 * (lane & 3) + (rest & 1);
 }
 
-static __device__ __forceinline__ int f8_bchunk(int R, int ch) {
-    return ((R >> 3) * 2 + (ch >> 2)) * 32 + 4 * (R & 7) + (ch & 3);
+static __device__ __forceinline__ void f8_brow(int d, int& R, int& ch) {
+    const int lane = d & 31, rest = d >> 5;
+    R = 8 * (rest >> 1) + (lane >> 2);
+    ch = 4 * (rest & 1) + (lane & 3);
 }
 
 // f8_block multiplies one K block held in shared memory (st) into the block
@@ -238,41 +246,41 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     const int tid = threadIdx.x;
     const int KB = (Kdim + FP8_BK - 1) / FP8_BK;
 
-    // Each thread copies the same column chunk of fixed rows at every stage.
+    // Each thread copies fixed chunks of the tiles at every stage: their
+    // sources (element offsets, -1 for a zero row) and columns are computed once.
     const unsigned short* Ab = UP ? A : A + (long long)mb * BM * Kdim;
     const unsigned char* Be = B + (long long)e * NB * N * Kdim;
-    const int ach = tid & 15, bch = tid & 7;
-    int ga[A_PER], gb[B_PER];
-    unsigned oa[A_PER], ob[B_PER];
+    int ga[A_PER], gb[B_PER], ca[A_PER], cb[B_PER];
 #pragma unroll
     for (int i = 0; i < A_PER; ++i) {
-        const int r = (tid + i * THREADS) >> 4;
+        int r, ch;
+        f8_arow(tid + i * THREADS, r, ch);
         const int src = row_src[r];
-        ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + ach * 8 : -1;
-        oa[i] = 16u * (unsigned)f8_achunk(r, ach);
+        ca[i] = ch * 8;
+        ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + ca[i] : -1;
     }
 #pragma unroll
     for (int i = 0; i < B_PER; ++i) {
-        const int R = (tid + i * THREADS) >> 3;
+        int R, ch;
+        f8_brow(tid + i * THREADS, R, ch);
         const int half = UP ? R / BN : 0;
         const int n = n0 + R % BN;
-        gb[i] = n < N ? (half * N + n) * Kdim + bch * 16 : -1;
-        ob[i] = (unsigned)A_BYTES + 16u * (unsigned)f8_bchunk(R, bch);
+        cb[i] = ch * 16;
+        gb[i] = n < N ? (half * N + n) * Kdim + cb[i] : -1;
     }
-    const unsigned sbase = f8_smem(f8_dyn);
+    const unsigned sbase = f8_smem(f8_dyn) + 16u * (unsigned)tid;
     auto load = [&](int slot, int kb) {
         const unsigned st = sbase + (unsigned)(slot * ST_BYTES);
         const int k0 = kb * FP8_BK;
-        const bool aok = k0 + ach * 8 < Kdim, bok = k0 + bch * 16 < Kdim;
 #pragma unroll
         for (int i = 0; i < A_PER; ++i) {
-            const bool ok = aok && ga[i] >= 0;
-            f8_cp16(st + oa[i], Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
+            const bool ok = ga[i] >= 0 && k0 + ca[i] < Kdim;
+            f8_cp16(st + 16u * (unsigned)(i * THREADS), Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
-            const bool ok = bok && gb[i] >= 0;
-            f8_cp16w(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
+            const bool ok = gb[i] >= 0 && k0 + cb[i] < Kdim;
+            f8_cp16w(st + (unsigned)A_BYTES + 16u * (unsigned)(i * THREADS), Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
         }
     };
 
