@@ -57,15 +57,20 @@ var fp8Shapes = []fp8Shape{
 // [TK][H].
 func fp8TwinRefs(t *testing.T, c *fp8MMACase, cpu *device, wp fp8WeightPtrs) (up, down []uint16) {
 	tile := FP8Gemms[0]
-	act := c.run(t, cpu, wp, tile, true)
-	sorted, _, _, _ := c.align(tile.BM)
-	up = make([]uint16, len(c.idx)*c.I)
+	return fp8PerAssignment(c, tile.BM, c.run(t, cpu, wp, tile, true)), c.run(t, cpu, wp, tile, false)
+}
+
+// fp8PerAssignment returns the act rows of the sort for BM in assignment
+// order ([TK][I]).
+func fp8PerAssignment(c *fp8MMACase, BM int, act []uint16) []uint16 {
+	sorted, _, _, _ := c.align(BM)
+	out := make([]uint16, len(c.idx)*c.I)
 	for p, a := range sorted {
 		if int(a) < len(c.idx) {
-			copy(up[int(a)*c.I:][:c.I], act[p*c.I:][:c.I])
+			copy(out[int(a)*c.I:][:c.I], act[p*c.I:][:c.I])
 		}
 	}
-	return up, c.run(t, cpu, wp, tile, false)
+	return out
 }
 
 // fp8Compare compares the GPU's output of a tile with the twin's: per row p
@@ -124,7 +129,8 @@ func fp8Float64(t *testing.T, c *fp8MMACase, down []uint16) {
 // from the twin's, so every other step, scale, order, conversion, epilogue,
 // is checked to the bit), and within 1e-2 (max|d|/max|twin|) on general
 // data, where the tensor core adds each block's products in its own order
-// (the test logs how many elements differ).
+// (the test logs how many elements differ); and every tile bit for bit with
+// the others on all data.
 func TestFP8MMACUDA(t *testing.T) {
 	fp8CheckDevice(t, cudaTestDevice(t), fp8Shapes, []int{1, 8, 64, 256})
 }
@@ -152,27 +158,53 @@ func fp8CheckDevice(t *testing.T, dev *device, shapes []fp8Shape, tokens []int) 
 				if T <= 8 && !exact {
 					fp8Float64(t, c, downRef)
 				}
-				for _, tile := range FP8Gemms {
-					for _, up := range []bool{true, false} {
-						name := fmt.Sprintf("%s/exact=%v/T=%d/%s/up=%v", sh.name, exact, T, tile.Tag(), up)
-						ref := downRef
-						if up {
-							ref = upRef
-						}
-						n, diff, rel, first := fp8Compare(c, tile.BM, up, c.run(t, dev, gw, tile, up), ref)
-						switch {
-						case exact && diff > 0:
-							t.Errorf("%s: %d of %d elements differ from the twin (relative %.3g); first %s", name, diff, n, rel, first)
-						case rel > 1e-2:
-							t.Errorf("%s: max|d|/max|twin| = %.3g, want <= 1e-2 (%d of %d elements differ)", name, rel, diff, n)
-						case !exact:
-							t.Logf("%s: %d of %d elements differ from the twin, relative %.3g", name, diff, n, rel)
-						}
-					}
-				}
+				fp8CheckTiles(t, dev, c, gw, [2][]uint16{downRef, upRef}, fmt.Sprintf("%s/exact=%v/T=%d", sh.name, exact, T))
 			}
 		}
 	}
+}
+
+// fp8CheckTiles runs every FP8 tile's up and down kernels of the case on dev
+// and compares them with the twin's results (refs: down, up per
+// assignment): bit for bit on exact data, within 1e-2 otherwise; and with
+// each other, bit for bit on any data (every tile sums each output in the
+// same mma sequence).
+func fp8CheckTiles(t *testing.T, dev *device, c *fp8MMACase, gw fp8WeightPtrs, refs [2][]uint16, prefix string) {
+	var first [2][]uint16
+	var firstTag string
+	for _, tile := range FP8Gemms {
+		for ui, up := range []bool{false, true} {
+			name := fmt.Sprintf("%s/%s/up=%v", prefix, tile.Tag(), up)
+			got := c.run(t, dev, gw, tile, up)
+			n, diff, rel, where := fp8Compare(c, tile.BM, up, got, refs[ui])
+			switch {
+			case c.exact && diff > 0:
+				t.Errorf("%s: %d of %d elements differ from the twin (relative %.3g); first %s", name, diff, n, rel, where)
+			case rel > 1e-2:
+				t.Errorf("%s: max|d|/max|twin| = %.3g, want <= 1e-2 (%d of %d elements differ)", name, rel, diff, n)
+			case !c.exact:
+				t.Logf("%s: %d of %d elements differ from the twin, relative %.3g", name, diff, n, rel)
+			}
+			if up {
+				got = fp8PerAssignment(c, tile.BM, got)
+			}
+			if first[ui] == nil {
+				first[ui], firstTag = got, tile.Tag()
+			} else if d := countDiff(got, first[ui]); d > 0 {
+				t.Errorf("%s: %d elements differ bitwise from tile %s's", name, d, firstTag)
+			}
+		}
+	}
+}
+
+func countDiff(a, b []uint16) int {
+	n := 0
+	for i := range a {
+		if a[i] != b[i] {
+			n++
+		}
+	}
+	return n
 }
 
 // fp8BenchWeights are nsets copies of a layer's expert weights on the GPU,
