@@ -31,6 +31,7 @@ type fp8MMACase struct {
 	x, actA          []uint16
 	sorted, blockExp map[int][]int32
 	npost            map[int]int32
+	first            int // the align's first segment (the fused shared chunk)
 }
 
 // fp8Codes returns the finite E4M3 codes whose exponent field lies in [lo,
@@ -143,7 +144,7 @@ func newFP8MMACase(E, H, I, T, K int, exact bool, seed uint64) *fp8MMACase {
 }
 
 // align returns the aligned sort of the case's assignments for BM (host
-// side, as gpuctx_moe_align with first = 0) and the rows to allocate.
+// side, as gpuctx_moe_align with first = c.first) and the rows to allocate.
 func (c *fp8MMACase) align(BM int) (sorted, blockExpert []int32, npost int32, cp int) {
 	TK := len(c.idx)
 	cp = max(roundUp(TK+min(c.E, TK)*(BM-1), BM), BM)
@@ -154,7 +155,7 @@ func (c *fp8MMACase) align(BM int) (sorted, blockExpert []int32, npost int32, cp
 	for _, e := range c.idx {
 		counts[e]++
 	}
-	starts, ends, total := alignSegments(counts, 0, BM)
+	starts, ends, total := alignSegments(counts, c.first, BM)
 	sorted = filled(cp, int32(TK))
 	blockExpert = make([]int32, cp/BM)
 	fillBlocks(blockExpert, starts, ends, BM)
@@ -519,5 +520,47 @@ func TestFP8MMAErrors(t *testing.T) {
 				t.Errorf("err = %v, want %q", err, tc.wantErr)
 			}
 		})
+	}
+}
+
+// TestFP8MMASharedRows runs the FP8 up twin with a fused shared expert (ns =
+// 1: expert E0 = E is every token's last slot, its chunk sorted first): the
+// act rows equal those of the same sort without ns, and a sort that does not
+// put the chunk first is refused.
+func TestFP8MMASharedRows(t *testing.T) {
+	const E, K, T = 3, 2, 7
+	w := newFP8MMAWeights(E+1, 256, 144, false, 9)
+	c := w.batch(T, K, 10)
+	var idx []int32
+	for tk := range T {
+		idx = append(idx, c.idx[tk*K:(tk+1)*K]...)
+		idx = append(idx, E)
+	}
+	c.idx, c.K = idx, K+1
+	tile := FP8Gemms[0]
+	run := func(first, ns int) ([]uint16, error) {
+		c.first = first
+		clear(c.sorted)
+		sorted, blockExpert, npost, cp := c.align(tile.BM)
+		d := newTestDevice(t)
+		wp := c.upload(t, d)
+		act := upload(t, d, make([]byte, 2*cp*c.I))
+		a := fp8UpArgs{X: upload(t, d, asBytes(c.x)), Gu: wp.gu, Gus: wp.gus, Sorted: upload(t, d, asBytes(sorted)),
+			BlockExpert: upload(t, d, asBytes(blockExpert)), Npost: upload(t, d, asBytes([]int32{npost})), Act: act,
+			TK: int32(len(idx)), K: int32(c.K), H: int32(c.H), I: int32(c.I), E0: E, Ns: int32(ns)}
+		if err := launchSync(t, d, tile.UpName(), kernels.Args(&a)...); err != nil {
+			return nil, err // the device is lost
+		}
+		return fromBytes[uint16](download(t, d, act, 2*cp*c.I)), nil
+	}
+	want, err := run(E, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := run(E, 1); err != nil || !slices.Equal(got, want) {
+		t.Errorf("with the fused shared chunk: err %v, act equal %v", err, slices.Equal(got, want))
+	}
+	if _, err := run(0, 1); err == nil || !strings.Contains(err.Error(), "fused shared chunk") {
+		t.Errorf("shared chunk sorted last: err = %v, want a refusal", err)
 	}
 }
