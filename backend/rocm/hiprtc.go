@@ -35,7 +35,8 @@ const hipHeader = `// gpuctx vendor header (HIP): CUDA warp intrinsics on 32-lan
 // hipUnsupported lists the kernel files the header cannot port and why; their
 // kernels report hal.ErrUnavailable on ROCm until they have a HIP version.
 var hipUnsupported = map[string]string{
-	"moe_gemm.cu": "inline PTX (cp.async, ldmatrix, mma.sync for sm_80+ tensor cores) has no HIP equivalent; it needs an MFMA (__builtin_amdgcn_mfma_*) version",
+	"moe_gemm.cu":    "inline PTX (cp.async, ldmatrix, mma.sync for sm_80+ tensor cores) has no HIP equivalent; it needs an MFMA (__builtin_amdgcn_mfma_*) version",
+	"moe_fp8_mma.cu": "inline PTX (cp.async, mma.sync, the sm_89 E4M3 conversion) has no HIP equivalent; it needs an MFMA (__builtin_amdgcn_mfma_*) version",
 }
 
 // module is one compiled kernel file on one device.
