@@ -65,13 +65,13 @@ var mutations = []mutation{
 }
 
 type options struct {
-	runs     int
-	run      string
-	pkgs     []string
-	out      string
-	only     string
-	timeout  time.Duration
-	noBase   bool
+	runs    int
+	run     string
+	pkgs    []string
+	out     string
+	only    string
+	timeout time.Duration
+	noBase  bool
 }
 
 func main() {
