@@ -179,14 +179,12 @@ func runOne(ctx context.Context, o options, m mutation) (r result, err error) {
 func apply(edits []edit) (map[string][]byte, error) {
 	orig := map[string][]byte{}
 	for _, e := range edits {
-		src, ok := orig[e.file]
 		cur, err := os.ReadFile(e.file)
 		if err != nil {
 			return orig, err
 		}
-		if !ok {
-			src = cur
-			orig[e.file] = src
+		if _, ok := orig[e.file]; !ok {
+			orig[e.file] = cur
 		}
 		next, err := replaceIn(cur, e)
 		if err != nil {
