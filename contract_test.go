@@ -185,6 +185,14 @@ func (f *contractFixture) upload(n int, v ...float32) *Buffer {
 	return b
 }
 
+// streamID names s in a message: its ID, or "none".
+func streamID(s *Stream) string {
+	if s == nil {
+		return "none"
+	}
+	return fmt.Sprint(s.ID())
+}
+
 // out returns a 4x4 C of NaNs.
 func (f *contractFixture) out() *Buffer { return f.upload(4, float32(math.NaN())) }
 
@@ -216,7 +224,7 @@ func (f *contractFixture) checkOuts(cs ...*Buffer) {
 func (f *contractFixture) gemmOn(c *Context, want *Stream, out *Buffer) error {
 	return f.k.run(c, func(h lentHandle) error {
 		if got := h.Stream(); got != want {
-			return fmt.Errorf("%s lent for stream %v, want %d", f.k.name, got, want.ID())
+			return fmt.Errorf("%s lent for stream %s, want %d", f.k.name, streamID(got), want.ID())
 		}
 		return h.Gemm(f.gemm(out))
 	})
@@ -278,7 +286,7 @@ func testHeldAcross(t *testing.T, f *contractFixture) {
 	err = f.k.run(f.ctx, func(h lentHandle) error {
 		go func() { errc <- f.gemmOn(view, f.s[1], c2) }()
 		if got := h.Stream(); got != f.s[0] {
-			return fmt.Errorf("lent for stream %v, want %d", got, f.s[0].ID())
+			return fmt.Errorf("lent for stream %s, want %d", streamID(got), f.s[0].ID())
 		}
 		return h.Gemm(f.gemm(c1)) // held until the second callback waits (progress)
 	})
@@ -411,7 +419,7 @@ func testConcurrentStreams(t *testing.T, f *contractFixture) {
 						<-all[r]
 					}
 					if got := h.Stream(); got != s {
-						return fmt.Errorf("worker %d lent stream %v, want %d", w, got, s.ID())
+						return fmt.Errorf("worker %d lent stream %s, want %d", w, streamID(got), s.ID())
 					}
 					return h.Gemm(f.gemm(cs[r]))
 				})

@@ -277,6 +277,7 @@ func table(o options, rs []result) []byte {
 	fmt.Fprintf(&b, "Contract tests: `go test -count=1 -run '%s' %s`, %d runs per mutation; plain suite: `go test -count=1 %s`, once.\n\n",
 		o.run, strings.Join(o.pkgs, " "), o.runs, strings.Join(o.pkgs, " "))
 	b.WriteString("| mutation | broken on purpose | contract runs failed | plain suite | first failure |\n|---|---|---|---|---|\n")
+	defer b.WriteString(notes)
 	for _, r := range rs {
 		why := r.firstFail
 		if r.buildError != "" {
@@ -286,6 +287,20 @@ func table(o options, rs []result) []byte {
 	}
 	return b.Bytes()
 }
+
+// notes explain the table.
+const notes = `
+Notes
+- ws-not-reapplied is an equivalent mutant under per-stream workspaces: every
+  rebind moves a handle to a stream with a different workspace, so bind applies
+  that one whatever it believes set-stream kept. It is caught, every run, by the
+  one-workspace-per-handle half of WorkspaceReappliedAfterSetStream (the CPU
+  handle refuses a GEMM after set-stream dropped the workspace, as cuBLAS would
+  silently run it on its default pool).
+- "first failure" is the first telling line of the first failing contract run;
+  the contract cases are TestContract in contract_test.go (rules x handle kinds
+  x policies) and TestAPI in api_test.go.
+`
 
 func gitHead() string {
 	out, err := exec.Command("git", "rev-parse", "--short", "HEAD").Output()
