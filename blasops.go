@@ -85,13 +85,16 @@ func (l *lease) gen() uint64 { return l.state.Load() >> 1 }
 // taking nothing, once the lease has moved on. Contention is between goroutines
 // of one callback only, so it yields rather than parks.
 func (l *lease) lock(gen uint64) bool {
-	for {
+	for waited := false; ; waited = true {
 		old := l.state.Load()
 		if old>>1 != gen {
 			return false
 		}
 		if old&opLocked == 0 && l.state.CompareAndSwap(old, old|opLocked) {
 			return true
+		}
+		if !waited && old&opLocked != 0 {
+			hookOpWait()
 		}
 		runtime.Gosched()
 	}
@@ -102,10 +105,13 @@ func (l *lease) unlock() { l.state.Add(^uint64(0)) }
 
 // advance waits for a call in flight, then moves to the next generation.
 func (l *lease) advance() {
-	for {
+	for waited := false; ; waited = true {
 		old := l.state.Load()
 		if old&opLocked == 0 && l.state.CompareAndSwap(old, old+2) {
 			return
+		}
+		if !waited && old&opLocked != 0 {
+			hookOpWait()
 		}
 		runtime.Gosched()
 	}
@@ -143,6 +149,16 @@ func enter(sl *slot, gen uint64, op string) (*lease, func(), error) {
 	if err != nil {
 		l.unlock()
 		return nil, nil, err
+	}
+	if ch := sl.Handle.check; ch != nil {
+		// A handle that checks the contract (the CPU backend) refuses a
+		// stream it is not bound to: a handle bound to one stream and lent
+		// for another fails here, where a real one would queue on the wrong.
+		if err := ch.CheckStream(l.s.hs); err != nil {
+			unlock()
+			l.unlock()
+			return nil, nil, fmt.Errorf("gpuctx: %s: %w", op, err)
+		}
 	}
 	return l, func() { unlock(); l.unlock() }, nil
 }

@@ -112,7 +112,59 @@ type ContextStats struct {
 // callbacks; each callback uses the stream it read when it started.
 type Context struct {
 	*ctxCore
-	stream atomic.Pointer[Stream]
+	stream streamRef
+}
+
+// streamRef is a Context's current stream. Every read goes through Load, so
+// that a test can watch each one: a callback must read it exactly once (the
+// binding rule), and a test hook that switches the stream after every read
+// turns a second read into a handle bound to one stream and lent for another,
+// which the CPU backend refuses.
+type streamRef struct{ p atomic.Pointer[Stream] }
+
+// Load returns the current stream.
+func (r *streamRef) Load() *Stream {
+	s := r.p.Load()
+	if h := testHooks.Load(); h != nil && h.streamRead != nil {
+		h.streamRead(r, s)
+	}
+	return s
+}
+
+// Store makes s the current stream.
+func (r *streamRef) Store(s *Stream) { r.p.Store(s) }
+
+// Swap makes s the current stream and returns the previous one.
+func (r *streamRef) Swap(s *Stream) *Stream { return r.p.Swap(s) }
+
+// contractHooks are the binding contract's sync points, for tests only
+// (export_test.go, contract_test.go); testHooks is nil otherwise. They run on
+// the goroutine that reaches the point.
+type contractHooks struct {
+	// streamRead runs after every read of a Context's current stream.
+	streamRead func(r *streamRef, s *Stream)
+	// handleWait runs when a callback finds no free handle and is about to
+	// wait for one.
+	handleWait func()
+	// opWait runs when a call through a lent handle, or the end of its
+	// callback, finds another call in flight and is about to wait for it.
+	opWait func()
+}
+
+var testHooks atomic.Pointer[contractHooks]
+
+// hookHandleWait runs the handleWait hook, if any.
+func hookHandleWait() {
+	if h := testHooks.Load(); h != nil && h.handleWait != nil {
+		h.handleWait()
+	}
+}
+
+// hookOpWait runs the opWait hook, if any.
+func hookOpWait() {
+	if h := testHooks.Load(); h != nil && h.opWait != nil {
+		h.opWait()
+	}
 }
 
 // ctxCore is what a Context shares with its views (WithStream): handles,
@@ -281,12 +333,32 @@ type binding struct {
 	// sharedWS marks an UnsafeSharedWorkspace slot; pooled Contexts never mix them.
 	sharedWS bool
 
+	// check and ltBind are the handle's optional contract checks (the CPU
+	// backend; nil elsewhere): see streamChecker and ltBinder.
+	check  streamChecker
+	ltBind ltBinder
+
 	bound   *Stream               // stream the handle is bound to (nil: none yet)
 	applied *handlepool.Workspace // workspace applied since the last bind
 	epoch   uint64                // workspaces' epoch when applied was checked
 	ownWS   *handlepool.Workspace // UnsafeSharedWorkspace only
 
 	lease lease // what the slot lends to the callback holding its lock
+}
+
+// streamChecker is implemented by library handles that check the binding
+// contract themselves (the CPU backend): CheckStream fails when the handle is
+// not bound to s. enter calls it before every call through a lent handle, so
+// that a handle bound to one stream and lent for another is caught.
+type streamChecker interface {
+	CheckStream(s hal.Stream) error
+}
+
+// ltBinder is implemented by cuBLASLt handles that record the stream they are
+// lent for and refuse any other (the CPU backend; cuBLASLt itself takes the
+// stream with every call). bind calls SetStream when the slot moves.
+type ltBinder interface {
+	SetStream(s hal.Stream) error
 }
 
 // lend records who holds sl (whose mu the caller holds) and returns the lease
@@ -318,7 +390,7 @@ func (sl *binding) destroy(d *Device) error {
 		errs = append(errs, d.hd.Free(w.Ptr))
 		w.Ptr = 0
 	}
-	sl.blas, sl.lt = nil, nil
+	sl.blas, sl.lt, sl.check, sl.ltBind = nil, nil, nil, nil
 	return errors.Join(errs...)
 }
 
@@ -348,6 +420,7 @@ func (bs *blasState) init(d *Device) {
 				New:     func(h *binding) error { return bs.newHandle(h, fl, unsafeWS) },
 				Destroy: func(h *binding) error { return h.destroy(d) },
 				Stale:   func(h *binding) bool { return h.bound == nil || h.bound.isClosed() },
+				Wait:    hookHandleWait,
 			})
 		}
 	}
@@ -462,6 +535,8 @@ func (bs *blasState) newHandle(sl *binding, f Flavour, unsafeWS bool) error {
 			return fmt.Errorf("gpuctx: creating a cuBLASLt handle: %w", err)
 		}
 		sl.lt = h
+		sl.ltBind, _ = h.(ltBinder)
+		sl.check, _ = h.(streamChecker)
 	} else {
 		h, err := d.hd.NewBlasHandle()
 		if err != nil {
@@ -479,6 +554,7 @@ func (bs *blasState) newHandle(sl *binding, f Flavour, unsafeWS bool) error {
 			return fmt.Errorf("gpuctx: setting BLAS math mode %v: %w", f, err)
 		}
 		sl.blas = h
+		sl.check, _ = h.(streamChecker)
 	}
 	if unsafeWS && sl.blas != nil {
 		n := handlepool.AlignUp(bs.spaces.Size())
@@ -564,6 +640,7 @@ func (c *Context) acquireShared(f Flavour) (*slot, error) {
 		c.mu.Unlock()
 	}
 	if !sl.TryLock() {
+		hookHandleWait()
 		c.waits.Add(1)
 		t := time.Now()
 		sl.Lock()
@@ -598,19 +675,13 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 	bs := &c.dev.blas
 	epoch := bs.spaces.Epoch()
 	sl := &slt.Handle
-	var err error
 	if sl.blas != nil && sl.bound == s && sl.applied != nil && sl.ownWS == nil && sl.epoch == epoch {
 		return nil // fast path: bound to s with s's workspace applied
 	}
-	// The vendor rule (hal.StreamBinder): cuBLAS drops the workspace on a
-	// rebind; rocBLAS keeps it but wants the old stream's work finished first
-	// when it is user-owned, which an event orders without blocking the host.
-	keepsWS, needsIdle := false, false
-	if b, ok := sl.blas.(hal.StreamBinder); ok {
-		keepsWS, needsIdle = b.SetStreamKeepsWorkspace(), b.NeedsOldStreamIdle()
-	}
+	keepsWS, needsIdle := vendorRule(sl.blas)
 	var after hal.Event // recorded on the old stream; s waits on it before the move
 	if needsIdle && sl.bound != nil && sl.bound != s && sl.applied != nil {
+		var err error
 		if after, err = c.markOldStream(sl.bound); err != nil {
 			return err
 		}
@@ -624,13 +695,7 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 	}
 	defer unlock()
 	if sl.blas == nil {
-		// cuBLASLt takes the stream with each call; record it so that the pool
-		// hands this slot to s again rather than making another.
-		if sl.bound != s {
-			sl.bound = s
-			slt.SetBoundID(s.ID())
-		}
-		return nil
+		return bindLt(slt, s)
 	}
 	ws := sl.ownWS
 	if ws == nil {
@@ -638,36 +703,92 @@ func (c *Context) bind(slt *slot, s *Stream) error {
 			return err
 		}
 	}
-	if sl.bound != s {
-		if after != nil {
-			if err := s.hs.Wait(after); err != nil {
-				return fmt.Errorf("gpuctx: ordering stream %d after the BLAS handle's old stream: %w", s.ID(), err)
-			}
-		}
-		if err := sl.blas.SetStream(s.hs); err != nil {
-			sl.bound, sl.applied = nil, nil
-			slt.SetBoundID(0)
-			return fmt.Errorf("gpuctx: binding a BLAS handle to stream %d: %w", s.ID(), err)
-		}
-		if sl.bound != nil {
-			c.rebinds.Add(1)
-		}
-		c.binds.Add(1)
-		sl.bound = s
-		if !keepsWS {
-			sl.applied = nil
-		}
-		slt.SetBoundID(s.ID())
+	if err := c.setStream(slt, s, after, keepsWS); err != nil {
+		return err
 	}
-	if sl.applied != ws {
-		if err := sl.blas.SetWorkspace(ws.Ptr, ws.Size); err != nil {
-			sl.applied = nil
-			return fmt.Errorf("gpuctx: applying the %d-byte workspace of stream %d: %w", ws.Size, s.ID(), err)
-		}
-		c.applies.Add(1)
-		sl.applied = ws
+	if err := c.applyWorkspace(sl, s, ws); err != nil {
+		return err
 	}
 	sl.epoch = epoch
+	return nil
+}
+
+// vendorRule is the library's stream-move rule for h (hal.StreamBinder):
+// cuBLAS drops the workspace on a rebind; rocBLAS keeps it but wants the old
+// stream's work finished first when it is user-owned, which an event orders
+// without blocking the host. A handle that does not say is treated as cuBLAS.
+func vendorRule(h hal.BlasHandle) (keepsWS, needsIdle bool) {
+	if b, ok := h.(hal.StreamBinder); ok {
+		return b.SetStreamKeepsWorkspace(), b.NeedsOldStreamIdle()
+	}
+	return false, false
+}
+
+// bindLt records s as the stream of the cuBLASLt slot slt (which takes the
+// stream with each call), so that the pool hands this slot to s again rather
+// than making another, and tells a handle that checks its stream (ltBinder).
+// s's lock is held.
+func bindLt(slt *slot, s *Stream) error {
+	sl := &slt.Handle
+	if sl.bound == s {
+		return nil
+	}
+	if sl.ltBind != nil {
+		if err := sl.ltBind.SetStream(s.hs); err != nil {
+			sl.bound = nil
+			slt.SetBoundID(0)
+			return fmt.Errorf("gpuctx: binding a cuBLASLt handle to stream %d: %w", s.ID(), err)
+		}
+	}
+	sl.bound = s
+	slt.SetBoundID(s.ID())
+	return nil
+}
+
+// setStream binds the BLAS handle of slt to s when it is bound to another
+// stream (none: a first bind), s first waiting on after (the old stream's
+// end) when that is set. Unless the library keeps the workspace across the
+// move (keepsWS), it forgets the applied one: cublasSetStream resets it to
+// the library default, and applyWorkspace must set it again. s's lock is held.
+func (c *Context) setStream(slt *slot, s *Stream, after hal.Event, keepsWS bool) error {
+	sl := &slt.Handle
+	if sl.bound == s {
+		return nil
+	}
+	if after != nil {
+		if err := s.hs.Wait(after); err != nil {
+			return fmt.Errorf("gpuctx: ordering stream %d after the BLAS handle's old stream: %w", s.ID(), err)
+		}
+	}
+	if err := sl.blas.SetStream(s.hs); err != nil {
+		sl.bound, sl.applied = nil, nil
+		slt.SetBoundID(0)
+		return fmt.Errorf("gpuctx: binding a BLAS handle to stream %d: %w", s.ID(), err)
+	}
+	if sl.bound != nil {
+		c.rebinds.Add(1)
+	}
+	c.binds.Add(1)
+	sl.bound = s
+	if !keepsWS {
+		sl.applied = nil
+	}
+	slt.SetBoundID(s.ID())
+	return nil
+}
+
+// applyWorkspace sets ws, s's workspace, on sl's BLAS handle unless it is the
+// one applied since the last bind.
+func (c *Context) applyWorkspace(sl *binding, s *Stream, ws *handlepool.Workspace) error {
+	if sl.applied == ws {
+		return nil
+	}
+	if err := sl.blas.SetWorkspace(ws.Ptr, ws.Size); err != nil {
+		sl.applied = nil
+		return fmt.Errorf("gpuctx: applying the %d-byte workspace of stream %d: %w", ws.Size, s.ID(), err)
+	}
+	c.applies.Add(1)
+	sl.applied = ws
 	return nil
 }
 

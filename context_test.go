@@ -914,7 +914,8 @@ func checkBinding(h gpuctx.Blas, want *gpuctx.Stream) error {
 // SetStream racing callbacks: every callback's handle is bound (as the library
 // holds it) to the stream its h.Stream() reports, with that stream's workspace.
 // A Context that read its current stream twice (once to bind, once to lend)
-// would be caught here.
+// may be caught here, depending on timing; TestContract's StreamReadOnce
+// catches it every run (a hook switches the stream after every read).
 func TestSetStreamRacesCallbacks(t *testing.T) {
 	for _, pol := range []gpuctx.HandlePolicy{gpuctx.SharedHandle, gpuctx.PooledHandles} {
 		t.Run(pol.String(), func(t *testing.T) {

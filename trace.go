@@ -276,46 +276,93 @@ func (t *Tracer) WriteJSON(w io.Writer) error {
 	if t.closed {
 		return fmt.Errorf("gpuctx: Tracer.WriteJSON: %w", ErrClosed)
 	}
-	type timed struct {
-		sp         *traceSpan
-		start, end float64
+	out, lo, err := t.timeSpans()
+	if err != nil {
+		return err
 	}
-	at := func(ev hal.Event) (float64, error) {
-		if err := ev.Synchronize(); err != nil {
-			return 0, err
+	pid, evs := t.trackEvents(out)
+	// By start, and an enclosing span (a Range) before the spans it encloses.
+	sort.SliceStable(out, func(i, j int) bool {
+		if out[i].start != out[j].start {
+			return out[i].start < out[j].start
 		}
-		d, err := ev.Elapsed(t.base)
-		if err != nil { // a backend that refuses a negative interval: measure it the other way
-			if r, err2 := t.base.Elapsed(ev); err2 == nil {
-				d, err = -r, nil
-			}
-		}
-		return float64(d) / float64(time.Microsecond), err
+		return out[i].end > out[j].end
+	})
+	pos := make(map[*traceSpan]int, len(out))
+	for i, o := range out {
+		pos[o.sp] = i
 	}
-	var out []timed
-	pos := map[*traceSpan]int{}
-	lo := math.Inf(1)
+	flowEvs, anchor := t.flowEvents(out, pos, pid, lo)
+	for _, o := range out {
+		if o.sp.name == "event record" && !anchor[o.sp] {
+			continue
+		}
+		dur := o.end - o.start
+		evs = append(evs, traceEvent{Name: o.sp.name, Cat: o.sp.cat, Ph: "X", Ts: o.start - lo, Dur: &dur,
+			Pid: pid, Tid: o.sp.tid, Args: o.sp.args})
+	}
+	evs = append(evs, flowEvs...)
+	bw := bufio.NewWriter(w)
+	enc := json.NewEncoder(bw)
+	if err := enc.Encode(struct {
+		TraceEvents     []traceEvent      `json:"traceEvents"`
+		DisplayTimeUnit string            `json:"displayTimeUnit"`
+		OtherData       map[string]string `json:"otherData"`
+	}{evs, "ns", t.otherData()}); err != nil {
+		return fmt.Errorf("gpuctx: Tracer.WriteJSON: %w", err)
+	}
+	return bw.Flush()
+}
+
+// timedSpan is a kept span with its start and end in microseconds from the
+// tracer's base event.
+type timedSpan struct {
+	sp         *traceSpan
+	start, end float64
+}
+
+// eventTime waits for ev and returns its time in microseconds from t.base.
+func (t *Tracer) eventTime(ev hal.Event) (float64, error) {
+	if err := ev.Synchronize(); err != nil {
+		return 0, err
+	}
+	d, err := ev.Elapsed(t.base)
+	if err != nil { // a backend that refuses a negative interval: measure it the other way
+		if r, err2 := t.base.Elapsed(ev); err2 == nil {
+			d, err = -r, nil
+		}
+	}
+	return float64(d) / float64(time.Microsecond), err
+}
+
+// timeSpans reads the times of the kept spans (t.mu held), in recording
+// order, and the earliest start (0 when there is none).
+func (t *Tracer) timeSpans() (out []timedSpan, lo float64, err error) {
+	lo = math.Inf(1)
 	for _, sp := range t.spans {
 		if !sp.keep {
 			continue
 		}
-		s, err := at(sp.start)
+		s, err := t.eventTime(sp.start)
 		if err != nil {
-			return fmt.Errorf("gpuctx: Tracer.WriteJSON: reading the start of %s on stream %d: %w", sp.name, sp.tid, err)
+			return nil, 0, fmt.Errorf("gpuctx: Tracer.WriteJSON: reading the start of %s on stream %d: %w", sp.name, sp.tid, err)
 		}
-		e, err := at(sp.end)
+		e, err := t.eventTime(sp.end)
 		if err != nil {
-			return fmt.Errorf("gpuctx: Tracer.WriteJSON: reading the end of %s on stream %d: %w", sp.name, sp.tid, err)
+			return nil, 0, fmt.Errorf("gpuctx: Tracer.WriteJSON: reading the end of %s on stream %d: %w", sp.name, sp.tid, err)
 		}
-		pos[sp] = len(out)
-		out = append(out, timed{sp, s, max(e, s)})
+		out = append(out, timedSpan{sp, s, max(e, s)})
 		lo = min(lo, s)
 	}
 	if len(out) == 0 {
 		lo = 0
 	}
-	pid := 0
-	var evs []traceEvent
+	return out, lo, nil
+}
+
+// trackEvents returns the process ID and the metadata events that name the
+// process (the device) and one track per stream of out, by stream ID.
+func (t *Tracer) trackEvents(out []timedSpan) (pid int, evs []traceEvent) {
 	devName := "device"
 	if t.dev != nil {
 		pid = t.dev.info.Index
@@ -339,38 +386,23 @@ func (t *Tracer) WriteJSON(w io.Writer) error {
 		evs = append(evs, traceEvent{Name: "thread_name", Ph: "M", Pid: pid, Tid: id, Args: map[string]any{"name": name}},
 			traceEvent{Name: "thread_sort_index", Ph: "M", Pid: pid, Tid: id, Args: map[string]any{"sort_index": i}})
 	}
-	// By start, and an enclosing span (a Range) before the spans it encloses.
-	sort.SliceStable(out, func(i, j int) bool {
-		if out[i].start != out[j].start {
-			return out[i].start < out[j].start
-		}
-		return out[i].end > out[j].end
-	})
-	for i, o := range out {
-		pos[o.sp] = i
-	}
-	// A flow starts inside the operation that the recorded event follows
-	// (the producer: the last span of that track to end by the record) and
-	// ends inside the wait span just before the waiting stream was released.
-	// The zero-length "event record" span is written only where there is no
-	// producer to anchor the arrow to.
+	return pid, evs
+}
+
+// flowEvents returns the fork/join arrows of t.flows over out (sorted by
+// start; pos maps each span to its index) and the "event record" spans that
+// must be written because an arrow starts at them. A flow starts inside the
+// operation that the recorded event follows (the producer: the last span of
+// that track to end by the record) and ends inside the wait span just before
+// the waiting stream was released. The zero-length "event record" span is
+// written only where there is no producer to anchor the arrow to.
+func (t *Tracer) flowEvents(out []timedSpan, pos map[*traceSpan]int, pid int, lo float64) ([]traceEvent, map[*traceSpan]bool) {
 	var flowEvs []traceEvent
 	anchor := map[*traceSpan]bool{}
 	for _, f := range t.flows {
 		rec, to := out[pos[f.from]], out[pos[f.to]]
 		sTs := rec.start
-		prod := -1
-		for i := pos[f.from] - 1; i >= 0; i-- {
-			if o := out[i]; o.sp.tid == rec.sp.tid && o.sp != rec.sp && o.sp.name != "event record" && o.end <= rec.start && o.end > o.start {
-				if prod < 0 || o.end > out[prod].end {
-					prod = i
-				}
-				if o.end < rec.start-1e3 { // spans are sorted by start: nothing later ends closer
-					break
-				}
-			}
-		}
-		if prod >= 0 {
+		if prod := producer(out, pos[f.from]); prod >= 0 {
 			sTs = (out[prod].start + out[prod].end) / 2
 		} else {
 			anchor[rec.sp] = true
@@ -382,15 +414,31 @@ func (t *Tracer) WriteJSON(w io.Writer) error {
 		flowEvs = append(flowEvs,
 			traceEvent{Name: "fork/join", Cat: "flow", Ph: "s", Ts: sTs - lo, Pid: pid, Tid: f.from.tid, ID: f.id}, fe)
 	}
-	for _, o := range out {
-		if o.sp.name == "event record" && !anchor[o.sp] {
-			continue
+	return flowEvs, anchor
+}
+
+// producer returns the index in out (sorted by start) of the span that the
+// event record out[at] follows on its track: the latest to end, by the
+// record's start, of the non-empty spans before it; -1 when there is none.
+func producer(out []timedSpan, at int) int {
+	rec := out[at]
+	prod := -1
+	for i := at - 1; i >= 0; i-- {
+		if o := out[i]; o.sp.tid == rec.sp.tid && o.sp != rec.sp && o.sp.name != "event record" && o.end <= rec.start && o.end > o.start {
+			if prod < 0 || o.end > out[prod].end {
+				prod = i
+			}
+			if o.end < rec.start-1e3 { // spans are sorted by start: nothing later ends closer
+				break
+			}
 		}
-		dur := o.end - o.start
-		evs = append(evs, traceEvent{Name: o.sp.name, Cat: o.sp.cat, Ph: "X", Ts: o.start - lo, Dur: &dur,
-			Pid: pid, Tid: o.sp.tid, Args: o.sp.args})
 	}
-	evs = append(evs, flowEvs...)
+	return prod
+}
+
+// otherData is the trace's metadata: the producer, t's metadata and the
+// number of operations dropped (t.mu held).
+func (t *Tracer) otherData() map[string]string {
 	meta := map[string]string{"producer": "gpuctx"}
 	for k, v := range t.meta {
 		meta[k] = v
@@ -398,16 +446,7 @@ func (t *Tracer) WriteJSON(w io.Writer) error {
 	if t.dropped > 0 {
 		meta["dropped operations"] = fmt.Sprint(t.dropped)
 	}
-	bw := bufio.NewWriter(w)
-	enc := json.NewEncoder(bw)
-	if err := enc.Encode(struct {
-		TraceEvents     []traceEvent      `json:"traceEvents"`
-		DisplayTimeUnit string            `json:"displayTimeUnit"`
-		OtherData       map[string]string `json:"otherData"`
-	}{evs, "ns", meta}); err != nil {
-		return fmt.Errorf("gpuctx: Tracer.WriteJSON: %w", err)
-	}
-	return bw.Flush()
+	return meta
 }
 
 // WriteFile writes the trace (see WriteJSON) to the named file.

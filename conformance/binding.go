@@ -3,8 +3,9 @@ package conformance
 import (
 	"errors"
 	"fmt"
-	"sync"
 	"testing"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/gpuctx/gpuctx"
 )
@@ -164,9 +165,9 @@ func testConcurrentViews(t *testing.T, dev *gpuctx.Device, pol gpuctx.HandlePoli
 		ws[i] = w
 	}
 	before := dev.WorkspaceConflicts()
-	var wg sync.WaitGroup
+	var g errgroup.Group
 	for i, w := range ws {
-		wg.Go(func() {
+		g.Go(func() error {
 			s := w.view.Stream()
 			for it := range iters {
 				g := gemmF32(skM, skN, skK, 1, w.A, w.B, w.C)
@@ -180,13 +181,15 @@ func testConcurrentViews(t *testing.T, dev *gpuctx.Device, pol gpuctx.HandlePoli
 					err = s.CopyDtoD(w.outs[it], 0, w.C, 0, 4*skM*skN)
 				}
 				if err != nil {
-					t.Errorf("worker %d iteration %d: %v", i, it, err)
-					return
+					return fmt.Errorf("worker %d iteration %d: %w", i, it, err)
 				}
 			}
+			return nil
 		})
 	}
-	wg.Wait()
+	if err := g.Wait(); err != nil {
+		t.Error(err) // the first worker's error; the results are checked all the same
+	}
 	must(t, "Device.Synchronize", dev.Synchronize())
 	for i, w := range ws {
 		for it, o := range w.outs {

@@ -1,6 +1,7 @@
 package cpu
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"sync/atomic"
@@ -13,13 +14,104 @@ import (
 	"github.com/gpuctx/gpuctx/internal/hal"
 )
 
-// blasHandle mirrors a cuBLAS handle. Like cuBLAS it has no lock: concurrent
-// use is the caller's bug, and the race detector reports it.
+// ErrHandleMisuse is wrapped by the error of a library handle call that
+// breaks the handle's contract: a handle entered by two calls at once, used
+// for a stream other than the one it is bound to, or a GEMM queued after
+// SetStream dropped the workspace and before SetWorkspace set it again. A real
+// cuBLAS or cuBLASLt handle would corrupt results silently; the CPU backend
+// refuses the call, so that every such bug fails the test that makes it.
+var ErrHandleMisuse = errors.New("library handle contract broken")
+
+// Hooks are test hooks for the library handles of one CPU device (SetHooks).
+type Hooks struct {
+	// Inside runs in every BLAS and cuBLASLt handle call (call names it, e.g.
+	// "BlasHandle.Gemm", "LtHandle.Matmul") while the call holds the handle:
+	// a test may block in it to keep the handle busy.
+	Inside func(call string)
+	// Misuse runs with the error of every call refused with ErrHandleMisuse.
+	Misuse func(err error)
+}
+
+// callChecks is a device's record of handle contract violations and its hooks.
+type callChecks struct {
+	hooks    atomic.Pointer[Hooks]
+	misuses  atomic.Int64
+	firstErr atomic.Pointer[error]
+}
+
+// SetHooks installs h on d, which must be a device of this backend, for
+// every handle of d (those made earlier included), and returns the hooks it
+// replaces. Tests only: the hooks run on the callers' goroutines.
+func SetHooks(d hal.Device, h Hooks) (Hooks, error) {
+	cd, ok := d.(*device)
+	if !ok {
+		return Hooks{}, fmt.Errorf("cpu: SetHooks: device %T is not a CPU device: %w", d, hal.ErrInvalid)
+	}
+	if old := cd.calls.hooks.Swap(&h); old != nil {
+		return *old, nil
+	}
+	return Hooks{}, nil
+}
+
+// Misuses returns how many handle calls d, a device of this backend, refused
+// with ErrHandleMisuse since it was opened, and the first such error (nil:
+// none). It is -1 for a device of another backend.
+func Misuses(d hal.Device) (int64, error) {
+	cd, ok := d.(*device)
+	if !ok {
+		return -1, nil
+	}
+	var first error
+	if p := cd.calls.firstErr.Load(); p != nil {
+		first = *p
+	}
+	return cd.calls.misuses.Load(), first
+}
+
+// misuse records err (which wraps ErrHandleMisuse), runs the Misuse hook and
+// returns err.
+func (c *callChecks) misuse(err error) error {
+	c.misuses.Add(1)
+	c.firstErr.CompareAndSwap(nil, &err)
+	if h := c.hooks.Load(); h != nil && h.Misuse != nil {
+		h.Misuse(err)
+	}
+	return err
+}
+
+// guard detects a handle entered by two calls at once. It uses no lock and no
+// timing: a call marks the handle busy for its whole duration, and a call that
+// finds it busy is refused. cuBLAS and cuBLASLt handles are not safe for
+// concurrent use; the caller (package gpuctx) must serialise every call.
+type guard struct{ busy atomic.Bool }
+
+// enter marks the handle busy for call and runs the Inside hook; the caller
+// must call the returned func when the call is done.
+func (g *guard) enter(c *callChecks, call string) (exit func(), err error) {
+	if !g.busy.CompareAndSwap(false, true) {
+		return nil, c.misuse(fmt.Errorf("cpu: %s: the handle is in use by another call (two goroutines entered it at once; a real handle would corrupt its state): %w", call, ErrHandleMisuse))
+	}
+	if h := c.hooks.Load(); h != nil && h.Inside != nil {
+		h.Inside(call)
+	}
+	return g.leave, nil
+}
+
+func (g *guard) leave() { g.busy.Store(false) }
+
+// blasHandle mirrors a cuBLAS handle. Like cuBLAS it has no lock, but it
+// refuses (ErrHandleMisuse) a call that enters it while another is inside, a
+// CheckStream for a stream it is not bound to, and a GEMM after SetStream
+// dropped its workspace and before SetWorkspace set one again.
 type blasHandle struct {
-	dev       *device
-	stream    *stream
-	ws        hal.Ptr
-	wsSize    int
+	guard
+	dev    *device
+	stream *stream
+	ws     hal.Ptr
+	wsSize int
+	// wsDropped: SetStream reset a user workspace to the library default (as
+	// cublasSetStream does) and SetWorkspace has not been called since.
+	wsDropped bool
 	math      hal.MathMode
 	destroyed bool
 }
@@ -35,27 +127,61 @@ func (d *device) NewBlasHandle() (hal.BlasHandle, error) {
 	return &blasHandle{dev: d}, nil
 }
 
-func (h *blasHandle) live(call string) error {
-	if h.destroyed {
-		return fmt.Errorf("cpu: BlasHandle.%s: handle is destroyed (create a new one): %w", call, hal.ErrClosed)
+// begin enters the handle for call and checks that it is not destroyed; the
+// caller must call exit when the call is done.
+func (h *blasHandle) begin(call string) (exit func(), err error) {
+	if exit, err = h.enter(&h.dev.calls, "BlasHandle."+call); err != nil {
+		return nil, err
 	}
-	return nil
+	if h.destroyed {
+		exit()
+		return nil, fmt.Errorf("cpu: BlasHandle.%s: handle is destroyed (create a new one): %w", call, hal.ErrClosed)
+	}
+	return exit, nil
 }
 
 // SetStream binds the handle to s: later operations queue on s. Like
 // cublasSetStream it resets the workspace to the library default (none here):
-// call SetWorkspace right after.
+// call SetWorkspace right after, or the next GEMM is refused.
 func (h *blasHandle) SetStream(s hal.Stream) error {
-	if err := h.live("SetStream"); err != nil {
+	exit, err := h.begin("SetStream")
+	if err != nil {
 		return err
 	}
+	defer exit()
 	st, ok := s.(*stream)
 	if !ok || st == nil || st.dev != h.dev {
 		return fmt.Errorf("cpu: BlasHandle.SetStream: stream %v does not come from this device's NewStream", s)
 	}
 	h.stream = st
+	h.wsDropped = h.wsDropped || h.ws != 0
 	h.ws, h.wsSize = 0, 0
 	return nil
+}
+
+// CheckStream reports an error wrapping ErrHandleMisuse when the handle is
+// not bound to s, the stream its caller is about to queue work for. The
+// caller (package gpuctx) calls it before every operation through a lent
+// handle; a real cuBLAS handle cannot tell and would queue on its own stream.
+func (h *blasHandle) CheckStream(s hal.Stream) error {
+	exit, err := h.begin("CheckStream")
+	if err != nil {
+		return err
+	}
+	defer exit()
+	if st, ok := s.(*stream); !ok || st != h.stream {
+		return h.dev.calls.misuse(fmt.Errorf("cpu: BlasHandle.CheckStream: the handle is bound to stream %s but used for stream %s (a real handle would queue the work on the wrong stream): %w",
+			streamName(h.stream), streamName(s), ErrHandleMisuse))
+	}
+	return nil
+}
+
+// streamName names s for an error message: "7", or "none".
+func streamName(s hal.Stream) string {
+	if st, ok := s.(*stream); ok && st != nil {
+		return fmt.Sprint(st.id)
+	}
+	return "none"
 }
 
 // BoundStream returns the stream the handle is bound to (nil: none), as the
@@ -75,11 +201,13 @@ func (h *blasHandle) BoundWorkspace() (hal.Ptr, int) { return h.ws, h.wsSize }
 // live allocation and p must be 256-byte aligned (as cuBLAS requires). p == 0
 // with n == 0 removes the workspace. Operations read it when they are queued.
 func (h *blasHandle) SetWorkspace(p hal.Ptr, n int) error {
-	if err := h.live("SetWorkspace"); err != nil {
+	exit, err := h.begin("SetWorkspace")
+	if err != nil {
 		return err
 	}
+	defer exit()
 	if p == 0 && n == 0 {
-		h.ws, h.wsSize = 0, 0
+		h.ws, h.wsSize, h.wsDropped = 0, 0, false
 		return nil
 	}
 	if n <= 0 {
@@ -88,16 +216,18 @@ func (h *blasHandle) SetWorkspace(p hal.Ptr, n int) error {
 	if _, err := h.dev.mem("BlasHandle.SetWorkspace", p, n, 256); err != nil {
 		return err
 	}
-	h.ws, h.wsSize = p, n
+	h.ws, h.wsSize, h.wsDropped = p, n, false
 	return nil
 }
 
 // SetMathMode records the math mode; MathTF32 makes f32 GEMMs round their
 // inputs to TF32 (10-bit mantissa), as tensor cores do.
 func (h *blasHandle) SetMathMode(m hal.MathMode) error {
-	if err := h.live("SetMathMode"); err != nil {
+	exit, err := h.begin("SetMathMode")
+	if err != nil {
 		return err
 	}
+	defer exit()
 	switch m {
 	case hal.MathDefault, hal.MathTensorOp, hal.MathTF32:
 		h.math = m
@@ -106,33 +236,45 @@ func (h *blasHandle) SetMathMode(m hal.MathMode) error {
 	return fmt.Errorf("cpu: BlasHandle.SetMathMode(%d): unknown math mode", m)
 }
 
-// bound returns the handle's stream, or an error when it has none.
-func (h *blasHandle) bound(call string) (*stream, error) {
-	if err := h.live(call); err != nil {
-		return nil, err
+// op enters the handle for an operation and returns its bound stream. It
+// fails when the handle has no stream, and with ErrHandleMisuse when
+// SetStream dropped the workspace and SetWorkspace has not set it again (on
+// cuBLAS the operation would run on the library's default workspace, which
+// every stream shares).
+func (h *blasHandle) op(call string) (*stream, func(), error) {
+	exit, err := h.begin(call)
+	if err != nil {
+		return nil, nil, err
 	}
 	if h.stream == nil {
-		return nil, fmt.Errorf("cpu: BlasHandle.%s: handle is bound to no stream; call SetStream first", call)
+		exit()
+		return nil, nil, fmt.Errorf("cpu: BlasHandle.%s: handle is bound to no stream; call SetStream first", call)
 	}
-	return h.stream, nil
+	if h.wsDropped {
+		exit()
+		return nil, nil, h.dev.calls.misuse(fmt.Errorf("cpu: BlasHandle.%s: SetStream reset the workspace to the library default and SetWorkspace was not called again (cuBLAS would use its default workspace, shared by every stream): %w", call, ErrHandleMisuse))
+	}
+	return h.stream, exit, nil
 }
 
 // Gemm queues C = alpha*op(A)*op(B) + beta*C on the bound stream.
 func (h *blasHandle) Gemm(g hal.GemmDesc) error {
-	s, err := h.bound("Gemm")
+	s, exit, err := h.op("Gemm")
 	if err != nil {
 		return err
 	}
+	defer exit()
 	return h.dev.queueGemms("BlasHandle.Gemm", s, []hal.GemmDesc{g}, h.math, h.ws, h.wsSize)
 }
 
 // GemmStridedBatched queues b.Count GEMMs on the bound stream, matrix i at
 // A + i*StrideA elements (likewise B and C).
 func (h *blasHandle) GemmStridedBatched(g hal.GemmDesc, b hal.StridedBatch) error {
-	s, err := h.bound("GemmStridedBatched")
+	s, exit, err := h.op("GemmStridedBatched")
 	if err != nil {
 		return err
 	}
+	defer exit()
 	if b.Count < 0 {
 		return fmt.Errorf("cpu: BlasHandle.GemmStridedBatched: negative batch count %d", b.Count)
 	}
@@ -148,10 +290,11 @@ func (h *blasHandle) GemmStridedBatched(g hal.GemmDesc, b hal.StridedBatch) erro
 
 // GemmGrouped queues the GEMMs ds, one after the other, on the bound stream.
 func (h *blasHandle) GemmGrouped(ds []hal.GemmDesc) error {
-	s, err := h.bound("GemmGrouped")
+	s, exit, err := h.op("GemmGrouped")
 	if err != nil {
 		return err
 	}
+	defer exit()
 	return h.dev.queueGemms("BlasHandle.GemmGrouped", s, append([]hal.GemmDesc(nil), ds...), h.math, h.ws, h.wsSize)
 }
 
@@ -161,10 +304,11 @@ func (h *blasHandle) GroupedNative() bool { return false }
 // Geam queues C = alpha*op(A) + beta*op(B) on the bound stream. C may be A
 // (or B) when that operand is not transposed and has C's leading dimension.
 func (h *blasHandle) Geam(g hal.GeamDesc) error {
-	s, err := h.bound("Geam")
+	s, exit, err := h.op("Geam")
 	if err != nil {
 		return err
 	}
+	defer exit()
 	if err := validateGeam(g); err != nil {
 		return err
 	}
@@ -174,17 +318,24 @@ func (h *blasHandle) Geam(g hal.GeamDesc) error {
 
 // Destroy releases the handle; work already queued still runs.
 func (h *blasHandle) Destroy() error {
-	if err := h.live("Destroy"); err != nil {
+	exit, err := h.begin("Destroy")
+	if err != nil {
 		return err
 	}
+	defer exit()
 	h.destroyed = true
 	h.stream = nil
 	return nil
 }
 
-// ltHandle mirrors a cuBLASLt handle: stream and workspace come with each call.
+// ltHandle mirrors a cuBLASLt handle: stream and workspace come with each
+// call. cuBLASLt has no stream binding; this one records the stream the
+// caller bound it to (SetStream) and refuses (ErrHandleMisuse) a Matmul on any
+// other, as it refuses a call that enters it while another is inside.
 type ltHandle struct {
+	guard
 	dev       *device
+	bound     *stream // nil: not bound; Matmul takes any stream
 	destroyed bool
 }
 
@@ -199,15 +350,68 @@ func (d *device) NewLtHandle() (hal.LtHandle, error) {
 	return &ltHandle{dev: d}, nil
 }
 
+// begin enters the handle for call and checks that it is not destroyed.
+func (h *ltHandle) begin(call string) (exit func(), err error) {
+	if exit, err = h.enter(&h.dev.calls, "LtHandle."+call); err != nil {
+		return nil, err
+	}
+	if h.destroyed {
+		exit()
+		return nil, fmt.Errorf("cpu: LtHandle.%s: handle is destroyed (create a new one): %w", call, hal.ErrClosed)
+	}
+	return exit, nil
+}
+
+// SetStream records s as the stream the handle is lent for: until the next
+// SetStream, Matmul and CheckStream refuse any other stream. The caller
+// (package gpuctx) calls it when it binds the handle to a callback's stream.
+func (h *ltHandle) SetStream(s hal.Stream) error {
+	exit, err := h.begin("SetStream")
+	if err != nil {
+		return err
+	}
+	defer exit()
+	st, ok := s.(*stream)
+	if !ok || st == nil || st.dev != h.dev {
+		return fmt.Errorf("cpu: LtHandle.SetStream: stream %v does not come from this device's NewStream", s)
+	}
+	h.bound = st
+	return nil
+}
+
+// CheckStream reports an error wrapping ErrHandleMisuse when the handle is
+// bound to a stream other than s.
+func (h *ltHandle) CheckStream(s hal.Stream) error {
+	exit, err := h.begin("CheckStream")
+	if err != nil {
+		return err
+	}
+	defer exit()
+	return h.checkBound("CheckStream", s)
+}
+
+func (h *ltHandle) checkBound(call string, s hal.Stream) error {
+	if st, ok := s.(*stream); h.bound != nil && (!ok || st != h.bound) {
+		return h.dev.calls.misuse(fmt.Errorf("cpu: LtHandle.%s: the handle is bound to stream %s but used for stream %s: %w",
+			call, streamName(h.bound), streamName(s), ErrHandleMisuse))
+	}
+	return nil
+}
+
 // Matmul queues the GEMM d on s with [ws, ws+wsSize) as workspace (wsSize 0:
 // none). AB must be F32, F16 or BF16 and CType AB or F32; compute is f32.
 func (h *ltHandle) Matmul(s hal.Stream, g hal.GemmDesc, ws hal.Ptr, wsSize int) error {
-	if h.destroyed {
-		return fmt.Errorf("cpu: LtHandle.Matmul: handle is destroyed (create a new one): %w", hal.ErrClosed)
+	exit, err := h.begin("Matmul")
+	if err != nil {
+		return err
 	}
+	defer exit()
 	st, ok := s.(*stream)
 	if !ok || st == nil || st.dev != h.dev {
 		return fmt.Errorf("cpu: LtHandle.Matmul: stream %v does not come from this device's NewStream", s)
+	}
+	if err := h.checkBound("Matmul", s); err != nil {
+		return err
 	}
 	if g.AB != hal.F32 && g.AB != hal.F16 && g.AB != hal.BF16 {
 		return fmt.Errorf("cpu: LtHandle.Matmul: AB type %v is not supported; use f32, f16 or bf16", g.AB)
@@ -225,6 +429,11 @@ func (h *ltHandle) Matmul(s hal.Stream, g hal.GemmDesc, ws hal.Ptr, wsSize int) 
 
 // Destroy releases the handle; work already queued still runs.
 func (h *ltHandle) Destroy() error {
+	exit, err := h.enter(&h.dev.calls, "LtHandle.Destroy")
+	if err != nil {
+		return err
+	}
+	defer exit()
 	if h.destroyed {
 		return fmt.Errorf("cpu: LtHandle.Destroy: handle is already destroyed: %w", hal.ErrClosed)
 	}

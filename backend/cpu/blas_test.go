@@ -1,6 +1,7 @@
 package cpu
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"math/cmplx"
@@ -486,6 +487,14 @@ func TestSplitK(t *testing.T) {
 				}
 				if tc.rebind {
 					if err := h.SetStream(s); err != nil {
+						t.Fatal(err)
+					}
+					// The workspace is gone: a GEMM now is refused (cuBLAS would
+					// run it on its default pool) until one is set, here none.
+					if err := h.Gemm(g); !errors.Is(err, ErrHandleMisuse) {
+						t.Fatalf("Gemm after SetStream dropped the workspace: err %v, want ErrHandleMisuse", err)
+					}
+					if err := h.SetWorkspace(0, 0); err != nil {
 						t.Fatal(err)
 					}
 				}

@@ -134,6 +134,8 @@ type device struct {
 	// wsHook, when set (tests only, before any work is queued), runs while an
 	// operation holds its workspace.
 	wsHook func()
+	// calls checks the library handles' contract (blas.go).
+	calls callChecks
 }
 
 func newDevice(b *backend) *device {

@@ -70,6 +70,9 @@ type Config[H any] struct {
 	// Stale reports whether a handle (whose lock the caller holds) is bound to no
 	// stream or to a closed one: such handles are rebound first.
 	Stale func(h *H) bool
+	// Wait, when set, runs each time Acquire finds no free handle and is about
+	// to wait for one (a sync point for tests; nil in production).
+	Wait func()
 }
 
 // Pool is the handles of one kind on one device. A token semaphore bounds the
@@ -281,6 +284,9 @@ func (p *Pool[H]) take() (waited bool, err error) {
 	}
 	if testHookBeforeWait != nil {
 		testHookBeforeWait()
+	}
+	if p.cfg.Wait != nil {
+		p.cfg.Wait()
 	}
 	p.mu.Lock()
 	ch := make(chan struct{})
