@@ -5,13 +5,13 @@ import (
 	"fmt"
 	"runtime"
 	"slices"
-	"sync"
 	"sync/atomic"
 	"unsafe"
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/half"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
+	"golang.org/x/sync/errgroup"
 )
 
 // LoadLayer reads MoE layer `layer` of the checkpoint in dir (model.safetensors,
@@ -68,7 +68,7 @@ func LoadLayer(dev *gpuctx.Device, dir string, cfg *Config, layer int, o LayerOp
 	if testHookResolved != nil {
 		testHookResolved()
 	}
-	return buildLayer(prefix, dev, cfg, &fileWeights{ll: ll, cfg: cfg}, o, nil)
+	return buildLayer(prefix, dev, cfg, &fileWeights{ll: ll, cfg: cfg}, o)
 }
 
 // testHookResolved, when set (tests only), runs after LoadLayer has checked the
@@ -144,8 +144,8 @@ type loadChunk struct {
 }
 
 // dstType returns the dtype c writes: F32 or BF16.
-func dstType(l *Layer, c *weightCopy) safetensors.DType {
-	if c.f32 || l.dt == gpuctx.F32 {
+func dstType(e *env, c *weightCopy) safetensors.DType {
+	if c.f32 || e.dt == gpuctx.F32 {
 		return safetensors.F32
 	}
 	return safetensors.BF16
@@ -153,7 +153,7 @@ func dstType(l *Layer, c *weightCopy) safetensors.DType {
 
 // upload splits copies into chunks of whole rows and has up to loadWorkers
 // goroutines read, convert where needed, and copy them to the device.
-func (s *fileWeights) upload(l *Layer, copies []weightCopy) error {
+func (s *fileWeights) upload(l *env, copies []weightCopy) error {
 	var chunks []loadChunk
 	var stageMax, rawMax, tmpMax int
 	for i := range copies {
@@ -191,35 +191,26 @@ func (s *fileWeights) upload(l *Layer, copies []weightCopy) error {
 	var (
 		next   atomic.Int64
 		failed atomic.Bool
-		wg     sync.WaitGroup
+		g      errgroup.Group
 	)
-	errs := make([]error, nw)
-	for i := range nw {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	for range nw {
+		g.Go(func() error {
 			wk := newLoadWorker(l.dev, stageMax, rawMax, tmpMax)
 			defer wk.free()
 			for !failed.Load() {
 				k := int(next.Add(1)) - 1
 				if k >= len(chunks) {
-					return
+					return nil
 				}
 				if err := wk.do(l, &chunks[k]); err != nil {
-					errs[i] = err
 					failed.Store(true)
-					return
+					return err
 				}
 			}
-		}()
+			return nil
+		})
 	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
+	return g.Wait()
 }
 
 // loadWorker holds one goroutine's buffers: stage (what is copied to the
@@ -250,7 +241,7 @@ func (wk *loadWorker) free() {
 }
 
 // do reads, converts and uploads one chunk.
-func (wk *loadWorker) do(l *Layer, ch *loadChunk) error {
+func (wk *loadWorker) do(l *env, ch *loadChunk) error {
 	c := ch.c
 	sdt, ddt := ch.t.info.DType, dstType(l, c)
 	ses, des := sdt.Size(), ddt.Size()
