@@ -94,40 +94,14 @@ type fileWeights struct {
 // which the part starts (nonzero in the fused layout only).
 func (s *fileWeights) source(p weightPart, e int) (checkedTensor, string, int) {
 	ll, I, H := s.ll, s.cfg.Intermediate, s.cfg.HiddenSize
-	sh := sharedName(s.cfg.Family)
-	var name string
-	row := 0
-	switch p {
-	case wRouter:
-		name = "gate.weight"
-	case wBias:
-		name = "gate.e_score_correction_bias"
-	case wGate, wUp, wDown:
-		switch {
-		case ll.layout == Fused && p == wDown:
-			name, row = "experts.down_proj", e*H // [E, H, I]: H rows of I per expert
-		case ll.layout == Fused:
-			name, row = "experts.gate_up_proj", e*2*I // [E, 2I, H]: gate rows, then up rows
-			if p == wUp {
-				row += I
-			}
-		case p == wGate:
-			name = ll.expertName(e, ll.g)
-		case p == wUp:
-			name = ll.expertName(e, ll.u)
-		default:
-			name = ll.expertName(e, ll.d)
-		}
-	case wSharedGateProj:
-		name = sh + ".gate_proj.weight"
-	case wSharedUpProj:
-		name = sh + ".up_proj.weight"
-	case wSharedDownProj:
-		name = sh + ".down_proj.weight"
-	case wSharedExpertGate:
-		name = "shared_expert_gate.weight"
-	default:
-		panic(fmt.Sprintf("moe: unknown weight part %d", p))
+	name, row := ll.name(p, e), 0
+	switch {
+	case ll.layout == Fused && p == wDown:
+		row = e * H // [E, H, I]: H rows of I per expert
+	case ll.layout == Fused && p == wGate:
+		row = e * 2 * I // [E, 2I, H]: gate rows, then up rows
+	case ll.layout == Fused && p == wUp:
+		row = e*2*I + I
 	}
 	return ll.tensors[name], ll.prefix + name, row
 }
