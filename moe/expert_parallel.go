@@ -294,7 +294,7 @@ func (s *ExpertShard) gather(c *epCall) error {
 	if c.T == 0 {
 		return nil
 	}
-	E, K, H := s.cfg.NumExperts, s.cfg.TopK, s.cfg.HiddenSize
+	E := s.cfg.NumExperts
 	start := make([]int32, E+1)
 	for e := range E {
 		start[e+1] = start[e] + int32(c.cnt[e])
@@ -314,8 +314,7 @@ func (s *ExpertShard) gather(c *epCall) error {
 	if err := pv.CopyFromHost(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(pos))), 4*c.TK)); err != nil {
 		return err
 	}
-	return s.main.Launch(d.kGather, gpuctx.Dim3{X: gridFor(c.TK), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
-		c.xv, d.pos, s.send, int32(c.TK), int32(K), int32(H), int32(s.es))
+	return d.gather(c.xv, s.send, c.TK)
 }
 
 // runExperts sends the rows to their experts' ranks (AllToAllV), runs the

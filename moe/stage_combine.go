@@ -2,6 +2,7 @@ package moe
 
 import (
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
 // combineStage sums each token's routed rows with its routing weights in slot
@@ -9,8 +10,9 @@ import (
 // gpuctx_moe_combine over rows addressed through the plan's pos, or
 // gpuctx_moe_combine_rows over rows in assignment order (fused path).
 type combineStage struct {
-	e                   *env
-	kCombine, kCombRows *gpuctx.Kernel
+	e         *env
+	kCombine  moekernels.Launcher[moekernels.Combine]
+	kCombRows moekernels.Launcher[moekernels.CombineRows]
 }
 
 // combineIn is what the combine reads: the routed rows out, addressed
@@ -42,9 +44,9 @@ func (m *combineStage) tokens(in combineIn, dummy, y *gpuctx.Buffer, T int) erro
 	e := m.e
 	H := e.cfg.HiddenSize
 	b := in.bufs(dummy)
-	return e.main.Launch(m.kCombine, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
-		b[0], b[1], b[2], b[3], b[4], y, int32(T), int32(in.ks), int32(H),
-		flag(in.routed), flag(in.shared), flag(in.gated), e.bf16())
+	return m.kCombine.Launch(e.main, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0, moekernels.Combine{
+		Out: b[0], Pos: b[1], W: b[2], Shared: b[3], Gate: b[4], Y: y, T: int32(T), K: int32(in.ks), H: int32(H),
+		HasRouted: flag(in.routed), HasShared: flag(in.shared), HasGate: flag(in.gated), BF16: e.bf16()})
 }
 
 // rows queues gpuctx_moe_combine_rows into y for T tokens on the main stream
@@ -64,7 +66,7 @@ func (m *combineStage) rows(in combineIn, dummy, y *gpuctx.Buffer, T int) error 
 	if n/per < 256*e.dev.Info().SMCount { // a small batch: spread it over more multiprocessors
 		blk = 64
 	}
-	return e.launchEarly(m.kCombRows, gpuctx.Dim3{X: max(1, min((n/per+blk-1)/blk, 8192)), Y: 1, Z: 1}, gpuctx.Dim3{X: blk, Y: 1, Z: 1}, 0,
-		b[0], b[2], b[3], b[4], y, int32(T), int32(in.ks), int32(H),
-		flag(in.routed), flag(in.shared), flag(in.gated), e.bf16())
+	return m.kCombRows.LaunchEarly(e.main, gpuctx.Dim3{X: max(1, min((n/per+blk-1)/blk, 8192)), Y: 1, Z: 1}, gpuctx.Dim3{X: blk, Y: 1, Z: 1}, 0, moekernels.CombineRows{
+		Out: b[0], W: b[2], Shared: b[3], Gate: b[4], Y: y, T: int32(T), K: int32(in.ks), H: int32(H),
+		HasRouted: flag(in.routed), HasShared: flag(in.shared), HasGate: flag(in.gated), BF16: e.bf16()})
 }

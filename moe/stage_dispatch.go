@@ -17,11 +17,15 @@ import (
 // in one launch (it then fills the router's outputs too).
 type dispatchStage struct {
 	e                    *env
-	kPlan, kGather       *gpuctx.Kernel
-	kAlign, kRouteAlign  *gpuctx.Kernel
-	kAlign3              [3]*gpuctx.Kernel // gpuctx_moe_align_count, _scan, _scatter
-	align3From           int               // assignments from which the three-launch align runs
-	raTokens             int               // batches of at most this many tokens route in gpuctx_moe_route_align
+	kPlan                moekernels.Launcher[moekernels.Plan]
+	kGather              moekernels.Launcher[moekernels.Gather]
+	kAlign               moekernels.Launcher[moekernels.Align]
+	kAlignCount          moekernels.Launcher[moekernels.AlignCount]   // the three-launch align: count,
+	kAlignScan           moekernels.Launcher[moekernels.AlignScan]    // scan,
+	kAlignScatter        moekernels.Launcher[moekernels.AlignScatter] // scatter
+	kRouteAlign          moekernels.Launcher[moekernels.RouteAlign]
+	align3From           int // assignments from which the three-launch align runs
+	raTokens             int // batches of at most this many tokens route in gpuctx_moe_route_align
 	countsHost           *gpuctx.HostBuffer
 	counts, offsets, pos *gpuctx.Buffer // plan: [E], [E+1], [T*K] i32
 	xp                   *gpuctx.Buffer // gathered rows [T*K,H]
@@ -73,10 +77,10 @@ func (d *dispatchStage) sortNeeds(TK, E, bm int) []need {
 // stream.
 func (d *dispatchStage) planGather(x, idx *gpuctx.Buffer, T int, toHost bool) error {
 	e := d.e
-	E, H, K := e.cfg.NumExperts, e.cfg.HiddenSize, e.cfg.TopK
+	E, K := e.cfg.NumExperts, e.cfg.TopK
 	TK := T * K
-	if err := e.main.Launch(d.kPlan, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0,
-		idx, d.counts, d.offsets, d.pos, int32(TK), int32(E)); err != nil {
+	if err := d.kPlan.Launch(e.main, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: 256, Y: 1, Z: 1}, 0, moekernels.Plan{
+		TopkIdx: idx, Counts: d.counts, Offsets: d.offsets, Pos: d.pos, TK: int32(TK), E: int32(E)}); err != nil {
 		return err
 	}
 	if toHost {
@@ -87,8 +91,16 @@ func (d *dispatchStage) planGather(x, idx *gpuctx.Buffer, T int, toHost bool) er
 	if err := e.evCounts.Record(e.main); err != nil {
 		return err
 	}
-	return e.main.Launch(d.kGather, gpuctx.Dim3{X: gridFor(TK), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
-		x, d.pos, d.xp, int32(TK), int32(K), int32(H), int32(e.es))
+	return d.gather(x, d.xp, TK)
+}
+
+// gather queues gpuctx_moe_gather of x's rows into dst at the rows pos gives
+// (TK assignments) on the main stream.
+func (d *dispatchStage) gather(x, dst *gpuctx.Buffer, TK int) error {
+	e := d.e
+	H, K := e.cfg.HiddenSize, e.cfg.TopK
+	return d.kGather.Launch(e.main, gpuctx.Dim3{X: gridFor(TK), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0, moekernels.Gather{
+		X: x, Pos: d.pos, Xp: dst, TK: int32(TK), K: int32(K), H: int32(H), ElemBytes: int32(e.es)})
 }
 
 // hostCounts waits for evCounts (the counts copy of planGather) and returns
@@ -127,20 +139,23 @@ func (d *dispatchStage) align(idx *gpuctx.Buffer, p *plan, bm int) error {
 	if first >= E {
 		return fmt.Errorf("moe: internal error: the fused shared expert's chunks sort first at expert %d of %d", first, E)
 	}
-	if TK >= d.align3From {
-		nb := moekernels.AlignBlocks(TK)
-		blk := gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}
-		if err := e.launchEarly(d.kAlign3[0], gpuctx.Dim3{X: nb, Y: 1, Z: 1}, blk, 0, idx, d.bcnt, int32(TK), int32(E)); err != nil {
-			return err
-		}
-		if err := e.launchEarly(d.kAlign3[1], gpuctx.Dim3{X: 1, Y: 1, Z: 1}, blk, 0, d.bcnt, d.boff, d.sorted, d.bexp, d.npost,
-			int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)), int32(nb), int32(first)); err != nil {
-			return err
-		}
-		return e.launchEarly(d.kAlign3[2], gpuctx.Dim3{X: nb, Y: 1, Z: 1}, blk, 0, idx, d.boff, d.npost, d.sorted, int32(TK), int32(E))
+	blk, one, cp := gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, alignCap(TK, E, bm)
+	if TK < d.align3From {
+		return d.kAlign.LaunchEarly(e.main, one, blk, 0, moekernels.Align{TopkIdx: idx, Sorted: d.sorted, BlockExpert: d.bexp,
+			Npost: d.npost, TK: int32(TK), E: int32(E), BM: int32(bm), Cap: int32(cp), First: int32(first)})
 	}
-	return e.launchEarly(d.kAlign, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, 0,
-		idx, d.sorted, d.bexp, d.npost, int32(TK), int32(E), int32(bm), int32(alignCap(TK, E, bm)), int32(first))
+	nb := moekernels.AlignBlocks(TK)
+	chunks := gpuctx.Dim3{X: nb, Y: 1, Z: 1}
+	if err := d.kAlignCount.LaunchEarly(e.main, chunks, blk, 0, moekernels.AlignCount{
+		TopkIdx: idx, Bcnt: d.bcnt, TK: int32(TK), E: int32(E)}); err != nil {
+		return err
+	}
+	if err := d.kAlignScan.LaunchEarly(e.main, one, blk, 0, moekernels.AlignScan{Bcnt: d.bcnt, Boff: d.boff, Sorted: d.sorted,
+		BlockExpert: d.bexp, Npost: d.npost, TK: int32(TK), E: int32(E), BM: int32(bm), Cap: int32(cp), NB: int32(nb), First: int32(first)}); err != nil {
+		return err
+	}
+	return d.kAlignScatter.LaunchEarly(e.main, chunks, blk, 0, moekernels.AlignScatter{
+		TopkIdx: idx, Boff: d.boff, Npost: d.npost, Sorted: d.sorted, TK: int32(TK), E: int32(E)})
 }
 
 // routeAlign queues gpuctx_moe_route_align for p's T tokens of x with tile
@@ -149,14 +164,11 @@ func (d *dispatchStage) align(idx *gpuctx.Buffer, p *plan, bm int) error {
 func (d *dispatchStage) routeAlign(x *gpuctx.Buffer, r *routerStage, p *plan, bm int) error {
 	e := d.e
 	c := &e.cfg
-	scoring, method, eps, scale := routeArgs(c)
-	ks := p.ks
-	TK, E := p.T*ks, p.experts
-	T := p.T
+	T, ks := p.T, p.ks
 	grid := gpuctx.Dim3{X: moekernels.RouteAlignBlocks(T * c.NumExperts), Y: 1, Z: 1}
-	return e.launchEarly(d.kRouteAlign, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, moekernels.RouteAlignSmem(T, c.NumExperts),
-		x, r.weight, r.bias, r.logits, r.idx, r.wts, d.sorted, d.bexp, d.npost, d.ticket,
-		int32(T), int32(c.HiddenSize), int32(c.NumExperts), int32(c.TopK), scoring, method,
-		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,
-		int32(ks), int32(ks-c.TopK), int32(bm), int32(alignCap(TK, E, bm)))
+	return d.kRouteAlign.LaunchEarly(e.main, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, moekernels.RouteAlignSmem(T, c.NumExperts), moekernels.RouteAlign{
+		X: x, Router: r.weight, Bias: r.bias, Logits: r.logits, TopkIdx: r.idx, TopkW: r.wts,
+		Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Ticket: d.ticket,
+		T: int32(T), H: int32(c.HiddenSize), E: int32(c.NumExperts), K: int32(c.TopK), Rule: routeRule(c),
+		Ks: int32(ks), Ns: int32(ks - c.TopK), BM: int32(bm), Cap: int32(alignCap(T*ks, p.experts, bm))})
 }

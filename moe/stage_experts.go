@@ -14,13 +14,15 @@ import (
 // grouped GEMMs (group sizes on the host), or the fused tile kernels over the
 // aligned sort.
 type expertStage struct {
-	e                      *env
-	gu, down               *gpuctx.Buffer
-	lo, hi                 int
-	kSwiglu                *gpuctx.Kernel
-	kExpertUp, kExpertDown *gpuctx.Kernel
-	kUp, kDown             map[moekernels.MoEGemm]*gpuctx.Kernel // fused kernels by tile
-	h, act, out            *gpuctx.Buffer
+	e           *env
+	gu, down    *gpuctx.Buffer
+	lo, hi      int
+	kSwiglu     moekernels.Launcher[moekernels.Swiglu]
+	kExpertUp   moekernels.Launcher[moekernels.ExpertUp]
+	kExpertDown moekernels.Launcher[moekernels.ExpertDown]
+	kUp         map[moekernels.MoEGemm]moekernels.Launcher[moekernels.Up]   // fused kernels by tile
+	kDown       map[moekernels.MoEGemm]moekernels.Launcher[moekernels.Down] // (a down-only tile has no up)
+	h, act, out *gpuctx.Buffer
 }
 
 // expertWarps is MOE_XW of kernels/moe.cu: output rows (warps) per block.
@@ -47,12 +49,12 @@ func (x *expertStage) small(d *dispatchStage) error {
 	e := x.e
 	E, H, I := e.cfg.NumExperts, e.cfg.HiddenSize, e.cfg.Intermediate
 	block := gpuctx.Dim3{X: 32 * expertWarps, Y: 1, Z: 1}
-	if err := e.main.Launch(x.kExpertUp, gpuctx.Dim3{X: (I + expertWarps - 1) / expertWarps, Y: E, Z: 1}, block, 0,
-		d.xp, x.gu, d.counts, d.offsets, x.act, int32(E), int32(H), int32(I), e.bf16()); err != nil {
+	if err := x.kExpertUp.Launch(e.main, gpuctx.Dim3{X: (I + expertWarps - 1) / expertWarps, Y: E, Z: 1}, block, 0, moekernels.ExpertUp{
+		Xp: d.xp, Gu: x.gu, Counts: d.counts, Offsets: d.offsets, Act: x.act, E: int32(E), H: int32(H), I: int32(I), BF16: e.bf16()}); err != nil {
 		return err
 	}
-	return e.main.Launch(x.kExpertDown, gpuctx.Dim3{X: (H + expertWarps - 1) / expertWarps, Y: E, Z: 1}, block, 0,
-		x.act, x.down, d.counts, d.offsets, x.out, int32(E), int32(H), int32(I), e.bf16())
+	return x.kExpertDown.Launch(e.main, gpuctx.Dim3{X: (H + expertWarps - 1) / expertWarps, Y: E, Z: 1}, block, 0, moekernels.ExpertDown{
+		Act: x.act, Down: x.down, Counts: d.counts, Offsets: d.offsets, Out: x.out, E: int32(E), H: int32(H), I: int32(I), BF16: e.bf16()})
 }
 
 // group is one GEMM group of grouped: n rows from row off of the input, with
@@ -110,8 +112,8 @@ func (x *expertStage) grouped(xp *gpuctx.Buffer, groups []group, rows int) error
 	if err := e.ctx.BlasFlavour(e.flav, func(h gpuctx.Blas) error { return h.GemmGrouped(gateUp) }); err != nil {
 		return fmt.Errorf("moe: expert gate/up grouped GEMM: %w", err)
 	}
-	if err := e.main.Launch(x.kSwiglu, eltGrid(rows*I), eltBlock, 0,
-		x.h, x.act, int32(rows), int32(I), e.bf16()); err != nil {
+	if err := x.kSwiglu.Launch(e.main, eltGrid(rows*I), eltBlock, 0, moekernels.Swiglu{
+		H: x.h, Act: x.act, Rows: int32(rows), I: int32(I), BF16: e.bf16()}); err != nil {
 		return err
 	}
 	if err := e.ctx.BlasFlavour(e.flav, func(h gpuctx.Blas) error { return h.GemmGrouped(down) }); err != nil {
@@ -121,21 +123,21 @@ func (x *expertStage) grouped(xp *gpuctx.Buffer, groups []group, rows int) error
 }
 
 // fusedKernels looks up (compiling on first use) the kernels of tile c; up is
-// nil for a down-only tile.
-func (x *expertStage) fusedKernels(c moekernels.MoEGemm) (up, down *gpuctx.Kernel, err error) {
+// the zero Launcher for a down-only tile (c.HasUp false).
+func (x *expertStage) fusedKernels(c moekernels.MoEGemm) (up moekernels.Launcher[moekernels.Up], down moekernels.Launcher[moekernels.Down], err error) {
 	if k, ok := x.kDown[c]; ok {
 		return x.kUp[c], k, nil
 	}
 	if c.HasUp() {
-		if up, err = x.e.dev.Kernel(c.UpName()); err != nil {
-			return nil, nil, err
+		if up, err = moekernels.NewUp(x.e.dev, c); err != nil {
+			return up, down, err
 		}
 	}
-	if down, err = x.e.dev.Kernel(c.DownName()); err != nil {
-		return nil, nil, err
+	if down, err = moekernels.NewDown(x.e.dev, c); err != nil {
+		return up, down, err
 	}
 	if x.kUp == nil {
-		x.kUp, x.kDown = map[moekernels.MoEGemm]*gpuctx.Kernel{}, map[moekernels.MoEGemm]*gpuctx.Kernel{}
+		x.kUp, x.kDown = map[moekernels.MoEGemm]moekernels.Launcher[moekernels.Up]{}, map[moekernels.MoEGemm]moekernels.Launcher[moekernels.Down]{}
 	}
 	x.kUp[c], x.kDown[c] = up, down
 	return up, down, nil
@@ -161,23 +163,24 @@ func (x *expertStage) fused(in *gpuctx.Buffer, d *dispatchStage, p *plan, tp til
 // up queues kUp, the up kernel of tile c, over p's T tokens on the main
 // stream (the align with c's BM must have run, or be the kernel just ahead:
 // the fused shared expert's p.early chunks start before it ends).
-func (x *expertStage) up(kUp *gpuctx.Kernel, c moekernels.MoEGemm, in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
+func (x *expertStage) up(kUp moekernels.Launcher[moekernels.Up], c moekernels.MoEGemm, in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
 	e := x.e
 	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
 	TK := p.T * K
 	gx, gy := c.Grid(I, alignCap(TK, p.experts, c.BM), e.dev.Info().SMCount)
-	return e.launchEarly(kUp, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(true),
-		in, x.gu, d.sorted, d.bexp, d.npost, x.act, int32(TK), int32(K), int32(H), int32(I),
-		int32(e.cfg.NumExperts), int32(p.early))
+	return kUp.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(true), moekernels.Up{
+		X: in, Gu: x.gu, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: x.act,
+		TK: int32(TK), K: int32(K), H: int32(H), I: int32(I), E0: int32(e.cfg.NumExperts), Ns: int32(p.early)})
 }
 
 // downs queues kDown, the down kernel of tile c, over p's T tokens on the
 // main stream, after the up kernel.
-func (x *expertStage) downs(kDown *gpuctx.Kernel, c moekernels.MoEGemm, d *dispatchStage, p *plan) error {
+func (x *expertStage) downs(kDown moekernels.Launcher[moekernels.Down], c moekernels.MoEGemm, d *dispatchStage, p *plan) error {
 	e := x.e
 	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
 	TK := p.T * K
 	gx, gy := c.Grid(H, alignCap(TK, p.experts, c.BM), e.dev.Info().SMCount)
-	return e.launchEarly(kDown, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(false),
-		x.act, x.down, d.sorted, d.bexp, d.npost, x.out, int32(TK), int32(H), int32(I))
+	return kDown.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(false), moekernels.Down{
+		Act: x.act, Down: x.down, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Out: x.out,
+		TK: int32(TK), H: int32(H), I: int32(I)})
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
 // Routing codes passed to gpuctx_moe_route (kernels/moe.cu).
@@ -24,7 +25,7 @@ const (
 type routerStage struct {
 	e            *env
 	weight, bias *gpuctx.Buffer
-	kRoute       *gpuctx.Kernel
+	kRoute       moekernels.Launcher[moekernels.Route]
 	logits       *gpuctx.Buffer
 	idx, wts     *gpuctx.Buffer
 }
@@ -37,7 +38,7 @@ func (r *routerStage) needs(T, ks int) []need {
 // route queues the router GEMM (through the main stream's Context) and
 // gpuctx_moe_route over T tokens of x on the main stream, with ks slots per
 // token (ks-K of them the fused shared expert's). early launches the route
-// kernel with env.launchEarly (a Layer), else with Launch (an ExpertShard).
+// kernel with LaunchEarly (a Layer), else with Launch (an ExpertShard).
 // It waits for nothing but the work queued on the main stream.
 func (r *routerStage) route(x *gpuctx.Buffer, T, ks int, early bool) error {
 	e := r.e
@@ -50,21 +51,19 @@ func (r *routerStage) route(x *gpuctx.Buffer, T, ks int, early bool) error {
 	if err != nil {
 		return fmt.Errorf("moe: router GEMM: %w", err)
 	}
-	scoring, method, eps, scale := routeArgs(c)
-	launch := e.main.Launch
+	launch := r.kRoute.Launch
 	if early {
-		launch = e.launchEarly
+		launch = r.kRoute.LaunchEarly
 	}
-	return launch(r.kRoute, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0,
-		r.logits, r.bias, r.idx, r.wts, int32(T), int32(E), int32(K), scoring, method,
-		int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,
-		int32(ks), int32(ks-K))
+	return launch(e.main, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0, moekernels.Route{
+		Logits: r.logits, Bias: r.bias, TopkIdx: r.idx, TopkW: r.wts, T: int32(T), E: int32(E), K: int32(K),
+		Rule: routeRule(c), Ks: int32(ks), Ns: int32(ks - K)})
 }
 
-// routeArgs returns gpuctx_moe_route's scoring and method codes, norm_eps and
-// scale for config c.
-func routeArgs(c *Config) (scoring, method int32, eps, scale float32) {
-	scoring, method, scale = scoreSoftmax, methodGreedy, 1
+// routeRule returns how gpuctx_moe_route and gpuctx_moe_route_align route
+// for config c.
+func routeRule(c *Config) moekernels.RouteRule {
+	scoring, method, eps, scale := scoreSoftmax, methodGreedy, float32(0), float32(1)
 	if c.Scoring == Sigmoid {
 		scoring = scoreSigmoid
 	}
@@ -80,5 +79,6 @@ func routeArgs(c *Config) (scoring, method int32, eps, scale float32) {
 	if c.Family == DeepseekV2 || c.Family == DeepseekV3 {
 		scale = float32(c.RoutedScalingFactor)
 	}
-	return scoring, method, eps, scale
+	return moekernels.RouteRule{Scoring: scoring, Method: method, Groups: int32(c.NumGroups), TopkGroups: int32(c.TopKGroups),
+		HasBias: flag(c.HasBias()), Norm: flag(c.NormTopKProb), NormEps: eps, Scale: scale}
 }

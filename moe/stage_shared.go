@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
 // sharedStage is the shared expert (when the config has one): its weights
@@ -13,7 +14,7 @@ import (
 type sharedStage struct {
 	e              *env
 	gu, down, gate *gpuctx.Buffer
-	kSwiglu        *gpuctx.Kernel
+	kSwiglu        moekernels.Launcher[moekernels.Swiglu]
 	h, act, out, g *gpuctx.Buffer
 }
 
@@ -37,8 +38,8 @@ func (s *sharedStage) run(ctx *gpuctx.Context, st *gpuctx.Stream, x *gpuctx.Buff
 	if err != nil {
 		return fmt.Errorf("moe: shared expert gate/up GEMM: %w", err)
 	}
-	if err := st.Launch(s.kSwiglu, eltGrid(T*Is), eltBlock, 0,
-		s.h, s.act, int32(T), int32(Is), e.bf16()); err != nil {
+	if err := s.kSwiglu.Launch(st, eltGrid(T*Is), eltBlock, 0, moekernels.Swiglu{
+		H: s.h, Act: s.act, Rows: int32(T), I: int32(Is), BF16: e.bf16()}); err != nil {
 		return err
 	}
 	err = ctx.BlasFlavour(e.flav, func(h gpuctx.Blas) error {

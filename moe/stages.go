@@ -63,11 +63,8 @@ func (c *core) init(dev *gpuctx.Device, cfg *Config, sp coreSpec, src weightSour
 	if err := c.initStreams(); err != nil {
 		return err
 	}
-	for _, k := range c.kernels() {
-		var err error
-		if *k.dst, err = dev.Kernel(k.name); err != nil {
-			return err
-		}
+	if err := c.loadKernels(); err != nil {
+		return err
 	}
 	c.dispatch.align3From, c.dispatch.raTokens = align3From, routeAlignTokens
 	var err error
@@ -108,22 +105,21 @@ func (c *core) initStreams() error {
 	return nil
 }
 
-// kernelRef is a kernel a stage looks up by name.
-type kernelRef struct {
-	dst  **gpuctx.Kernel
-	name string
-}
-
-// kernels lists every stage's kernels.
-func (c *core) kernels() []kernelRef {
+// loadKernels gives every stage the launchers of its kernels (the fused
+// tiles' are looked up per tile, see expertStage.fusedKernels).
+func (c *core) loadKernels() error {
+	ks, err := moekernels.LoadKernels(c.dev)
+	if err != nil {
+		return err
+	}
 	r, d, x, s, m := &c.router, &c.dispatch, &c.experts, &c.shared, &c.combine
-	return []kernelRef{{&r.kRoute, "gpuctx_moe_route"}, {&d.kPlan, "gpuctx_moe_plan"}, {&d.kGather, "gpuctx_moe_gather"},
-		{&x.kSwiglu, "gpuctx_moe_swiglu"}, {&m.kCombine, "gpuctx_moe_combine"},
-		{&x.kExpertUp, "gpuctx_moe_expert_up"}, {&x.kExpertDown, "gpuctx_moe_expert_down"},
-		{&d.kAlign, "gpuctx_moe_align"}, {&m.kCombRows, "gpuctx_moe_combine_rows"},
-		{&d.kAlign3[0], "gpuctx_moe_align_count"}, {&d.kAlign3[1], "gpuctx_moe_align_scan"},
-		{&d.kAlign3[2], "gpuctx_moe_align_scatter"},
-		{&d.kRouteAlign, "gpuctx_moe_route_align"}, {&s.kSwiglu, "gpuctx_moe_swiglu"}}
+	r.kRoute = ks.Route
+	d.kPlan, d.kGather, d.kAlign, d.kRouteAlign = ks.Plan, ks.Gather, ks.Align, ks.RouteAlign
+	d.kAlignCount, d.kAlignScan, d.kAlignScatter = ks.AlignCount, ks.AlignScan, ks.AlignScatter
+	x.kSwiglu, x.kExpertUp, x.kExpertDown = ks.Swiglu, ks.ExpertUp, ks.ExpertDown
+	s.kSwiglu = ks.Swiglu
+	m.kCombine, m.kCombRows = ks.Combine, ks.CombineRows
+	return nil
 }
 
 // scratch lists every stage's scratch buffers.
@@ -230,16 +226,6 @@ func (e *env) growAll(needs ...need) error {
 		}
 	}
 	return nil
-}
-
-// launchEarly queues k on the main stream with gpuctx.Stream.LaunchEarly
-// when k waits for the kernels ahead of it before it touches memory
-// (moekernels.WaitsFirst), otherwise with Launch.
-func (e *env) launchEarly(k *gpuctx.Kernel, grid, block gpuctx.Dim3, sharedMem int, args ...any) error {
-	if moekernels.WaitsFirst(k.Name()) {
-		return e.main.LaunchEarly(k, grid, block, sharedMem, args...)
-	}
-	return e.main.Launch(k, grid, block, sharedMem, args...)
 }
 
 // bf16 is the kernels' dtype flag: 1 for bf16, 0 for f32.

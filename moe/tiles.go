@@ -259,7 +259,7 @@ func (l *Layer) tuneBM(p *plan, x *gpuctx.Buffer, bm int, withRoute bool, log *[
 			return up, down, err
 		}
 		du := time.Duration(-1) // a down-only tile
-		if kUp != nil {
+		if cand.HasUp() {
 			du, err = l.timeIt(func() error {
 				if withRoute {
 					if err := l.dispatch.routeAlign(x, &l.router, p, cand.BM); err != nil {
