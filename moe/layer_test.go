@@ -1503,3 +1503,44 @@ func TestLayerFusedSharedLimit(t *testing.T) {
 		}
 	}
 }
+
+// TestLastRoutingAfterReplay checks that LastRouting reports the last
+// forward's routing when that forward was a graph replay: not the routing
+// size or slot stride of the last forward that ran eagerly or was captured.
+func TestLastRoutingAfterReplay(t *testing.T) {
+	cfg := scaledPresets()["deepseek-v2-lite"]
+	w, err := RandomWeights(cfg, 29)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range layerBackends(t) {
+		for _, tc := range []struct {
+			name   string
+			mode   Mode // of the forward whose routing is asked for
+			other  Mode // of the forwards between
+			T, Tot int
+		}{{"fused after dual", FusedShared, Dual, 3, 5}, {"dual after fused", Dual, FusedShared, 5, 3}} {
+			t.Run(b.name+"/"+tc.name, func(t *testing.T) {
+				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				x, xo := randomX(tc.T, cfg.HiddenSize, 41), randomX(tc.Tot, cfg.HiddenSize, 42)
+				for range 3 { // eager, captured, replayed
+					deviceRun(t, l, x, tc.T, tc.mode, Whole)
+					deviceRun(t, l, xo, tc.Tot, tc.other, Whole)
+				}
+				deviceRun(t, l, x, tc.T, tc.mode, Whole) // a replay
+				idx, _, err := l.LastRouting()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(idx) != tc.T*cfg.TopK {
+					t.Fatalf("LastRouting has %d indices, want T*K = %d*%d", len(idx), tc.T, cfg.TopK)
+				}
+				checkRouting(t, l, cfg, roundWeights(w), roundAll(x), tc.T)
+			})
+		}
+	}
+}
