@@ -1544,3 +1544,45 @@ func TestLastRoutingAfterReplay(t *testing.T) {
 		}
 	}
 }
+
+// TestLayerSortedRowsLimit checks that a fused-path batch whose sorted rows
+// (T*(K + the fused shared chunks), padded per expert) pass the MoE kernels'
+// 32-bit row indices is refused when it is taken, naming the limit, while the
+// same batch in Dual (K slots) gets past that check.
+func TestLayerSortedRowsLimit(t *testing.T) {
+	cfg := &Config{Family: DeepseekV2, HiddenSize: 8, NumExperts: 16, TopK: 16, Intermediate: 8,
+		SharedIntermediate: 8, Scoring: Softmax, TopKMethod: Greedy, NumGroups: 1, TopKGroups: 1,
+		RoutedScalingFactor: 1, HiddenAct: "silu", MoELayerFreq: 1, DecoderSparseStep: 1}
+	w, err := RandomWeights(cfg, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// T*16 rows and their padding fit in an int32; T*17 do not.
+	bm := moekernels.MaxTileRows()
+	T := (math.MaxInt32 - 16*(bm-1) - bm) / 16
+	for _, b := range layerBackends(t) {
+		l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, NoAutotune: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		if l.ns != 1 {
+			t.Fatalf("%d fused shared chunks, want 1", l.ns)
+		}
+		x, err := b.dev.Alloc(64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer x.Free()
+		for _, tc := range []struct {
+			mode Mode
+			want error
+			text string
+		}{{FusedShared, gpuctx.ErrInvalid, "sorted rows"}, {Auto, gpuctx.ErrInvalid, "sorted rows"}, {Dual, gpuctx.ErrSize, "holds 64 bytes"}} {
+			err := l.ForwardDevice(x, x, T, tc.mode, Whole)
+			if !errors.Is(err, tc.want) || !strings.Contains(err.Error(), tc.text) {
+				t.Errorf("%s %v: err = %v, want %v naming %q", b.name, tc.mode, err, tc.want, tc.text)
+			}
+		}
+	}
+}
