@@ -362,7 +362,7 @@ func (l *Layer) ensure(p *plan) error {
 func (l *Layer) ensureFused(p *plan, bm int) error {
 	TK := p.T * p.ks
 	sort := l.dispatch.sortNeeds(TK, p.experts, bm)
-	cp := alignCap(TK, p.experts, bm)
+	cp := moekernels.AlignCap(TK, p.experts, bm)
 	needs := append(sort[:3:3], l.experts.fusedNeeds(cp, TK)...)
 	needs = append(needs, sort[3:]...)
 	synced := false

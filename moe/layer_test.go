@@ -1219,7 +1219,7 @@ func TestAlignThreeLaunch(t *testing.T) {
 				rec := recordPlans(l, nil)
 				outs[i] = deviceRun(t, l, x, T, Single, Whole)
 				TK := T * rec.last.ks
-				cp := alignCap(TK, rec.last.experts, 64)
+				cp := moekernels.AlignCap(TK, rec.last.experts, 64)
 				for j, buf := range []struct {
 					b *gpuctx.Buffer
 					n int
