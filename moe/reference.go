@@ -5,7 +5,8 @@ import (
 	"math"
 	"runtime"
 	"sort"
-	"sync"
+
+	"golang.org/x/sync/errgroup"
 )
 
 // Route computes the expert selection of the router for T tokens x [T][H]:
@@ -108,22 +109,21 @@ func parallelTokens(T int, f func(t int)) {
 		}
 		return
 	}
-	var wg sync.WaitGroup
+	var g errgroup.Group
 	next := make(chan int, T)
 	for t := 0; t < T; t++ {
 		next <- t
 	}
 	close(next)
-	for i := 0; i < workers; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	for range workers {
+		g.Go(func() error {
 			for t := range next {
 				f(t)
 			}
-		}()
+			return nil
+		})
 	}
-	wg.Wait()
+	_ = g.Wait() // f reports no errors
 }
 
 func dot(a, x []float32) float64 {
