@@ -102,6 +102,31 @@ func (s *Stream) EndCapture() (*Graph, error) {
 	return gr, nil
 }
 
+// Capture records the work fn queues on s (and on streams that join the
+// capture, see BeginCapture) into a Graph: BeginCapture, fn, EndCapture. The
+// capture is always ended: if fn fails, the recorded graph is closed and fn's
+// error returned; otherwise the error is BeginCapture's or EndCapture's, as
+// they return it (errors.Is(err, ErrUnavailable) when the backend cannot
+// capture). Nothing recorded has run; the same rules hold inside fn as between
+// BeginCapture and EndCapture (no host waits on s).
+func (s *Stream) Capture(fn func() error) (*Graph, error) {
+	if err := s.BeginCapture(); err != nil {
+		return nil, err
+	}
+	ferr := fn()
+	g, err := s.EndCapture()
+	if ferr != nil {
+		if g != nil {
+			_ = g.Close()
+		}
+		return nil, ferr
+	}
+	if err != nil {
+		return nil, err
+	}
+	return g, nil
+}
+
 // Launch queues the whole graph on s, any stream of the graph's device: it
 // starts after the work queued on s so far and after the graph's previous launch
 // (on whatever stream) has completed, and work queued on s later waits for all

@@ -249,3 +249,54 @@ func TestGraphConcurrentLaunchesAreOrdered(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Stream.Capture records what its function queues and always ends the
+// capture: a failing function's error comes back with no graph, and the
+// stream can capture again.
+func TestStreamCapture(t *testing.T) {
+	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
+		s := newStream(t, d)
+		axpby, err := d.Kernel("gpuctx_axpby_f32")
+		if err != nil {
+			t.Fatal(err)
+		}
+		one, blk := gpuctx.Dim3{X: 1, Y: 1, Z: 1}, gpuctx.Dim3{X: 64, Y: 1, Z: 1}
+		a := upload(t, d, []float32{1, 2, 3, 4})
+		errFn := errors.New("queue failed")
+		for _, tc := range []struct {
+			name    string
+			fn      func() error
+			wantErr error
+			want    []float32 // a after two launches
+		}{
+			{"records", func() error { return s.Launch(axpby, one, blk, 0, a, a, float32(1), float32(1), int64(4)) }, nil, []float32{4, 8, 12, 16}},
+			{"fn fails", func() error { return errFn }, errFn, nil},
+			{"records again", func() error { return s.Launch(axpby, one, blk, 0, a, a, float32(1), float32(1), int64(4)) }, nil, []float32{16, 32, 48, 64}},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				g, err := s.Capture(tc.fn)
+				if tc.wantErr != nil {
+					if !errors.Is(err, tc.wantErr) || g != nil {
+						t.Fatalf("Capture = %v, %v; want nil, %v", g, err, tc.wantErr)
+					}
+					return
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer g.Close()
+				for range 2 {
+					if err := g.Launch(s); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := s.Synchronize(); err != nil {
+					t.Fatal(err)
+				}
+				if got := download(t, a); fmt.Sprint(got) != fmt.Sprint(tc.want) {
+					t.Fatalf("a = %v after two launches, want %v", got, tc.want)
+				}
+			})
+		}
+	})
+}

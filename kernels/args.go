@@ -3,6 +3,7 @@ package kernels
 import (
 	"fmt"
 	"reflect"
+	"sync"
 	"unsafe"
 
 	"github.com/gpuctx/gpuctx/internal/hal"
@@ -85,15 +86,18 @@ func Slice[T any](m Memory, what string, p Ptr, n int64) ([]T, error) {
 	return unsafe.Slice((*T)(unsafe.Pointer(unsafe.SliceData(b))), n), nil
 }
 
-// Twin returns kernel name with typed arguments: its parameters are the
-// fields of the struct A in declaration order (each of type Ptr, int32,
-// uint32, int64, uint64, float32 or float64, and exported), and its Go body
-// receives them as an *A, so that it reads named fields instead of asserting
-// positional arguments. The launch argument list of a kernel is Args of an A.
-// Twin panics if A is not such a struct: a programming error any test catches.
+// Twin returns kernel name with typed arguments: its parameters are the leaf
+// fields of the struct A in declaration order (see Leaves: a field of struct
+// type stands for its own fields, so that related parameters can be grouped),
+// each of type Ptr, int32, uint32, int64, uint64, float32 or float64, and
+// exported, and its Go body receives them as an *A, so that it reads named
+// fields instead of asserting positional arguments. The launch argument list
+// of a kernel is Args of an A. Twin panics if A is not such a struct: a
+// programming error any test catches.
 func Twin[A any](name string, body func(m Memory, a *A) error) Kernel {
 	t := reflect.TypeFor[A]()
 	params := paramsOf(name, t)
+	paths := leafPaths(t)
 	return Kernel{
 		Name:   name,
 		Params: params,
@@ -104,21 +108,21 @@ func Twin[A any](name string, body func(m Memory, a *A) error) Kernel {
 			a := new(A)
 			v := reflect.ValueOf(a).Elem()
 			for i, x := range args {
-				v.Field(i).Set(reflect.ValueOf(x))
+				v.FieldByIndex(paths[i]).Set(reflect.ValueOf(x))
 			}
 			return body(m, a)
 		},
 	}
 }
 
-// paramsOf returns the parameter kinds of the struct t's fields.
+// paramsOf returns the parameter kinds of the struct t's leaf fields.
 func paramsOf(name string, t reflect.Type) []ArgKind {
 	if t.Kind() != reflect.Struct {
 		panic(fmt.Sprintf("kernels: Twin %s: argument type %v is not a struct", name, t))
 	}
-	params := make([]ArgKind, t.NumField())
-	for i := range params {
-		f := t.Field(i)
+	leaves := Leaves(t)
+	params := make([]ArgKind, len(leaves))
+	for i, f := range leaves {
 		k, ok := kindOf(f.Type)
 		if !ok || !f.IsExported() {
 			panic(fmt.Sprintf("kernels: Twin %s: field %s of %v has type %v or is unexported; want an exported field of a kernel argument type", name, f.Name, t, f.Type))
@@ -128,15 +132,77 @@ func paramsOf(name string, t reflect.Type) []ArgKind {
 	return params
 }
 
-// Args returns the fields of the kernel argument struct a (or *a) in order:
-// the argument list to pass to Launch for the kernel registered with Twin on
-// a's type.
+// KindOf returns the parameter kind whose Go type is t, and false if t is no
+// kernel argument type.
+func KindOf(t reflect.Type) (ArgKind, bool) { return kindOf(t) }
+
+// Leaves returns the leaf fields of the struct type t in declaration order:
+// every field, except that an exported field whose type is a struct (embedded
+// or named) is replaced by the leaves of that struct, depth first. Each field's Index
+// is its full index path in t (for reflect.Value.FieldByIndex). Leaves panics
+// if t is not a struct type.
+func Leaves(t reflect.Type) []reflect.StructField {
+	var out []reflect.StructField
+	var walk func(t reflect.Type, path []int)
+	walk = func(t reflect.Type, path []int) {
+		for i := range t.NumField() {
+			f := t.Field(i)
+			p := append(append([]int(nil), path...), i)
+			if f.Type.Kind() == reflect.Struct && f.IsExported() {
+				walk(f.Type, p)
+				continue
+			}
+			f.Index = p
+			out = append(out, f)
+		}
+	}
+	walk(t, nil)
+	return out
+}
+
+// leafPaths returns the index paths of Leaves(t), cached per type.
+func leafPaths(t reflect.Type) [][]int {
+	if p, ok := pathCache.Load(t); ok {
+		return p.([][]int)
+	}
+	leaves := Leaves(t)
+	paths := make([][]int, len(leaves))
+	for i, f := range leaves {
+		paths[i] = f.Index
+	}
+	p, _ := pathCache.LoadOrStore(t, paths)
+	return p.([][]int)
+}
+
+var pathCache sync.Map // reflect.Type -> [][]int
+
+// Args returns the leaf fields of the kernel argument struct a (or *a) in
+// order (see Leaves): the argument list to pass to Launch for the kernel
+// registered with Twin on a's type. It panics if a's fields are not of kernel
+// argument types.
 func Args(a any) []any {
 	v := reflect.Indirect(reflect.ValueOf(a))
 	paramsOf("Args", v.Type())
-	out := make([]any, v.NumField())
-	for i := range out {
-		out[i] = v.Field(i).Interface()
+	return flatten(v)
+}
+
+// Flatten returns the leaf fields of the struct a (or *a) in order, as Args,
+// without checking their types: for an argument struct whose pointer fields
+// have a type of a package above this one (gpuctx.Buffer), whose launch
+// converts them. It panics if a is not a struct or a pointer to one.
+func Flatten(a any) []any {
+	v := reflect.Indirect(reflect.ValueOf(a))
+	if v.Kind() != reflect.Struct {
+		panic(fmt.Sprintf("kernels: Flatten: %T is not a struct", a))
+	}
+	return flatten(v)
+}
+
+func flatten(v reflect.Value) []any {
+	paths := leafPaths(v.Type())
+	out := make([]any, len(paths))
+	for i, p := range paths {
+		out[i] = v.FieldByIndex(p).Interface()
 	}
 	return out
 }

@@ -2,6 +2,7 @@ package kernels
 
 import (
 	"fmt"
+	"reflect"
 	"regexp"
 	"slices"
 	"strings"
@@ -223,6 +224,14 @@ func TestTwin(t *testing.T) {
 		t.Errorf("Args(&in) = %v", a)
 	}
 	for name, fn := range map[string]func(){
+		"unexported group": func() {
+			Twin("gpuctx_t", func(Memory, *struct {
+				P Ptr
+				g struct{ A int32 }
+			}) error {
+				return nil
+			})
+		},
 		"int field":        func() { Twin("gpuctx_t", func(Memory, *struct{ N int }) error { return nil }) },
 		"unexported field": func() { Twin("gpuctx_t", func(Memory, *struct{ n int32 }) error { return nil }) },
 		"not a struct":     func() { Twin("gpuctx_t", func(Memory, *int32) error { return nil }) },
@@ -235,6 +244,54 @@ func TestTwin(t *testing.T) {
 			}()
 			fn()
 		})
+	}
+}
+
+// TestTwinGroups checks that a field of struct type (named or embedded)
+// stands for its own fields, in order, for Twin, Args, Flatten and Leaves.
+func TestTwinGroups(t *testing.T) {
+	type Rule struct {
+		A int32
+		B float32
+	}
+	type Inner struct{ C int64 }
+	type args struct {
+		P    Ptr
+		Rule Rule
+		Inner
+		Q Ptr
+	}
+	var got args
+	k := Twin("gpuctx_t", func(m Memory, a *args) error { got = *a; return nil })
+	if want := []ArgKind{ArgPtr, ArgI32, ArgF32, ArgI64, ArgPtr}; !slices.Equal(k.Params, want) {
+		t.Errorf("Params %v, want %v", k.Params, want)
+	}
+	in := args{P: 8, Rule: Rule{A: -1, B: 2.5}, Inner: Inner{C: 7}, Q: 16}
+	wantArgs := []any{Ptr(8), int32(-1), float32(2.5), int64(7), Ptr(16)}
+	if a := Args(in); !slices.Equal(a, wantArgs) {
+		t.Errorf("Args = %v, want %v", a, wantArgs)
+	}
+	if a := Flatten(&in); !slices.Equal(a, wantArgs) {
+		t.Errorf("Flatten = %v, want %v", a, wantArgs)
+	}
+	if err := k.CPU(sliceMem{}, wantArgs); err != nil || got != in {
+		t.Errorf("body got %+v (%v), want %+v", got, err, in)
+	}
+	var names []string
+	for _, f := range Leaves(reflect.TypeFor[args]()) {
+		names = append(names, fmt.Sprint(f.Name, f.Index))
+	}
+	if want := []string{"P[0]", "A[1 0]", "B[1 1]", "C[2 0]", "Q[3]"}; !slices.Equal(names, want) {
+		t.Errorf("Leaves = %v, want %v", names, want)
+	}
+	// Flatten takes pointer fields of any type (a launch converts them).
+	type bufArgs struct {
+		X *int
+		N int32
+	}
+	x := new(int)
+	if a := Flatten(bufArgs{X: x, N: 3}); len(a) != 2 || a[0] != any(x) || a[1] != int32(3) {
+		t.Errorf("Flatten(bufArgs) = %v", a)
 	}
 }
 

@@ -215,151 +215,22 @@ func ParseConfig(data []byte) (*Config, error) {
 	if err := checkRawRanges(&r); err != nil {
 		return nil, err
 	}
-	if r.ModelType == nil {
-		return nil, errors.New("config.json has no model_type; want one of deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe, mixtral")
+	c, d, err := r.common()
+	if err != nil {
+		return nil, err
 	}
-	fam := Family(*r.ModelType)
-	d, ok := familyDefaults[fam]
-	if !ok {
-		return nil, fmt.Errorf("model_type %q is not supported; want one of deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe, mixtral", *r.ModelType)
-	}
-	or := func(p *int, def int) int {
-		if p != nil {
-			return *p
-		}
-		return def
-	}
-	c := &Config{
-		Family:          fam,
-		HiddenSize:      or(r.HiddenSize, d.hidden),
-		HiddenAct:       "silu",
-		NumHiddenLayers: or(r.NumHiddenLayers, d.layers),
-		NumGroups:       1, TopKGroups: 1,
-		MoELayerFreq: 1, DecoderSparseStep: 1,
-		RoutedScalingFactor: 1,
-		Scoring:             Softmax,
-		TopKMethod:          Greedy,
-	}
-	if r.HiddenAct != nil {
-		c.HiddenAct = *r.HiddenAct
-	}
-	// Expert count: the family's own field first, then the aliases.
-	var experts *int
-	for _, p := range []*int{r.NRoutedExperts, r.NumExperts, r.NumLocalExperts} { // ranges checked by checkRawRanges
-		if p != nil {
-			experts = p
-			break
-		}
-	}
-	switch fam {
-	case Qwen2MoE, Qwen3MoE:
-		if r.NumExperts != nil {
-			experts = r.NumExperts
-		}
-	case Mixtral:
-		if r.NumLocalExperts != nil {
-			experts = r.NumLocalExperts
-		}
-	}
-	c.NumExperts = or(experts, d.experts)
-	if r.NumExpertsPerTok != nil {
-		c.TopK = *r.NumExpertsPerTok
-	} else if d.topK != nil {
-		c.TopK = *d.topK
-	} else {
-		return nil, fmt.Errorf("num_experts_per_tok is absent and %s has no default (transformers treats the model as dense); set it", fam)
-	}
-	if fam == Mixtral {
-		if r.IntermediateSize != nil && *r.IntermediateSize > MaxIntermediate {
-			return nil, fmt.Errorf("intermediate_size = %d is out of range: it must be between 1 and %d for mixtral's experts (moe.MaxIntermediate)", *r.IntermediateSize, MaxIntermediate)
-		}
-		c.Intermediate = or(r.IntermediateSize, d.intermediate)
-	} else {
-		c.Intermediate = or(r.MoEIntermediateSize, d.intermediate)
-	}
-	if r.NormTopKProb != nil {
-		c.NormTopKProb = *r.NormTopKProb
-	} else {
-		c.NormTopKProb = d.norm
-	}
-
-	switch fam {
+	switch c.Family {
 	case DeepseekV2, DeepseekV3:
-		nShared := or(r.NSharedExperts, d.nShared)
-		if nShared < 0 {
-			return nil, fmt.Errorf("n_shared_experts = %d: must be >= 0", nShared)
-		}
-		c.SharedIntermediate = nShared * c.Intermediate
-		c.RoutedScalingFactor = d.scale
-		if r.RoutedScalingFactor != nil {
-			c.RoutedScalingFactor = *r.RoutedScalingFactor
-		}
-		c.FirstKDenseReplace = or(r.FirstKDenseReplace, d.firstKDense)
-		c.MoELayerFreq = or(r.MoELayerFreq, 1)
-		if fam == DeepseekV2 {
-			c.Scoring = Softmax
-			if r.ScoringFunc != nil && *r.ScoringFunc != string(Softmax) {
-				return nil, fmt.Errorf("scoring_func = %q is not supported for deepseek_v2 (transformers' DeepseekV2Moe always uses softmax)", *r.ScoringFunc)
-			}
-			c.TopKMethod = Greedy
-			if r.TopKMethod != nil {
-				switch m := TopKMethod(*r.TopKMethod); m {
-				case Greedy, GroupLimitedGreedy:
-					c.TopKMethod = m
-				default:
-					return nil, fmt.Errorf("topk_method = %q is not supported for deepseek_v2; want greedy or group_limited_greedy", *r.TopKMethod)
-				}
-			}
-			if c.NormTopKProb {
-				// DeepSeek's own modeling code renormalises when this is set, but
-				// transformers' DeepseekV2Moe ignores it: refuse rather than pick one.
-				return nil, errors.New("norm_topk_prob = true is not supported for deepseek_v2: transformers' DeepseekV2Moe ignores it while DeepSeek's reference code renormalises; set it to false")
-			}
-		} else {
-			c.Scoring = Sigmoid
-			if r.ScoringFunc != nil && *r.ScoringFunc != string(Sigmoid) {
-				return nil, fmt.Errorf("scoring_func = %q is not supported for deepseek_v3 (transformers' DeepseekV3 router always uses sigmoid)", *r.ScoringFunc)
-			}
-			c.TopKMethod = NoAuxTC
-			if r.TopKMethod != nil && *r.TopKMethod != string(NoAuxTC) {
-				return nil, fmt.Errorf("topk_method = %q is not supported for deepseek_v3 (transformers' DeepseekV3 router always uses noaux_tc)", *r.TopKMethod)
-			}
-		}
-		if c.TopKMethod != Greedy {
-			// DeepseekV2Config has no default for n_group/topk_group (None); V3's are 8 and 4.
-			switch {
-			case r.NGroup != nil:
-				c.NumGroups = *r.NGroup
-			case d.nGroup != nil:
-				c.NumGroups = *d.nGroup
-			default:
-				return nil, fmt.Errorf("n_group is absent but topk_method = %s needs it", c.TopKMethod)
-			}
-			switch {
-			case r.TopKGroup != nil:
-				c.TopKGroups = *r.TopKGroup
-			case d.topkGroup != nil:
-				c.TopKGroups = *d.topkGroup
-			default:
-				return nil, fmt.Errorf("topk_group is absent but topk_method = %s needs it", c.TopKMethod)
-			}
-		}
+		err = r.deepseek(c, d)
 	case Qwen2MoE, Qwen3MoE:
-		if fam == Qwen2MoE {
-			c.SharedIntermediate = or(r.SharedExpertIntermediateSize, d.sharedIntermediate)
-			c.SharedGate = c.SharedIntermediate > 0
-		}
-		c.DecoderSparseStep = or(r.DecoderSparseStep, 1)
-		if len(r.MLPOnlyLayers) > 0 {
-			c.MLPOnlyLayers = append([]int(nil), r.MLPOnlyLayers...)
-		}
-		if r.ScoringFunc != nil && *r.ScoringFunc != string(Softmax) {
-			return nil, fmt.Errorf("scoring_func = %q is not supported for %s (softmax only)", *r.ScoringFunc, fam)
-		}
+		err = r.qwen(c, d)
 	case Mixtral:
 		if !c.NormTopKProb {
-			return nil, errors.New("norm_topk_prob = false is not supported for mixtral: MixtralTopKRouter always renormalises")
+			err = errors.New("norm_topk_prob = false is not supported for mixtral: MixtralTopKRouter always renormalises")
 		}
+	}
+	if err != nil {
+		return nil, err
 	}
 	if err := c.Validate(); err != nil {
 		return nil, err
@@ -370,6 +241,183 @@ func ParseConfig(data []byte) (*Config, error) {
 		}
 	}
 	return c, nil
+}
+
+// orDefault returns *p, or def when p is nil (the field is absent).
+func orDefault(p *int, def int) int {
+	if p != nil {
+		return *p
+	}
+	return def
+}
+
+// common returns the Config of r's family with the fields every family reads
+// (sizes, experts, top-k, norm_topk_prob) set, and the family's defaults.
+func (r *rawConfig) common() (*Config, defaults, error) {
+	if r.ModelType == nil {
+		return nil, defaults{}, errors.New("config.json has no model_type; want one of deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe, mixtral")
+	}
+	fam := Family(*r.ModelType)
+	d, ok := familyDefaults[fam]
+	if !ok {
+		return nil, defaults{}, fmt.Errorf("model_type %q is not supported; want one of deepseek_v2, deepseek_v3, qwen2_moe, qwen3_moe, mixtral", *r.ModelType)
+	}
+	c := &Config{
+		Family:          fam,
+		HiddenSize:      orDefault(r.HiddenSize, d.hidden),
+		HiddenAct:       "silu",
+		NumHiddenLayers: orDefault(r.NumHiddenLayers, d.layers),
+		NumGroups:       1, TopKGroups: 1,
+		MoELayerFreq: 1, DecoderSparseStep: 1,
+		RoutedScalingFactor: 1,
+		Scoring:             Softmax,
+		TopKMethod:          Greedy,
+		NumExperts:          orDefault(r.experts(fam), d.experts),
+		NormTopKProb:        d.norm,
+	}
+	if r.HiddenAct != nil {
+		c.HiddenAct = *r.HiddenAct
+	}
+	switch {
+	case r.NumExpertsPerTok != nil:
+		c.TopK = *r.NumExpertsPerTok
+	case d.topK != nil:
+		c.TopK = *d.topK
+	default:
+		return nil, defaults{}, fmt.Errorf("num_experts_per_tok is absent and %s has no default (transformers treats the model as dense); set it", fam)
+	}
+	if fam == Mixtral {
+		if r.IntermediateSize != nil && *r.IntermediateSize > MaxIntermediate {
+			return nil, defaults{}, fmt.Errorf("intermediate_size = %d is out of range: it must be between 1 and %d for mixtral's experts (moe.MaxIntermediate)", *r.IntermediateSize, MaxIntermediate)
+		}
+		c.Intermediate = orDefault(r.IntermediateSize, d.intermediate)
+	} else {
+		c.Intermediate = orDefault(r.MoEIntermediateSize, d.intermediate)
+	}
+	if r.NormTopKProb != nil {
+		c.NormTopKProb = *r.NormTopKProb
+	}
+	return c, d, nil
+}
+
+// experts returns the routed expert count field of family fam: its own field
+// first, then the aliases; nil when all are absent.
+func (r *rawConfig) experts(fam Family) *int {
+	switch {
+	case (fam == Qwen2MoE || fam == Qwen3MoE) && r.NumExperts != nil:
+		return r.NumExperts
+	case fam == Mixtral && r.NumLocalExperts != nil:
+		return r.NumLocalExperts
+	}
+	for _, p := range []*int{r.NRoutedExperts, r.NumExperts, r.NumLocalExperts} { // ranges checked by checkRawRanges
+		if p != nil {
+			return p
+		}
+	}
+	return nil
+}
+
+// deepseek sets the fields of a DeepSeek-V2 or V3 Config: the shared
+// experts, the scaling, the layer pattern and the routing.
+func (r *rawConfig) deepseek(c *Config, d defaults) error {
+	nShared := orDefault(r.NSharedExperts, d.nShared)
+	if nShared < 0 {
+		return fmt.Errorf("n_shared_experts = %d: must be >= 0", nShared)
+	}
+	c.SharedIntermediate = nShared * c.Intermediate
+	c.RoutedScalingFactor = d.scale
+	if r.RoutedScalingFactor != nil {
+		c.RoutedScalingFactor = *r.RoutedScalingFactor
+	}
+	c.FirstKDenseReplace = orDefault(r.FirstKDenseReplace, d.firstKDense)
+	c.MoELayerFreq = orDefault(r.MoELayerFreq, 1)
+	var err error
+	if c.Family == DeepseekV2 {
+		err = r.deepseekV2Routing(c)
+	} else {
+		err = r.deepseekV3Routing(c)
+	}
+	if err != nil || c.TopKMethod == Greedy {
+		return err
+	}
+	return r.groups(c, d)
+}
+
+// deepseekV2Routing sets DeepSeek-V2's scoring (softmax) and top-k method
+// (greedy or group_limited_greedy).
+func (r *rawConfig) deepseekV2Routing(c *Config) error {
+	c.Scoring = Softmax
+	if r.ScoringFunc != nil && *r.ScoringFunc != string(Softmax) {
+		return fmt.Errorf("scoring_func = %q is not supported for deepseek_v2 (transformers' DeepseekV2Moe always uses softmax)", *r.ScoringFunc)
+	}
+	c.TopKMethod = Greedy
+	if r.TopKMethod != nil {
+		switch m := TopKMethod(*r.TopKMethod); m {
+		case Greedy, GroupLimitedGreedy:
+			c.TopKMethod = m
+		default:
+			return fmt.Errorf("topk_method = %q is not supported for deepseek_v2; want greedy or group_limited_greedy", *r.TopKMethod)
+		}
+	}
+	if c.NormTopKProb {
+		// DeepSeek's own modeling code renormalises when this is set, but
+		// transformers' DeepseekV2Moe ignores it: refuse rather than pick one.
+		return errors.New("norm_topk_prob = true is not supported for deepseek_v2: transformers' DeepseekV2Moe ignores it while DeepSeek's reference code renormalises; set it to false")
+	}
+	return nil
+}
+
+// deepseekV3Routing sets DeepSeek-V3's scoring (sigmoid) and top-k method
+// (noaux_tc).
+func (r *rawConfig) deepseekV3Routing(c *Config) error {
+	c.Scoring = Sigmoid
+	if r.ScoringFunc != nil && *r.ScoringFunc != string(Sigmoid) {
+		return fmt.Errorf("scoring_func = %q is not supported for deepseek_v3 (transformers' DeepseekV3 router always uses sigmoid)", *r.ScoringFunc)
+	}
+	c.TopKMethod = NoAuxTC
+	if r.TopKMethod != nil && *r.TopKMethod != string(NoAuxTC) {
+		return fmt.Errorf("topk_method = %q is not supported for deepseek_v3 (transformers' DeepseekV3 router always uses noaux_tc)", *r.TopKMethod)
+	}
+	return nil
+}
+
+// groups sets n_group and topk_group for a grouped top-k method.
+// DeepseekV2Config has no default for them (None); V3's are 8 and 4.
+func (r *rawConfig) groups(c *Config, d defaults) error {
+	switch {
+	case r.NGroup != nil:
+		c.NumGroups = *r.NGroup
+	case d.nGroup != nil:
+		c.NumGroups = *d.nGroup
+	default:
+		return fmt.Errorf("n_group is absent but topk_method = %s needs it", c.TopKMethod)
+	}
+	switch {
+	case r.TopKGroup != nil:
+		c.TopKGroups = *r.TopKGroup
+	case d.topkGroup != nil:
+		c.TopKGroups = *d.topkGroup
+	default:
+		return fmt.Errorf("topk_group is absent but topk_method = %s needs it", c.TopKMethod)
+	}
+	return nil
+}
+
+// qwen sets the fields of a Qwen2-MoE or Qwen3-MoE Config: the (gated)
+// shared expert of Qwen2-MoE, the layer pattern, the scoring (softmax only).
+func (r *rawConfig) qwen(c *Config, d defaults) error {
+	if c.Family == Qwen2MoE {
+		c.SharedIntermediate = orDefault(r.SharedExpertIntermediateSize, d.sharedIntermediate)
+		c.SharedGate = c.SharedIntermediate > 0
+	}
+	c.DecoderSparseStep = orDefault(r.DecoderSparseStep, 1)
+	if len(r.MLPOnlyLayers) > 0 {
+		c.MLPOnlyLayers = append([]int(nil), r.MLPOnlyLayers...)
+	}
+	if r.ScoringFunc != nil && *r.ScoringFunc != string(Softmax) {
+		return fmt.Errorf("scoring_func = %q is not supported for %s (softmax only)", *r.ScoringFunc, c.Family)
+	}
+	return nil
 }
 
 // jsonError turns an encoding/json error on config.json into one that says
@@ -489,6 +537,33 @@ func (c *Config) Validate() error {
 	if _, ok := familyDefaults[c.Family]; !ok {
 		return fmt.Errorf("model_type %q is not supported", c.Family)
 	}
+	if err := c.checkSizes(); err != nil {
+		return err
+	}
+	if c.HiddenAct != "silu" {
+		return fmt.Errorf("hidden_act = %q is not supported; only silu is", c.HiddenAct)
+	}
+	if c.TopK > c.NumExperts {
+		return fmt.Errorf("num_experts_per_tok = %d exceeds the %d experts", c.TopK, c.NumExperts)
+	}
+	if c.SharedIntermediate < 0 {
+		return fmt.Errorf("shared expert intermediate size = %d: must be >= 0", c.SharedIntermediate)
+	}
+	if c.SharedGate && c.SharedIntermediate == 0 {
+		return errors.New("shared_expert_gate set but the shared expert intermediate size is 0")
+	}
+	if c.NumHiddenLayers < 0 || c.FirstKDenseReplace < 0 {
+		return fmt.Errorf("num_hidden_layers = %d, first_k_dense_replace = %d: must be >= 0", c.NumHiddenLayers, c.FirstKDenseReplace)
+	}
+	if math.IsNaN(c.RoutedScalingFactor) || math.IsInf(c.RoutedScalingFactor, 0) {
+		return fmt.Errorf("routed_scaling_factor = %v: must be finite", c.RoutedScalingFactor)
+	}
+	return c.checkRouting()
+}
+
+// checkSizes checks the sizes that must be positive and those with a hard
+// limit, and the layer indices of mlp_only_layers.
+func (c *Config) checkSizes() error {
 	pos := []struct {
 		name string
 		v    int
@@ -527,24 +602,11 @@ func (c *Config) Validate() error {
 			return fmt.Errorf("mlp_only_layers holds layer %d: layer indices must be between 0 and %d", l, MaxLayers-1)
 		}
 	}
-	if c.HiddenAct != "silu" {
-		return fmt.Errorf("hidden_act = %q is not supported; only silu is", c.HiddenAct)
-	}
-	if c.TopK > c.NumExperts {
-		return fmt.Errorf("num_experts_per_tok = %d exceeds the %d experts", c.TopK, c.NumExperts)
-	}
-	if c.SharedIntermediate < 0 {
-		return fmt.Errorf("shared expert intermediate size = %d: must be >= 0", c.SharedIntermediate)
-	}
-	if c.SharedGate && c.SharedIntermediate == 0 {
-		return errors.New("shared_expert_gate set but the shared expert intermediate size is 0")
-	}
-	if c.NumHiddenLayers < 0 || c.FirstKDenseReplace < 0 {
-		return fmt.Errorf("num_hidden_layers = %d, first_k_dense_replace = %d: must be >= 0", c.NumHiddenLayers, c.FirstKDenseReplace)
-	}
-	if math.IsNaN(c.RoutedScalingFactor) || math.IsInf(c.RoutedScalingFactor, 0) {
-		return fmt.Errorf("routed_scaling_factor = %v: must be finite", c.RoutedScalingFactor)
-	}
+	return nil
+}
+
+// checkRouting checks the scoring function, the top-k method and its groups.
+func (c *Config) checkRouting() error {
 	switch c.Scoring {
 	case Softmax, Sigmoid:
 	default:
@@ -552,21 +614,21 @@ func (c *Config) Validate() error {
 	}
 	switch c.TopKMethod {
 	case Greedy:
+		return nil
 	case GroupLimitedGreedy, NoAuxTC:
-		if c.NumExperts%c.NumGroups != 0 {
-			return fmt.Errorf("n_group = %d does not divide the %d experts", c.NumGroups, c.NumExperts)
-		}
-		if c.TopKGroups > c.NumGroups {
-			return fmt.Errorf("topk_group = %d exceeds n_group = %d", c.TopKGroups, c.NumGroups)
-		}
-		if c.TopKMethod == NoAuxTC && c.NumExperts/c.NumGroups < 2 {
-			return fmt.Errorf("n_group = %d leaves %d expert per group; noaux_tc needs at least 2 (it sums the top 2)", c.NumGroups, c.NumExperts/c.NumGroups)
-		}
-		if c.TopK > c.TopKGroups*(c.NumExperts/c.NumGroups) {
-			return fmt.Errorf("num_experts_per_tok = %d exceeds the %d experts in topk_group = %d groups", c.TopK, c.TopKGroups*(c.NumExperts/c.NumGroups), c.TopKGroups)
-		}
 	default:
 		return fmt.Errorf("topk_method = %q is not supported; want greedy, group_limited_greedy or noaux_tc", c.TopKMethod)
+	}
+	per := c.NumExperts / c.NumGroups
+	switch {
+	case c.NumExperts%c.NumGroups != 0:
+		return fmt.Errorf("n_group = %d does not divide the %d experts", c.NumGroups, c.NumExperts)
+	case c.TopKGroups > c.NumGroups:
+		return fmt.Errorf("topk_group = %d exceeds n_group = %d", c.TopKGroups, c.NumGroups)
+	case c.TopKMethod == NoAuxTC && per < 2:
+		return fmt.Errorf("n_group = %d leaves %d expert per group; noaux_tc needs at least 2 (it sums the top 2)", c.NumGroups, per)
+	case c.TopK > c.TopKGroups*per:
+		return fmt.Errorf("num_experts_per_tok = %d exceeds the %d experts in topk_group = %d groups", c.TopK, c.TopKGroups*per, c.TopKGroups)
 	}
 	return nil
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/collective"
+	"golang.org/x/sync/errgroup"
 )
 
 // ExpertRange returns the routed experts [lo, hi) that rank r of n holds in
@@ -21,8 +22,10 @@ func TokenRange(T, n, r int) (lo, hi int) { return r * T / n, (r + 1) * T / n }
 
 // ExpertShard is one rank of an expert-parallel MoE layer: the router (and
 // correction bias) and the shared expert, replicated on every rank, and the
-// routed experts ExpertRange(E, comm.Size(), comm.Rank()). Each rank routes its
-// own tokens (data parallel in, expert parallel in the middle):
+// routed experts ExpertRange(E, comm.Size(), comm.Rank()). It is built from
+// the same stages as a Layer (see core), with a collective.Comm between the
+// dispatch and the experts. Each rank routes its own tokens (data parallel in,
+// expert parallel in the middle):
 //
 //  1. the shared expert is forked onto the side stream, where it runs while
 //     the rest below is in flight, and joined back before the combine;
@@ -46,7 +49,9 @@ func TokenRange(T, n, r int) (lo, hi int) { return r * T / n, (r + 1) * T / n }
 // same sequence of calls (each rank with its own tokens, possibly none). A
 // shard serialises its own calls with a mutex.
 type ExpertShard struct {
-	l    *Layer
+	mu     sync.Mutex
+	closed bool
+	core
 	comm collective.Comm
 
 	send, ret *gpuctx.Buffer     // dispatch rows out, result rows back [T*K,H]
@@ -58,39 +63,62 @@ type ExpertShard struct {
 // (see ExpertRange) in dtype (gpuctx.F32 or gpuctx.BF16). Errors are those of
 // NewLayer, and comm nil or with more ranks than experts.
 func NewExpertShard(dev *gpuctx.Device, comm collective.Comm, cfg *Config, w *Weights, dtype gpuctx.DType) (*ExpertShard, error) {
-	const op = "moe.NewExpertShard"
+	const op = "NewExpertShard"
 	if comm == nil {
-		return nil, fmt.Errorf("%w: %s: nil communicator", gpuctx.ErrInvalid, op)
+		return nil, fmt.Errorf("moe: %s: nil communicator: %w", op, gpuctx.ErrInvalid)
 	}
 	if cfg == nil {
-		return nil, fmt.Errorf("%w: %s: nil config", gpuctx.ErrInvalid, op)
+		return nil, fmt.Errorf("moe: %s: nil config: %w", op, gpuctx.ErrInvalid)
 	}
 	n, r := comm.Size(), comm.Rank()
 	if n < 1 || r < 0 || r >= n {
-		return nil, fmt.Errorf("%w: %s: rank %d of %d", gpuctx.ErrInvalid, op, r, n)
+		return nil, fmt.Errorf("moe: %s: rank %d of %d: %w", op, r, n, gpuctx.ErrInvalid)
 	}
 	if n > cfg.NumExperts {
-		return nil, fmt.Errorf("%w: %s: %d ranks for %d experts: every rank needs at least one expert", gpuctx.ErrInvalid, op, n, cfg.NumExperts)
+		return nil, fmt.Errorf("moe: %s: %d ranks for %d experts: every rank needs at least one expert: %w", op, n, cfg.NumExperts, gpuctx.ErrInvalid)
+	}
+	if dev == nil {
+		return nil, fmt.Errorf("moe: %s: nil device: %w", op, gpuctx.ErrInvalid)
+	}
+	if err := w.Check(cfg); err != nil {
+		return nil, fmt.Errorf("moe: %s: %w", op, err)
+	}
+	o := LayerOptions{DType: dtype, NoFused: true, SmallBatchTokens: -1, NoGraphs: true}
+	if err := checkLayerOptions(dev, cfg, o); err != nil {
+		return nil, fmt.Errorf("moe: %s: %w", op, err)
 	}
 	lo, hi := ExpertRange(cfg.NumExperts, n, r)
-	l, err := newLayer(op, dev, cfg, w, LayerOptions{DType: dtype, NoFused: true, SmallBatchTokens: -1, NoGraphs: true}, &[2]int{lo, hi})
-	if err != nil {
-		return nil, err
+	s := &ExpertShard{comm: comm}
+	if err := s.init(dev, cfg, coreSpec{dt: dtype, lo: lo, hi: hi}, memWeights{w}); err != nil {
+		_ = s.release()
+		return nil, fmt.Errorf("moe: %s: %w", op, err)
 	}
-	return &ExpertShard{l: l, comm: comm}, nil
+	return s, nil
 }
 
 // Rank returns the shard's rank.
 func (s *ExpertShard) Rank() int { return s.comm.Rank() }
 
 // Experts returns the routed experts [lo, hi) the shard holds.
-func (s *ExpertShard) Experts() (lo, hi int) { return s.l.expLo, s.l.expHi }
+func (s *ExpertShard) Experts() (lo, hi int) { return s.experts.lo, s.experts.hi }
 
 // MainStream returns the stream ForwardDevice queues work on.
-func (s *ExpertShard) MainStream() *gpuctx.Stream { return s.l.main }
+func (s *ExpertShard) MainStream() *gpuctx.Stream { return s.main }
 
 // SideStream returns the stream the shared expert runs on.
-func (s *ExpertShard) SideStream() *gpuctx.Stream { return s.l.side }
+func (s *ExpertShard) SideStream() *gpuctx.Stream { return s.side }
+
+// epCall is one ExpertShard forward's exchange plan: this rank's T tokens
+// (TK assignments) and its view of x, the counts per expert of its routing,
+// every rank's counts (all, rank-major), the bytes sent to and received from
+// each rank, and the rows R this rank's experts compute.
+type epCall struct {
+	T, TK                  int
+	xv                     *gpuctx.Buffer
+	cnt, all               []int
+	sendCounts, recvCounts []int
+	R                      int
+}
 
 // ForwardDevice queues y = MoE(x) for this rank's T tokens (x and y [T,H] in
 // the shard's dtype on its device; T may be 0, then x and y may be nil) on
@@ -100,282 +128,286 @@ func (s *ExpertShard) SideStream() *gpuctx.Stream { return s.l.side }
 // after the forward. An error from a collective leaves the group unusable:
 // close the shards.
 func (s *ExpertShard) ForwardDevice(x, y *gpuctx.Buffer, T int) error {
-	l := s.l
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	const op = "ExpertShard.ForwardDevice"
-	if err := l.check(op); err != nil {
+	if err := s.checkForward(op, x, y, T); err != nil {
 		return err
 	}
-	c := &l.cfg
-	H, E, K, I := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate
-	es, sc := l.es, &l.scr
-	if T < 0 {
-		return fmt.Errorf("%w: moe: %s: T = %d tokens: must be >= 0", gpuctx.ErrInvalid, op, T)
-	}
+	c := &epCall{T: T, TK: T * s.cfg.TopK}
 	if T > 0 {
-		for _, b := range []struct {
-			name string
-			buf  *gpuctx.Buffer
-		}{{"x", x}, {"y", y}} {
-			if b.buf == nil {
-				return fmt.Errorf("%w: moe: %s: %s is nil", gpuctx.ErrInvalid, op, b.name)
-			}
-			if b.buf.Device() != l.dev {
-				return fmt.Errorf("%w: moe: %s: %s belongs to another device than the shard", gpuctx.ErrWrongDevice, op, b.name)
-			}
-			if b.buf.Size() < T*H*es {
-				return fmt.Errorf("%w: moe: %s: %s holds %d bytes; T*H = %d*%d %v elements need %d", gpuctx.ErrSize, op, b.name, b.buf.Size(), T, H, l.dt, T*H*es)
-			}
-		}
-	}
-	doShared := l.sgu != nil
-	TK := T * K
-	row := H * es
-	if T > 0 {
-		if err := l.ensure(T, false, doShared); err != nil {
+		if err := s.prepare(c, x); err != nil {
 			return err
 		}
-		synced := false
-		for _, nd := range []struct {
-			b **gpuctx.Buffer
-			n int
-		}{{&sc.logits, 4 * T * E}, {&sc.idx, 4 * TK}, {&sc.w, 4 * TK}, {&sc.pos, 4 * TK}, {&s.send, TK * row}, {&s.ret, TK * row}} {
-			if err := l.grow(nd.b, nd.n, &synced); err != nil {
-				return err
-			}
-		}
-		if s.idxHost == nil || s.idxHost.Size() < 4*TK {
-			if s.idxHost != nil {
-				if err := s.idxHost.Free(); err != nil {
-					return err
-				}
-				s.idxHost = nil
-			}
-			var err error
-			if s.idxHost, err = l.dev.AllocHost(4 * TK); err != nil {
-				return err
-			}
-		}
-	}
-	var xv *gpuctx.Buffer
-	if T > 0 {
-		var err error
-		if xv, err = x.Slice(0, T*row); err != nil {
-			return err
-		}
-		// 1. The shared expert on the side stream, forked once x is ready.
-		if doShared {
-			if err := l.evFork.Record(l.main); err != nil {
-				return err
-			}
-			if err := l.sharedOnSide(l.evFork, xv, T); err != nil {
-				return err
-			}
-		}
-		// 2. Router and routing, as Layer.routed does.
-		err = l.ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error {
-			return h.Gemm(gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: T, N: E, K: H, Alpha: 1,
-				A: xv, B: l.router, C: sc.logits, AB: l.dt, CType: gpuctx.F32})
-		})
-		if err != nil {
-			return fmt.Errorf("moe: router GEMM: %w", err)
-		}
-		scoring, method, eps, scale := l.routeArgs()
-		if err := l.main.Launch(l.kRoute, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0,
-			sc.logits, l.bias, sc.idx, sc.w, int32(T), int32(E), int32(K), scoring, method,
-			int32(c.NumGroups), int32(c.TopKGroups), flag(c.HasBias()), flag(c.NormTopKProb), eps, scale,
-			int32(K), int32(0)); err != nil {
-			return err
-		}
-		if err := l.main.CopyDtoH(s.idxHost, 0, sc.idx, 0, 4*TK); err != nil {
-			return err
-		}
-		if err := l.evCounts.Record(l.main); err != nil {
-			return err
-		}
-		if err := l.evCounts.Synchronize(); err != nil {
-			return fmt.Errorf("moe: waiting for the routing: %w", err)
-		}
-	}
-	// 3. Counts, then the dispatch plan: rows ordered by expert, then by
-	// assignment (token, slot).
-	n := s.comm.Size()
-	cnt := make([]int, E)
-	var idx []int32
-	if T > 0 {
-		idx = unsafe.Slice((*int32)(unsafe.Pointer(unsafe.SliceData(s.idxHost.Bytes()))), TK)
-		for i, e := range idx {
-			if e < 0 || int(e) >= E {
-				return fmt.Errorf("moe: routing chose expert %d for assignment %d of %d experts: a kernel bug", e, i, E)
-			}
-			cnt[e]++
-		}
-	}
-	all, err := s.comm.AllGather(cnt)
-	if err != nil {
-		return fmt.Errorf("moe: %s: exchanging counts: %w", op, err)
-	}
-	sendCounts, recvCounts := make([]int, n), make([]int, n)
-	for d := range n {
-		lo, hi := ExpertRange(E, n, d)
-		for e := lo; e < hi; e++ {
-			sendCounts[d] += cnt[e] * row
-		}
-	}
-	lo, hi := l.expLo, l.expHi
-	R := 0
-	for src := range n {
-		for e := lo; e < hi; e++ {
-			recvCounts[src] += all[src*E+e] * row
-			R += all[src*E+e]
-		}
-	}
-	if T > 0 {
-		start := make([]int32, E+1)
-		for e := range E {
-			start[e+1] = start[e] + int32(cnt[e])
-		}
-		pos := make([]int32, TK)
-		for i, e := range idx {
-			pos[i] = start[e]
-			start[e]++
-		}
-		// The main stream has drained up to the routing (evCounts), and
-		// nothing queued since reads pos, so a synchronous copy is safe.
-		pv, err := sc.pos.Slice(0, 4*TK)
-		if err != nil {
-			return err
-		}
-		if err := pv.CopyFromHost(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(pos))), 4*TK)); err != nil {
-			return err
-		}
-		if err := l.main.Launch(l.kGather, gpuctx.Dim3{X: gridFor(TK), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
-			xv, sc.pos, s.send, int32(TK), int32(K), int32(H), int32(es)); err != nil {
+		// 1-2. The shared expert on the side stream, router and routing.
+		if err := s.routeLocal(c); err != nil {
 			return err
 		}
 	}
-	if R > 0 {
-		synced := false
-		for _, nd := range []struct {
-			b **gpuctx.Buffer
-			n int
-		}{{&sc.xp, R * row}, {&sc.h, R * 2 * I * es}, {&sc.act, R * I * es}, {&sc.out, R * row}} {
-			if err := l.grow(nd.b, nd.n, &synced); err != nil {
-				return err
-			}
-		}
+	// 3. Counts, then the dispatch plan.
+	if err := s.exchangeCounts(op, c); err != nil {
+		return err
 	}
-	sendBuf, recvBuf, retBuf, outBuf := s.send, sc.xp, s.ret, sc.out
-	if T == 0 {
-		sendBuf, retBuf = nil, nil
+	if err := s.gather(c); err != nil {
+		return err
 	}
-	if R == 0 {
-		recvBuf, outBuf = nil, nil
-	}
-	if err := s.comm.AllToAllV(sendBuf, sendCounts, recvBuf, recvCounts, l.main); err != nil {
-		return fmt.Errorf("moe: %s: dispatch: %w", op, err)
-	}
-	// 4. The local experts, one GEMM group per (source rank, expert).
-	if R > 0 {
-		gateUp := make([]gpuctx.Gemm, 0, n*(hi-lo))
-		down := make([]gpuctx.Gemm, 0, n*(hi-lo))
-		off := 0
-		for src := range n {
-			for e := lo; e < hi; e++ {
-				m := all[src*E+e]
-				if m == 0 {
-					continue
-				}
-				views := make([]*gpuctx.Buffer, 6)
-				for i, v := range []struct {
-					b        *gpuctx.Buffer
-					off, len int
-				}{
-					{sc.xp, off * H, m * H}, {l.gu, (e - lo) * 2 * I * H, 2 * I * H}, {sc.h, off * 2 * I, m * 2 * I},
-					{sc.act, off * I, m * I}, {l.down, (e - lo) * H * I, H * I}, {sc.out, off * H, m * H},
-				} {
-					if views[i], err = v.b.Slice(v.off*es, v.len*es); err != nil {
-						return err
-					}
-				}
-				gateUp = append(gateUp, gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: m, N: 2 * I, K: H, Alpha: 1,
-					A: views[0], B: views[1], C: views[2], AB: l.dt, CType: l.dt})
-				down = append(down, gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: m, N: H, K: I, Alpha: 1,
-					A: views[3], B: views[4], C: views[5], AB: l.dt, CType: l.dt})
-				off += m
-			}
-		}
-		if err := l.ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error { return h.GemmGrouped(gateUp) }); err != nil {
-			return fmt.Errorf("moe: expert gate/up grouped GEMM: %w", err)
-		}
-		if err := l.main.Launch(l.kSwiglu, eltGrid(R*I), eltBlock, 0,
-			sc.h, sc.act, int32(R), int32(I), flag(l.dt == gpuctx.BF16)); err != nil {
-			return err
-		}
-		if err := l.ctx.BlasFlavour(l.flav, func(h gpuctx.Blas) error { return h.GemmGrouped(down) }); err != nil {
-			return fmt.Errorf("moe: expert down grouped GEMM: %w", err)
-		}
-	}
-	// The results go back in the layout they came in.
-	if err := s.comm.AllToAllV(outBuf, recvCounts, retBuf, sendCounts, l.main); err != nil {
-		return fmt.Errorf("moe: %s: return: %w", op, err)
+	if err := s.runExperts(op, c); err != nil {
+		return err
 	}
 	if T == 0 {
 		return nil
 	}
 	// 5. Join the shared expert and combine (Layer's combine kernel; pos
 	// points each assignment at its returned row).
-	if doShared {
-		if err := l.main.Wait(l.evJoin); err != nil {
+	return s.combineInto(c, y)
+}
+
+// checkForward checks ForwardDevice's arguments; s.mu must be held.
+func (s *ExpertShard) checkForward(op string, x, y *gpuctx.Buffer, T int) error {
+	if s.closed {
+		return fmt.Errorf("moe: %s: layer: %w", op, gpuctx.ErrClosed)
+	}
+	H, es := s.cfg.HiddenSize, s.es
+	if T < 0 {
+		return fmt.Errorf("moe: %s: T = %d tokens: must be >= 0: %w", op, T, gpuctx.ErrInvalid)
+	}
+	if T == 0 {
+		return nil
+	}
+	for _, b := range []struct {
+		name string
+		buf  *gpuctx.Buffer
+	}{{"x", x}, {"y", y}} {
+		if b.buf == nil {
+			return fmt.Errorf("moe: %s: %s is nil: %w", op, b.name, gpuctx.ErrInvalid)
+		}
+		if b.buf.Device() != s.dev {
+			return fmt.Errorf("moe: %s: %s belongs to another device than the shard: %w", op, b.name, gpuctx.ErrWrongDevice)
+		}
+		if b.buf.Size() < T*H*es {
+			return fmt.Errorf("moe: %s: %s holds %d bytes; T*H = %d*%d %v elements need %d: %w", op, b.name, b.buf.Size(), T, H, s.dt, T*H*es, gpuctx.ErrSize)
+		}
+	}
+	return nil
+}
+
+// prepare grows the scratch of c's T > 0 tokens and takes c's view of x.
+func (s *ExpertShard) prepare(c *epCall, x *gpuctx.Buffer) error {
+	T, TK, row := c.T, c.TK, s.cfg.HiddenSize*s.es
+	if s.shared.gu != nil {
+		if err := s.growAll(s.shared.needs(T)...); err != nil {
 			return err
 		}
 	}
-	yv, err := y.Slice(0, T*row)
+	r := &s.router
+	if err := s.growAll(need{&r.logits, 4 * T * s.cfg.NumExperts}, need{&r.idx, 4 * TK}, need{&r.wts, 4 * TK},
+		need{&s.dispatch.pos, 4 * TK}, need{&s.send, TK * row}, need{&s.ret, TK * row}); err != nil {
+		return err
+	}
+	if s.idxHost == nil || s.idxHost.Size() < 4*TK {
+		if s.idxHost != nil {
+			if err := s.idxHost.Free(); err != nil {
+				return err
+			}
+			s.idxHost = nil
+		}
+		var err error
+		if s.idxHost, err = s.dev.AllocHost(4 * TK); err != nil {
+			return err
+		}
+	}
+	var err error
+	c.xv, err = x.Slice(0, T*row)
+	return err
+}
+
+// routeLocal forks the shared expert onto the side stream once x is ready,
+// queues the router and the routing on the main stream (as a Layer's grouped
+// path does), copies the expert indices to the host and waits for them.
+func (s *ExpertShard) routeLocal(c *epCall) error {
+	if s.shared.gu != nil {
+		if err := s.evFork.Record(s.main); err != nil {
+			return err
+		}
+		if err := s.shared.onSide(s.evFork, c.xv, c.T); err != nil {
+			return err
+		}
+	}
+	if err := s.router.route(c.xv, c.T, s.cfg.TopK, false); err != nil {
+		return err
+	}
+	if err := s.main.CopyDtoH(s.idxHost, 0, s.router.idx, 0, 4*c.TK); err != nil {
+		return err
+	}
+	if err := s.evCounts.Record(s.main); err != nil {
+		return err
+	}
+	if err := s.evCounts.Synchronize(); err != nil {
+		return fmt.Errorf("moe: waiting for the routing: %w", err)
+	}
+	return nil
+}
+
+// hostIdx returns the routing's expert indices on the host (T > 0).
+func (s *ExpertShard) hostIdx(c *epCall) []int32 {
+	return unsafe.Slice((*int32)(unsafe.Pointer(unsafe.SliceData(s.idxHost.Bytes()))), c.TK)
+}
+
+// exchangeCounts counts this rank's assignments per expert, exchanges the
+// counts with every rank (AllGather) and derives the bytes sent to and
+// received from each rank and the rows this rank's experts compute.
+func (s *ExpertShard) exchangeCounts(op string, c *epCall) error {
+	E, n, row := s.cfg.NumExperts, s.comm.Size(), s.cfg.HiddenSize*s.es
+	c.cnt = make([]int, E)
+	if c.T > 0 {
+		for i, e := range s.hostIdx(c) {
+			if e < 0 || int(e) >= E {
+				return fmt.Errorf("moe: routing chose expert %d for assignment %d of %d experts: a kernel bug", e, i, E)
+			}
+			c.cnt[e]++
+		}
+	}
+	var err error
+	if c.all, err = s.comm.AllGather(c.cnt); err != nil {
+		return fmt.Errorf("moe: %s: exchanging counts: %w", op, err)
+	}
+	c.sendCounts, c.recvCounts = make([]int, n), make([]int, n)
+	for d := range n {
+		lo, hi := ExpertRange(E, n, d)
+		for e := lo; e < hi; e++ {
+			c.sendCounts[d] += c.cnt[e] * row
+		}
+	}
+	for src := range n {
+		for e := s.experts.lo; e < s.experts.hi; e++ {
+			c.recvCounts[src] += c.all[src*E+e] * row
+			c.R += c.all[src*E+e]
+		}
+	}
+	return nil
+}
+
+// gather orders this rank's assignment rows by expert, then by assignment
+// (token, slot): pos on the host, copied to the device, and the gather kernel
+// into the send buffer on the main stream.
+func (s *ExpertShard) gather(c *epCall) error {
+	if c.T == 0 {
+		return nil
+	}
+	E := s.cfg.NumExperts
+	start := make([]int32, E+1)
+	for e := range E {
+		start[e+1] = start[e] + int32(c.cnt[e])
+	}
+	pos := make([]int32, c.TK)
+	for i, e := range s.hostIdx(c) {
+		pos[i] = start[e]
+		start[e]++
+	}
+	// The main stream has drained up to the routing (evCounts), and
+	// nothing queued since reads pos, so a synchronous copy is safe.
+	d := &s.dispatch
+	pv, err := d.pos.Slice(0, 4*c.TK)
 	if err != nil {
 		return err
 	}
-	dummy := l.bias
-	sout, sg := dummy, dummy
-	if doShared {
-		sout = sc.sout
-		if l.sgate != nil {
-			sg = sc.sg
+	if err := pv.CopyFromHost(unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(pos))), 4*c.TK)); err != nil {
+		return err
+	}
+	return d.gather(c.xv, s.send, c.TK)
+}
+
+// runExperts sends the rows to their experts' ranks (AllToAllV), runs the
+// local experts, one GEMM group per (source rank, expert), and sends the
+// results back in the layout they came in.
+func (s *ExpertShard) runExperts(op string, c *epCall) error {
+	d, x := &s.dispatch, &s.experts
+	if c.R > 0 {
+		if err := s.growAll(need{&d.xp, c.R * s.cfg.HiddenSize * s.es}, x.needs(c.R)[0], x.needs(c.R)[1], x.needs(c.R)[2]); err != nil {
+			return err
 		}
 	}
-	return l.main.Launch(l.kCombine, gpuctx.Dim3{X: gridFor(T), Y: 1, Z: 1}, gpuctx.Dim3{X: blockFor(H), Y: 1, Z: 1}, 0,
-		s.ret, sc.pos, sc.w, sout, sg, yv, int32(T), int32(K), int32(H),
-		flag(true), flag(doShared), flag(doShared && l.sgate != nil), flag(l.dt == gpuctx.BF16))
+	sendBuf, recvBuf, retBuf, outBuf := s.send, d.xp, s.ret, x.out
+	if c.T == 0 {
+		sendBuf, retBuf = nil, nil
+	}
+	if c.R == 0 {
+		recvBuf, outBuf = nil, nil
+	}
+	if err := s.comm.AllToAllV(sendBuf, c.sendCounts, recvBuf, c.recvCounts, s.main); err != nil {
+		return fmt.Errorf("moe: %s: dispatch: %w", op, err)
+	}
+	// 4. The local experts, one GEMM group per (source rank, expert).
+	if c.R > 0 {
+		E, lo, hi := s.cfg.NumExperts, x.lo, x.hi
+		var groups []group
+		off := 0
+		for src := range s.comm.Size() {
+			for e := lo; e < hi; e++ {
+				if m := c.all[src*E+e]; m > 0 {
+					groups = append(groups, group{e - lo, off, m})
+					off += m
+				}
+			}
+		}
+		if err := x.grouped(d.xp, groups, c.R); err != nil {
+			return err
+		}
+	}
+	if err := s.comm.AllToAllV(outBuf, c.recvCounts, retBuf, c.sendCounts, s.main); err != nil {
+		return fmt.Errorf("moe: %s: return: %w", op, err)
+	}
+	return nil
+}
+
+// combineInto joins the shared expert and queues the combine into y.
+func (s *ExpertShard) combineInto(c *epCall, y *gpuctx.Buffer) error {
+	doShared := s.shared.gu != nil
+	if doShared {
+		if err := s.main.Wait(s.evJoin); err != nil {
+			return err
+		}
+	}
+	yv, err := y.Slice(0, c.T*s.cfg.HiddenSize*s.es)
+	if err != nil {
+		return err
+	}
+	in := combineIn{out: s.ret, pos: s.dispatch.pos, w: s.router.wts, ks: s.cfg.TopK, routed: true, shared: doShared}
+	if doShared {
+		in.sout = s.shared.out
+		if s.shared.gate != nil {
+			in.sg = s.shared.g
+		}
+	}
+	in.gated = doShared && s.shared.gate != nil
+	return s.combine.tokens(in, s.router.bias, yv, c.T)
 }
 
 // Close waits for the shard's streams and releases it, then closes its
 // communicator (which, for a Local group, ends the group). Double Close is
 // harmless.
 func (s *ExpertShard) Close() error {
-	l := s.l
-	l.mu.Lock()
+	s.mu.Lock()
 	var errs []error
-	if !l.closed {
-		l.closed = true
-		errs = append(errs, l.release())
-		for _, b := range []**gpuctx.Buffer{&s.send, &s.ret} {
-			if *b != nil {
-				if err := (*b).Free(); err != nil && !errors.Is(err, gpuctx.ErrClosed) {
-					errs = append(errs, err)
-				}
-				*b = nil
-			}
-		}
-		if s.idxHost != nil {
-			if err := s.idxHost.Free(); err != nil && !errors.Is(err, gpuctx.ErrClosed) {
-				errs = append(errs, err)
-			}
-			s.idxHost = nil
-		}
+	if !s.closed {
+		s.closed = true
+		errs = append(errs, s.release())
 	}
-	l.mu.Unlock()
+	s.mu.Unlock()
 	errs = append(errs, s.comm.Close())
 	return errors.Join(errs...)
+}
+
+// release frees everything the shard holds.
+func (s *ExpertShard) release() error {
+	err := s.core.release([]**gpuctx.Buffer{&s.send, &s.ret}, nil, nil)
+	if s.idxHost != nil {
+		if ferr := s.idxHost.Free(); ferr != nil && !errors.Is(ferr, gpuctx.ErrClosed) {
+			err = errors.Join(err, ferr)
+		}
+		s.idxHost = nil
+	}
+	return err
 }
 
 // ExpertParallel is an expert-parallel MoE layer over N devices of one
@@ -391,13 +423,13 @@ type ExpertParallel struct {
 // NewExpertParallel makes an ExpertShard on each of devs (rank r on devs[r])
 // with an in-process communicator. On error everything made is released.
 func NewExpertParallel(devs []*gpuctx.Device, cfg *Config, w *Weights, dtype gpuctx.DType) (*ExpertParallel, error) {
-	const op = "moe.NewExpertParallel"
+	const op = "NewExpertParallel"
 	if len(devs) == 0 {
-		return nil, fmt.Errorf("%w: %s: no devices", gpuctx.ErrInvalid, op)
+		return nil, fmt.Errorf("moe: %s: no devices: %w", op, gpuctx.ErrInvalid)
 	}
 	comms, err := collective.NewLocal(len(devs))
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", op, err)
+		return nil, fmt.Errorf("moe: %s: %w", op, err)
 	}
 	p := &ExpertParallel{dt: dtype}
 	for r, d := range devs {
@@ -407,7 +439,7 @@ func NewExpertParallel(devs []*gpuctx.Device, cfg *Config, w *Weights, dtype gpu
 			for _, c := range comms[r:] {
 				_ = c.Close()
 			}
-			return nil, fmt.Errorf("%s: rank %d: %w", op, r, err)
+			return nil, fmt.Errorf("moe: %s: rank %d: %w", op, r, err)
 		}
 		p.shards = append(p.shards, s)
 	}
@@ -434,37 +466,33 @@ func (p *ExpertParallel) Forward(x []float32, T int) ([]float32, error) {
 		return nil, fmt.Errorf("moe: %s: %w", op, gpuctx.ErrClosed)
 	}
 	if T <= 0 {
-		return nil, fmt.Errorf("%w: moe: %s: T = %d tokens: must be > 0", gpuctx.ErrInvalid, op, T)
+		return nil, fmt.Errorf("moe: %s: T = %d tokens: must be > 0: %w", op, T, gpuctx.ErrInvalid)
 	}
 	if len(x) != T*H {
-		return nil, fmt.Errorf("%w: moe: %s: x has %d values, want T*H = %d*%d = %d", gpuctx.ErrSize, op, len(x), T, H, T*H)
+		return nil, fmt.Errorf("moe: %s: x has %d values, want T*H = %d*%d = %d: %w", op, len(x), T, H, T*H, gpuctx.ErrSize)
 	}
 	n := len(p.shards)
 	y := make([]float32, T*H)
-	errs := make([]error, n)
-	var wg sync.WaitGroup
+	var g errgroup.Group
 	for r, s := range p.shards {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		g.Go(func() error {
 			t0, t1 := TokenRange(T, n, r)
-			if errs[r] = s.forwardHost(x[t0*H:t1*H], y[t0*H:t1*H], t1-t0); errs[r] != nil {
+			if err := s.forwardHost(x[t0*H:t1*H], y[t0*H:t1*H], t1-t0); err != nil {
 				_ = s.comm.Close() // release the ranks waiting on this one
+				return fmt.Errorf("moe: %s: rank %d: %w", op, r, err)
 			}
-		}()
+			return nil
+		})
 	}
-	wg.Wait()
-	for r, err := range errs {
-		if err != nil {
-			return nil, fmt.Errorf("moe: %s: rank %d: %w", op, r, err)
-		}
+	if err := g.Wait(); err != nil {
+		return nil, err
 	}
 	return y, nil
 }
 
 // forwardHost uploads x, runs ForwardDevice and downloads y (T may be 0).
 func (s *ExpertShard) forwardHost(x, y []float32, T int) error {
-	l := s.l
+	l := &s.env
 	if T == 0 {
 		return s.ForwardDevice(nil, nil, 0)
 	}

@@ -1,15 +1,12 @@
 package moe
 
 import (
-	"errors"
 	"fmt"
 	"math"
 	"strings"
 	"sync"
-	"unsafe"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/half"
 	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
@@ -174,101 +171,32 @@ type LayerOptions struct {
 	NoAutotune bool
 }
 
-// Layer is one MoE block on a device: the weights (experts fused as [E,2I,H]
-// gate-then-up and [E,H,I] down), a BLAS Context on the main stream and a view
-// of it on the side stream, the events that fork and join the side stream, and
-// scratch buffers that grow as needed.
+// Layer is one MoE block on a device: the stages of a forward (router,
+// dispatch, routed experts, shared expert, combine; see core), each with its
+// weights (experts fused as [E,2I,H] gate-then-up and [E,H,I] down), kernels
+// and scratch buffers that grow as needed, a BLAS Context on the main stream
+// and a view of it on the side stream, and the events that fork and join the
+// side stream. A forward is planned first (plan), then run by one executor
+// (enqueue), eagerly or as a captured graph.
 //
 // A Layer serialises its own calls with a mutex, so it is safe to call from
 // several goroutines, but calls do not overlap: one forward is queued at a time.
 type Layer struct {
 	mu     sync.Mutex
 	closed bool
+	core
 
-	dev    *gpuctx.Device
-	cfg    Config
-	dt     gpuctx.DType
-	es     int // element size of dt
-	mode   Mode
-	thresh int
-	small  int // SmallBatchTokens, resolved
+	mode    Mode
+	thresh  int
+	small   int  // SmallBatchTokens, resolved
+	fusedOK bool // bf16, H and I multiples of 8, not NoFused
+	ns      int  // shared-expert chunks fused as experts E.. (0: none)
 
-	useGraphs  bool                        // capture and replay where possible
-	graphs     map[graphKey]*gpuctx.Graph  // captured forwards
-	seen       map[graphKey]int            // forwards run per shape (the first is eager)
-	gx, gy     *gpuctx.Buffer              // the graphs' staging input and output
-	direct     map[directKey]*gpuctx.Graph // graphs captured on callers' x and y
-	directSeen map[directKey]bool          // (shape, x, y) run once through staging
-	flav       gpuctx.Flavour
-
-	main, side  *gpuctx.Stream
-	ownMain     bool
-	ctx, sctx   *gpuctx.Context // sctx: ctx.WithStream(side)
-	evFork      *gpuctx.Event
-	evJoin      *gpuctx.Event
-	evCounts    *gpuctx.Event
-	kRoute      *gpuctx.Kernel
-	kPlan       *gpuctx.Kernel
-	kGather     *gpuctx.Kernel
-	kSwiglu     *gpuctx.Kernel
-	kCombine    *gpuctx.Kernel
-	kExpertUp   *gpuctx.Kernel
-	kExpertDown *gpuctx.Kernel
-	kAlign      *gpuctx.Kernel
-	kAlign3     [3]*gpuctx.Kernel // gpuctx_moe_align_count, _scan, _scatter
-	align3From  int               // assignments from which the three-launch align runs
-	raTokens    int               // batches of at most this many tokens route in gpuctx_moe_route_align
-	kCombRows   *gpuctx.Kernel
-	kRouteAlign *gpuctx.Kernel
-
-	fusedOK     bool                                  // bf16, H and I multiples of 8, not NoFused
-	ns          int                                   // shared-expert chunks fused as experts E.. (0: none)
-	routedKS    int                                   // topk row stride of the last routed forward
-	kUp         map[moekernels.MoEGemm]*gpuctx.Kernel // fused up kernels by tile
-	kDown       map[moekernels.MoEGemm]*gpuctx.Kernel // fused down kernels by tile
-	forceTile   *moekernels.MoEGemm                   // LayerOptions.Tile
-	autotune    bool                                  // time the tiles per bucket
-	noTune      bool                                  // LayerOptions.NoAutotune: no timing runs at all (tiles, Auto's mode)
-	tiles       map[tileKey]tilePair                  // chosen tiles by token bucket and shared fusion
-	tuneLog     []string                              // what tune chose (TileChoices)
-	autoModes   map[int]Mode                          // Auto's measured choice by token bucket
-	evTune      [2]*gpuctx.Event                      // timing events of tune
-	capturing   bool                                  // a graph capture is under way
-	countsHost  *gpuctx.HostBuffer
-	weightBufs  []*gpuctx.Buffer
-	router      *gpuctx.Buffer // [E,H] dt
-	bias        *gpuctx.Buffer // [E] f32 (zeros when the config has no bias)
-	gu, down    *gpuctx.Buffer // [E,2I,H], [E,H,I] dt
-	sgu, sdown  *gpuctx.Buffer // [2Is,H], [H,Is] dt, or nil
-	sgate       *gpuctx.Buffer // [H] dt, or nil
-	scr         scratch
-	routedT     int  // tokens of the last forward that routed (0: none)
-	lastDual    bool // whether the last forward used the side stream (tests)
-	fusedShared bool // the current forward computes the shared expert in the fused kernels
-	sharedWait  bool // tests: the up kernel reads the fused shared rows from the sort after its wait, like the others
-	lastStaged  bool // the current forward stages x and y (not 16-byte aligned)
-
-	// An expert-parallel shard (ExpertShard) holds only routed experts
-	// [expLo, expHi) in gu and down, at index e-expLo; the Layer forward paths
-	// are never run on it. For a Layer, expLo = 0 and expHi = NumExperts.
-	shard        bool
-	expLo, expHi int
-}
-
-// scratch holds the reusable device buffers of a forward.
-type scratch struct {
-	logits, idx, w, counts, offsets, pos *gpuctx.Buffer // routing
-	xp, h, act, out                      *gpuctx.Buffer // routed experts
-	sorted, bexp, npost                  *gpuctx.Buffer // fused path: aligned sort
-	ticket                               *gpuctx.Buffer // gpuctx_moe_route_align's last-block ticket (0 at rest)
-	bcnt, boff                           *gpuctx.Buffer // three-launch align: per-chunk counts, offsets
-	sh, sact, sout, sg                   *gpuctx.Buffer // shared expert
-	xio, yio                             *gpuctx.Buffer // Forward's input and output
-}
-
-func (s *scratch) all() []**gpuctx.Buffer {
-	return []**gpuctx.Buffer{&s.logits, &s.idx, &s.w, &s.counts, &s.offsets, &s.pos,
-		&s.xp, &s.h, &s.act, &s.out, &s.sorted, &s.bexp, &s.npost, &s.ticket, &s.bcnt, &s.boff, &s.sh, &s.sact, &s.sout, &s.sg, &s.xio, &s.yio}
+	gc       graphCache
+	tuner    tuner
+	xio, yio *gpuctx.Buffer // Forward's input and output
+	last     lastRouting    // the last routed forward (LastRouting)
+	hook     func(*plan)    // tests: sees (and may change) each forward's plan before it runs
 }
 
 // NewLayer validates cfg and w, uploads the weights to dev in o.DType
@@ -276,23 +204,19 @@ func (s *scratch) all() []**gpuctx.Buffer {
 // MoE kernels, and makes the side stream, the events and the BLAS Context.
 // Errors name the bad value: a nil device, an invalid config or weights, a
 // dtype other than F32/BF16, more than MaxExperts experts or MaxTopK experts per
-// token, a negative AutoThreshold, an unknown Mode, or a stream of another
-// device. On error everything made so far is released. LoadLayer builds the
-// same layer straight from a checkpoint.
+// token, a negative AutoThreshold, an unknown Mode, Mode FusedShared on a layer
+// whose routed experts and shared-expert chunks pass MaxExperts, or a stream of
+// another device. On error everything made so far is released. LoadLayer
+// builds the same layer straight from a checkpoint.
 func NewLayer(dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions) (*Layer, error) {
-	return newLayer("NewLayer", dev, cfg, w, o, nil)
-}
-
-// newLayer is NewLayer; a non-nil experts [lo, hi) makes an expert-parallel
-// shard that uploads only those routed experts (see Layer.shard).
-func newLayer(op string, dev *gpuctx.Device, cfg *Config, w *Weights, o LayerOptions, experts *[2]int) (*Layer, error) {
+	const op = "NewLayer"
 	if dev == nil {
 		return nil, fmt.Errorf("moe: %s: nil device: %w", op, gpuctx.ErrInvalid)
 	}
 	if err := w.Check(cfg); err != nil {
 		return nil, fmt.Errorf("moe: %s: %w", op, err)
 	}
-	return buildLayer("moe: "+op, dev, cfg, memWeights{w}, o, experts)
+	return buildLayer("moe: "+op, dev, cfg, memWeights{w}, o)
 }
 
 // checkLayerOptions checks o against dev and a valid cfg; the error names the
@@ -320,23 +244,16 @@ func checkLayerOptions(dev *gpuctx.Device, cfg *Config, o LayerOptions) error {
 // its weight buffers from src, which holds weights valid for cfg. Errors are
 // prefixed with prefix ("moe: NewLayer", "moe.LoadLayer"); on error everything
 // made so far is released.
-func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource, o LayerOptions, experts *[2]int) (*Layer, error) {
+func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource, o LayerOptions) (*Layer, error) {
 	if err := checkLayerOptions(dev, cfg, o); err != nil {
 		return nil, fmt.Errorf("%s: %w", prefix, err)
 	}
-	l := &Layer{dev: dev, cfg: *cfg, dt: o.DType, es: o.DType.Size(), mode: o.Mode, thresh: o.AutoThreshold,
-		flav: gpuctx.Default, main: o.Stream}
+	l := &Layer{mode: o.Mode, thresh: o.AutoThreshold, gc: newGraphCache(!o.NoGraphs)}
+	l.cfg = *cfg
 	if l.thresh == 0 {
 		l.thresh = DefaultAutoThreshold
 	}
-	l.useGraphs = !o.NoGraphs
-	l.graphs, l.seen = map[graphKey]*gpuctx.Graph{}, map[graphKey]int{}
-	l.direct, l.directSeen = map[directKey]*gpuctx.Graph{}, map[directKey]bool{}
-	l.autoModes = map[int]Mode{}
-	if l.dt == gpuctx.BF16 {
-		l.flav = gpuctx.TensorOp
-	}
-	l.fusedOK = l.dt == gpuctx.BF16 && !o.NoFused && cfg.HiddenSize%8 == 0 && cfg.Intermediate%8 == 0
+	l.fusedOK = o.DType == gpuctx.BF16 && !o.NoFused && cfg.HiddenSize%8 == 0 && cfg.Intermediate%8 == 0
 	switch l.small = o.SmallBatchTokens; {
 	case l.small == 0 && l.fusedOK:
 		l.small = 0 // the fused path beat the small-batch kernels at every size measured
@@ -345,293 +262,49 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 	case l.small < 0:
 		l.small = 0
 	}
-	l.kUp, l.kDown, l.tiles = map[moekernels.MoEGemm]*gpuctx.Kernel{}, map[moekernels.MoEGemm]*gpuctx.Kernel{}, map[tileKey]tilePair{}
+	if err := l.fusedSharedLimit(); err == nil {
+		l.ns = sharedChunks(cfg, l.fusedOK)
+	} else if o.Mode == FusedShared {
+		return nil, fmt.Errorf("%s: %w", prefix, err)
+	}
 	if o.Tile != "" {
 		t, err := parseTile(o.Tile)
 		if err != nil {
 			return nil, fmt.Errorf("%s: LayerOptions.Tile: %w", prefix, err)
 		}
-		if t.Warpgroups > 0 && l.fusedOK {
-			// Fail here, not at the first forward, on a GPU without sm_90a.
-			p := forcedPair(t)
-			for _, c := range []moekernels.MoEGemm{p.up, p.down} {
-				if _, _, err := l.fusedKernels(c); err != nil {
-					return nil, fmt.Errorf("%s: LayerOptions.Tile %s: %w", prefix, o.Tile, err)
-				}
-			}
-		}
-		l.forceTile = &t
+		l.tuner.forceTile = &t
 	}
-	l.autotune = !o.NoAutotune && dev.Backend() == "cuda"
-	l.noTune = o.NoAutotune
-	l.align3From = align3From
-	l.raTokens = routeAlignTokens
-	if experts != nil {
-		l.shard, l.expLo, l.expHi = true, experts[0], experts[1]
-	}
-	if err := l.init(src); err != nil {
+	l.tuner.autotune, l.tuner.noTune = !o.NoAutotune && dev.Backend() == "cuda", o.NoAutotune
+	l.tuner.tiles, l.tuner.autoModes = map[tileKey]tilePair{}, map[int]Mode{}
+	if err := l.init(dev, cfg, o, src); err != nil {
 		_ = l.release()
 		return nil, fmt.Errorf("%s: %w", prefix, err)
 	}
 	return l, nil
 }
 
-func (l *Layer) init(src weightSource) error {
-	var err error
-	if l.main == nil {
-		if l.main, err = l.dev.NewStream(gpuctx.StreamOptions{}); err != nil {
-			return err
-		}
-		l.ownMain = true
-	}
-	if l.side, err = l.dev.NewStream(gpuctx.StreamOptions{}); err != nil {
-		return err
-	}
-	if l.ctx, err = l.dev.NewContext(gpuctx.ContextOptions{Stream: l.main}); err != nil {
-		return err
-	}
-	if l.sctx, err = l.ctx.WithStream(l.side); err != nil {
-		return err
-	}
-	for _, e := range []**gpuctx.Event{&l.evFork, &l.evJoin, &l.evCounts} {
-		if *e, err = l.dev.NewEvent(false); err != nil {
-			return err
-		}
-	}
-	for i := range l.evTune {
-		if l.evTune[i], err = l.dev.NewEvent(true); err != nil {
-			return err
-		}
-	}
-	for _, k := range []struct {
-		dst  **gpuctx.Kernel
-		name string
-	}{{&l.kRoute, "gpuctx_moe_route"}, {&l.kPlan, "gpuctx_moe_plan"}, {&l.kGather, "gpuctx_moe_gather"},
-		{&l.kSwiglu, "gpuctx_moe_swiglu"}, {&l.kCombine, "gpuctx_moe_combine"},
-		{&l.kExpertUp, "gpuctx_moe_expert_up"}, {&l.kExpertDown, "gpuctx_moe_expert_down"},
-		{&l.kAlign, "gpuctx_moe_align"}, {&l.kCombRows, "gpuctx_moe_combine_rows"},
-		{&l.kAlign3[0], "gpuctx_moe_align_count"}, {&l.kAlign3[1], "gpuctx_moe_align_scan"},
-		{&l.kAlign3[2], "gpuctx_moe_align_scatter"},
-		{&l.kRouteAlign, "gpuctx_moe_route_align"}} {
-		if *k.dst, err = l.dev.Kernel(k.name); err != nil {
-			return err
-		}
-	}
-	E, H, I, Is := l.cfg.NumExperts, l.cfg.HiddenSize, l.cfg.Intermediate, l.cfg.SharedIntermediate
-	if !l.shard {
-		l.expLo, l.expHi = 0, E
-	}
-	lo, hi := l.expLo, l.expHi
-	if l.fusedOK && Is > 0 && !l.cfg.SharedGate && Is%I == 0 && Is/I <= MaxTopK {
-		l.ns = Is / I
-	}
-	if l.countsHost, err = l.dev.AllocHost(4 * E); err != nil {
-		return err
-	}
-	// Allocate every weight buffer, then fill them all.
-	// With a fused shared expert, gu and down hold l.ns more experts after the
-	// routed ones: chunk j of the shared expert's width as expert E+j.
-	for _, b := range []struct {
-		dst **gpuctx.Buffer
-		n   int
-		ok  bool
-	}{{&l.router, E * H * l.es, true}, {&l.bias, 4 * E, true},
-		{&l.gu, (hi - lo + l.ns) * 2 * I * H * l.es, true}, {&l.down, (hi - lo + l.ns) * H * I * l.es, true},
-		{&l.sgu, 2 * Is * H * l.es, Is > 0}, {&l.sdown, H * Is * l.es, Is > 0},
-		{&l.sgate, H * l.es, l.cfg.SharedGate}} {
-		if b.ok {
-			if *b.dst, err = l.alloc(b.n); err != nil {
-				return err
-			}
-		}
-	}
-	if !l.cfg.HasBias() {
-		if err := l.bias.CopyFromHost(make([]byte, 4*E)); err != nil { // zeros
-			return err
-		}
-	}
-	var copies []weightCopy
-	put := func(b *gpuctx.Buffer, off int, c weightCopy) { // off: elements of b
-		es := l.es
-		if c.f32 {
-			es = 4
-		}
-		if err == nil {
-			c.dst, err = b.Slice(off*es, (c.r1-c.r0)*(c.c1-c.c0)*es)
-			copies = append(copies, c)
-		}
-	}
-	whole := func(p weightPart, e, rows, cols int) weightCopy {
-		return weightCopy{part: p, expert: e, cols: cols, r1: rows, c1: cols}
-	}
-	put(l.router, 0, whole(wRouter, 0, E, H))
-	if l.cfg.HasBias() {
-		c := whole(wBias, 0, 1, E)
-		c.f32 = true
-		put(l.bias, 0, c)
-	}
-	for j := 0; j < l.ns; j++ {
-		g, u := whole(wSharedGateProj, 0, (j+1)*I, H), whole(wSharedUpProj, 0, (j+1)*I, H)
-		g.r0, u.r0 = j*I, j*I
-		put(l.gu, (E+j)*2*I*H, g)
-		put(l.gu, (E+j)*2*I*H+I*H, u)
-		// Columns j*I.. of the [H, Is] down projection.
-		d := whole(wSharedDownProj, 0, H, Is)
-		d.c0, d.c1 = j*I, (j+1)*I
-		put(l.down, (E+j)*H*I, d)
-	}
-	for e := lo; e < hi; e++ {
-		put(l.gu, (e-lo)*2*I*H, whole(wGate, e, I, H))
-		put(l.gu, (e-lo)*2*I*H+I*H, whole(wUp, e, I, H))
-		put(l.down, (e-lo)*H*I, whole(wDown, e, H, I))
-	}
-	if Is > 0 {
-		put(l.sgu, 0, whole(wSharedGateProj, 0, Is, H))
-		put(l.sgu, Is*H, whole(wSharedUpProj, 0, Is, H))
-		put(l.sdown, 0, whole(wSharedDownProj, 0, H, Is))
-	}
-	if l.cfg.SharedGate {
-		put(l.sgate, 0, whole(wSharedExpertGate, 0, 1, H))
-	}
+// init builds the stages and the tuner's events, and checks a forced tile.
+func (l *Layer) init(dev *gpuctx.Device, cfg *Config, o LayerOptions, src weightSource) error {
+	err := l.core.init(dev, cfg, coreSpec{dt: o.DType, stream: o.Stream, hi: cfg.NumExperts, ns: l.ns}, src)
+	l.onGrow = l.gc.drop
 	if err != nil {
 		return err
 	}
-	return src.upload(l, copies)
-}
-
-func (l *Layer) alloc(n int) (*gpuctx.Buffer, error) {
-	b, err := l.dev.Alloc(n)
-	if err != nil {
-		return nil, err
-	}
-	l.weightBufs = append(l.weightBufs, b)
-	return b, nil
-}
-
-// weightPart names one weight tensor of a layer, as Layer.init asks a
-// weightSource for it. Each is a row-major matrix (a vector is one row).
-type weightPart uint8
-
-const (
-	wRouter           weightPart = iota // router [E, H]
-	wBias                               // correction bias [1, E]
-	wGate                               // routed expert's gate projection [I, H]
-	wUp                                 // routed expert's up projection [I, H]
-	wDown                               // routed expert's down projection [H, I]
-	wSharedGateProj                     // shared expert's gate projection [Is, H]
-	wSharedUpProj                       // shared expert's up projection [Is, H]
-	wSharedDownProj                     // shared expert's down projection [H, Is]
-	wSharedExpertGate                   // Qwen2-MoE shared_expert_gate [1, H]
-)
-
-// weightCopy is one copy Layer.init asks of a weightSource: rows [r0, r1) and
-// columns [c0, c1) of weight part (of routed expert `expert` for wGate, wUp
-// and wDown), a row-major matrix of cols columns, written row after row to
-// dst, which holds exactly (r1-r0)*(c1-c0) elements, in the layer's dtype, or
-// in f32 when f32 is set (the correction bias).
-type weightCopy struct {
-	part           weightPart
-	expert         int
-	cols           int
-	r0, r1, c0, c1 int
-	dst            *gpuctx.Buffer
-	f32            bool
-}
-
-// full reports whether c takes whole rows (its source elements are contiguous).
-func (c *weightCopy) full() bool { return c.c0 == 0 && c.c1 == c.cols }
-
-// weightSource supplies a layer's weights to Layer.init: memWeights (NewLayer)
-// or fileWeights (LoadLayer). The values it writes for a part are those of
-// the part in float32 (Weights), converted to the destination's dtype.
-type weightSource interface {
-	// upload performs copies with synchronous host-to-device copies that wait
-	// for nothing queued, in any order, and returns the first error.
-	upload(l *Layer, copies []weightCopy) error
-}
-
-// memWeights is a weightSource over *Weights (checked against the config).
-type memWeights struct{ w *Weights }
-
-// part returns the values of part p (of routed expert e).
-func (m memWeights) part(p weightPart, e int) []float32 {
-	w := m.w
-	switch p {
-	case wRouter:
-		return w.Router
-	case wBias:
-		return w.Bias
-	case wGate:
-		return w.Experts[e].Gate
-	case wUp:
-		return w.Experts[e].Up
-	case wDown:
-		return w.Experts[e].Down
-	case wSharedGateProj:
-		return w.Shared.Gate
-	case wSharedUpProj:
-		return w.Shared.Up
-	case wSharedDownProj:
-		return w.Shared.Down
-	case wSharedExpertGate:
-		return w.SharedGate
-	}
-	panic(fmt.Sprintf("moe: unknown weight part %d", p))
-}
-
-// upload converts each copy's values to its dtype (bf16 rounds to nearest
-// even) and copies them, one copy at a time, on the calling goroutine.
-func (m memWeights) upload(l *Layer, copies []weightCopy) error {
-	for i := range copies {
-		c := &copies[i]
-		v := m.part(c.part, c.expert)
-		if c.full() {
-			v = v[c.r0*c.cols : c.r1*c.cols]
-		} else {
-			w := make([]float32, 0, (c.r1-c.r0)*(c.c1-c.c0))
-			for r := c.r0; r < c.r1; r++ {
-				w = append(w, v[r*c.cols+c.c0:r*c.cols+c.c1]...)
-			}
-			v = w
-		}
-		b := f32Bytes(v)
-		if !c.f32 {
-			b = l.encode(v)
-		}
-		if err := c.dst.CopyFromHost(b); err != nil {
+	for i := range l.tuner.evTune {
+		if l.tuner.evTune[i], err = dev.NewEvent(true); err != nil {
 			return err
+		}
+	}
+	if t := l.tuner.forceTile; t != nil && t.Warpgroups > 0 && l.fusedOK {
+		// Fail here, not at the first forward, on a GPU without sm_90a.
+		p := forcedPair(*t)
+		for _, c := range []moekernels.MoEGemm{p.up, p.down} {
+			if _, _, err := l.experts.fusedKernels(c); err != nil {
+				return fmt.Errorf("LayerOptions.Tile %s: %w", o.Tile, err)
+			}
 		}
 	}
 	return nil
-}
-
-// encode returns v's bytes in the layer's dtype (bf16 rounds to nearest even).
-func (l *Layer) encode(v []float32) []byte {
-	if l.dt == gpuctx.F32 {
-		return f32Bytes(v)
-	}
-	h := half.BF16s(v)
-	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(h))), 2*len(h))
-}
-
-// decode converts b (the layer's dtype) to float32 values.
-func (l *Layer) decode(b []byte) []float32 {
-	if l.dt == gpuctx.F32 {
-		return append([]float32(nil), unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/4)...)
-	}
-	h := unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/2)
-	out := make([]float32, len(h))
-	for i, v := range h {
-		out[i] = half.FromBF16(v)
-	}
-	return out
-}
-
-func f32Bytes(v []float32) []byte {
-	if len(v) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(v))), 4*len(v))
 }
 
 // MainStream returns the stream ForwardDevice queues work on (LayerOptions.Stream
@@ -702,52 +375,5 @@ func (l *Layer) Close() error {
 // release frees everything the layer holds, ignoring objects that are already
 // closed or freed (a device closed before the layer freed them).
 func (l *Layer) release() error {
-	var errs []error
-	keep := func(err error) {
-		if err != nil && !errors.Is(err, gpuctx.ErrClosed) && !errors.Is(err, gpuctx.ErrFreed) {
-			errs = append(errs, err)
-		}
-	}
-	for _, s := range []*gpuctx.Stream{l.main, l.side} {
-		if s != nil {
-			keep(s.Synchronize())
-		}
-	}
-	for _, g := range l.graphs {
-		keep(g.Close())
-	}
-	l.graphs = nil
-	for _, g := range l.direct {
-		keep(g.Close())
-	}
-	l.direct = nil
-	for _, b := range append(l.scr.all(), &l.gx, &l.gy) {
-		if *b != nil {
-			keep((*b).Free())
-			*b = nil
-		}
-	}
-	for _, b := range l.weightBufs {
-		keep(b.Free())
-	}
-	l.weightBufs = nil
-	if l.countsHost != nil {
-		keep(l.countsHost.Free())
-		l.countsHost = nil
-	}
-	for _, e := range []*gpuctx.Event{l.evFork, l.evJoin, l.evCounts, l.evTune[0], l.evTune[1]} {
-		if e != nil {
-			keep(e.Close())
-		}
-	}
-	if l.ctx != nil {
-		keep(l.ctx.Close())
-	}
-	if l.side != nil {
-		keep(l.side.Close())
-	}
-	if l.ownMain && l.main != nil {
-		keep(l.main.Close())
-	}
-	return errors.Join(errs...)
+	return l.core.release([]**gpuctx.Buffer{&l.xio, &l.yio, &l.gc.gx, &l.gc.gy}, l.tuner.evTune[:], l.gc.close)
 }

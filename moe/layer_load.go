@@ -5,13 +5,13 @@ import (
 	"fmt"
 	"runtime"
 	"slices"
-	"sync"
 	"sync/atomic"
 	"unsafe"
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/half"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
+	"golang.org/x/sync/errgroup"
 )
 
 // LoadLayer reads MoE layer `layer` of the checkpoint in dir (model.safetensors,
@@ -68,7 +68,7 @@ func LoadLayer(dev *gpuctx.Device, dir string, cfg *Config, layer int, o LayerOp
 	if testHookResolved != nil {
 		testHookResolved()
 	}
-	return buildLayer(prefix, dev, cfg, &fileWeights{ll: ll, cfg: cfg}, o, nil)
+	return buildLayer(prefix, dev, cfg, &fileWeights{ll: ll, cfg: cfg}, o)
 }
 
 // testHookResolved, when set (tests only), runs after LoadLayer has checked the
@@ -94,40 +94,14 @@ type fileWeights struct {
 // which the part starts (nonzero in the fused layout only).
 func (s *fileWeights) source(p weightPart, e int) (checkedTensor, string, int) {
 	ll, I, H := s.ll, s.cfg.Intermediate, s.cfg.HiddenSize
-	sh := sharedName(s.cfg.Family)
-	var name string
-	row := 0
-	switch p {
-	case wRouter:
-		name = "gate.weight"
-	case wBias:
-		name = "gate.e_score_correction_bias"
-	case wGate, wUp, wDown:
-		switch {
-		case ll.layout == Fused && p == wDown:
-			name, row = "experts.down_proj", e*H // [E, H, I]: H rows of I per expert
-		case ll.layout == Fused:
-			name, row = "experts.gate_up_proj", e*2*I // [E, 2I, H]: gate rows, then up rows
-			if p == wUp {
-				row += I
-			}
-		case p == wGate:
-			name = ll.expertName(e, ll.g)
-		case p == wUp:
-			name = ll.expertName(e, ll.u)
-		default:
-			name = ll.expertName(e, ll.d)
-		}
-	case wSharedGateProj:
-		name = sh + ".gate_proj.weight"
-	case wSharedUpProj:
-		name = sh + ".up_proj.weight"
-	case wSharedDownProj:
-		name = sh + ".down_proj.weight"
-	case wSharedExpertGate:
-		name = "shared_expert_gate.weight"
-	default:
-		panic(fmt.Sprintf("moe: unknown weight part %d", p))
+	name, row := ll.name(p, e), 0
+	switch {
+	case ll.layout == Fused && p == wDown:
+		row = e * H // [E, H, I]: H rows of I per expert
+	case ll.layout == Fused && p == wGate:
+		row = e * 2 * I // [E, 2I, H]: gate rows, then up rows
+	case ll.layout == Fused && p == wUp:
+		row = e*2*I + I
 	}
 	return ll.tensors[name], ll.prefix + name, row
 }
@@ -144,8 +118,8 @@ type loadChunk struct {
 }
 
 // dstType returns the dtype c writes: F32 or BF16.
-func dstType(l *Layer, c *weightCopy) safetensors.DType {
-	if c.f32 || l.dt == gpuctx.F32 {
+func dstType(e *env, c *weightCopy) safetensors.DType {
+	if c.f32 || e.dt == gpuctx.F32 {
 		return safetensors.F32
 	}
 	return safetensors.BF16
@@ -153,7 +127,7 @@ func dstType(l *Layer, c *weightCopy) safetensors.DType {
 
 // upload splits copies into chunks of whole rows and has up to loadWorkers
 // goroutines read, convert where needed, and copy them to the device.
-func (s *fileWeights) upload(l *Layer, copies []weightCopy) error {
+func (s *fileWeights) upload(l *env, copies []weightCopy) error {
 	var chunks []loadChunk
 	var stageMax, rawMax, tmpMax int
 	for i := range copies {
@@ -191,35 +165,26 @@ func (s *fileWeights) upload(l *Layer, copies []weightCopy) error {
 	var (
 		next   atomic.Int64
 		failed atomic.Bool
-		wg     sync.WaitGroup
+		g      errgroup.Group
 	)
-	errs := make([]error, nw)
-	for i := range nw {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	for range nw {
+		g.Go(func() error {
 			wk := newLoadWorker(l.dev, stageMax, rawMax, tmpMax)
 			defer wk.free()
 			for !failed.Load() {
 				k := int(next.Add(1)) - 1
 				if k >= len(chunks) {
-					return
+					return nil
 				}
 				if err := wk.do(l, &chunks[k]); err != nil {
-					errs[i] = err
 					failed.Store(true)
-					return
+					return err
 				}
 			}
-		}()
+			return nil
+		})
 	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
+	return g.Wait()
 }
 
 // loadWorker holds one goroutine's buffers: stage (what is copied to the
@@ -250,7 +215,7 @@ func (wk *loadWorker) free() {
 }
 
 // do reads, converts and uploads one chunk.
-func (wk *loadWorker) do(l *Layer, ch *loadChunk) error {
+func (wk *loadWorker) do(l *env, ch *loadChunk) error {
 	c := ch.c
 	sdt, ddt := ch.t.info.DType, dstType(l, c)
 	ses, des := sdt.Size(), ddt.Size()

@@ -19,8 +19,8 @@ import (
 func layerBuffers(t *testing.T, l *Layer) map[string][]byte {
 	t.Helper()
 	out := map[string][]byte{}
-	for name, b := range map[string]*gpuctx.Buffer{"router": l.router, "bias": l.bias, "gu": l.gu, "down": l.down,
-		"sgu": l.sgu, "sdown": l.sdown, "sgate": l.sgate} {
+	for name, b := range map[string]*gpuctx.Buffer{"router": l.router.weight, "bias": l.router.bias, "gu": l.experts.gu, "down": l.experts.down,
+		"sgu": l.shared.gu, "sdown": l.shared.down, "sgate": l.shared.gate} {
 		if b == nil {
 			out[name] = nil
 			continue

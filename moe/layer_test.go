@@ -457,6 +457,7 @@ func TestLayerAutoThreshold(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
+				rec := recordPlans(l, nil)
 				for _, tc := range []struct {
 					T    int
 					mode Mode
@@ -465,8 +466,8 @@ func TestLayerAutoThreshold(t *testing.T) {
 					x := randomX(tc.T, cfg.HiddenSize, 1)
 					deviceRun(t, l, x, tc.T, tc.mode, Whole)
 					want := tc.want && cfg.SharedIntermediate > 0
-					if l.lastDual != want {
-						t.Errorf("%s %s small=%d T=%d %v: ran dual = %v, want %v", b.name, name, small, tc.T, tc.mode, l.lastDual, want)
+					if rec.last.dual != want {
+						t.Errorf("%s %s small=%d T=%d %v: ran dual = %v, want %v", b.name, name, small, tc.T, tc.mode, rec.last.dual, want)
 					}
 				}
 				l.Close()
@@ -734,10 +735,10 @@ func TestLayerGraphReplay(t *testing.T) {
 						}
 					}
 				}
-				if len(graphed.graphs) == 0 {
+				if len(graphed.gc.graphs) == 0 {
 					t.Fatal("no forward was captured into a graph")
 				}
-				if len(eager.graphs) != 0 {
+				if len(eager.gc.graphs) != 0 {
 					t.Fatal("NoGraphs layer captured a graph")
 				}
 			})
@@ -816,6 +817,7 @@ func TestLayerFusedShared(t *testing.T) {
 						t.Fatal(err)
 					}
 					defer l.Close()
+					rec := recordPlans(l, nil)
 					fusable := dt == gpuctx.BF16 && w.SharedGate == nil
 					if got := l.ns > 0; got != fusable {
 						t.Fatalf("shared expert fused = %v, want %v", got, fusable)
@@ -828,8 +830,8 @@ func TestLayerFusedShared(t *testing.T) {
 							t.Fatal(err)
 						}
 						fused := deviceRun(t, l, x, T, FusedShared, Whole)
-						if l.fusedShared != (fusable && T > 2) || l.lastDual == l.fusedShared {
-							t.Fatalf("T=%d: fused shared %v, side stream %v", T, l.fusedShared, l.lastDual)
+						if rec.last.fusedShared() != (fusable && T > 2) || rec.last.dual == rec.last.fusedShared() {
+							t.Fatalf("T=%d: fused shared %v, side stream %v", T, rec.last.fusedShared(), rec.last.dual)
 						}
 						idx, _, err := l.LastRouting()
 						if err != nil {
@@ -843,7 +845,7 @@ func TestLayerFusedShared(t *testing.T) {
 								t.Fatalf("T=%d run %d: FusedShared is not reproducible", T, run)
 							}
 						}
-						if !l.fusedShared {
+						if !rec.last.fusedShared() {
 							if !bytes.Equal(fused, dual) {
 								t.Errorf("T=%d: FusedShared fell back but differs from Dual", T)
 							}
@@ -885,6 +887,7 @@ func TestLayerSharedRowsEarly(t *testing.T) {
 			}
 			for _, tile := range []string{"m16n64k64w1x4s6", "m64n64k64g1s4", "m128n128k64g2s3", "m128n128k64g2s4p4"} {
 				t.Run(b.name+"/"+name+"/"+tile, func(t *testing.T) {
+					var recs []*planRecorder
 					layer := func(wait bool) *Layer {
 						l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, Tile: tile})
 						if err != nil {
@@ -894,7 +897,11 @@ func TestLayerSharedRowsEarly(t *testing.T) {
 							t.Fatal(err)
 						}
 						t.Cleanup(func() { l.Close() })
-						l.sharedWait = wait
+						recs = append(recs, recordPlans(l, func(p *plan) {
+							if wait {
+								p.early = 0
+							}
+						}))
 						return l
 					}
 					early, waits := layer(false), layer(true)
@@ -904,8 +911,8 @@ func TestLayerSharedRowsEarly(t *testing.T) {
 					for _, T := range []int{1, 3, 17, 40, 4096/(cfg.TopK+early.ns) + 5} {
 						x := randomX(T, cfg.HiddenSize, uint64(T)+70)
 						got := deviceRun(t, early, x, T, FusedShared, Whole)
-						if !early.fusedShared || early.sharedChunks() != early.ns {
-							t.Fatalf("T=%d: fused shared %v with %d chunks in the sort, want true and %d", T, early.fusedShared, early.sharedChunks(), early.ns)
+						if p := recs[0].last; !p.fusedShared() || p.ks-cfg.TopK != early.ns {
+							t.Fatalf("T=%d: fused shared %v with %d chunks in the sort, want true and %d", T, p.fusedShared(), p.ks-cfg.TopK, early.ns)
 						}
 						if want := deviceRun(t, waits, x, T, FusedShared, Whole); !bytes.Equal(got, want) {
 							t.Errorf("T=%d: the early shared rows differ from the sorted ones (relative %.3g)", T, relErr(early.decode(got), waits.decode(want)))
@@ -986,8 +993,8 @@ func TestLayerDirectGraphs(t *testing.T) {
 						t.Fatalf("run %d %v, y == x: differs from the eager layer", i, mode)
 					}
 				}
-				if b.name == "cuda" || len(l.graphs) > 0 { // the backend captures
-					if len(l.direct) == 0 {
+				if b.name == "cuda" || len(l.gc.graphs) > 0 { // the backend captures
+					if len(l.gc.direct) == 0 {
 						t.Fatal("no forward was captured on the caller's buffers")
 					}
 				}
@@ -1021,7 +1028,7 @@ func TestLayerAutoMeasured(t *testing.T) {
 			for _, T := range []int{3, 4, 40} { // 3 and 4 share a bucket
 				x := randomX(T, cfg.HiddenSize, uint64(T)+7)
 				got := deviceRun(t, l, x, T, Auto, Whole)
-				m, ok := l.autoModes[tileBucket(T)]
+				m, ok := l.tuner.autoModes[tileBucket(T)]
 				if !ok || (m != Dual && m != FusedShared) {
 					t.Fatalf("T=%d: Auto recorded %v (%v), want Dual or FusedShared", T, m, ok)
 				}
@@ -1063,7 +1070,7 @@ func TestLayerAutoRule(t *testing.T) {
 			}{{1, FusedShared}, {autoRuleTokens, FusedShared}, {autoRuleTokens + 1, Dual}, {40, Dual}} {
 				x := randomX(tc.T, cfg.HiddenSize, uint64(tc.T)+3)
 				got := deviceRun(t, l, x, tc.T, Auto, Whole)
-				if m := l.autoModes[tileBucket(tc.T)]; m != tc.want {
+				if m := l.tuner.autoModes[tileBucket(tc.T)]; m != tc.want {
 					t.Errorf("T=%d: Auto picked %v, want %v", tc.T, m, tc.want)
 				}
 				if want := deviceRun(t, l, x, tc.T, tc.want, Whole); !bytes.Equal(got, want) {
@@ -1097,6 +1104,7 @@ func TestLayerMisalignedBuffers(t *testing.T) {
 						t.Fatal(err)
 					}
 					defer l.Close()
+					rec := recordPlans(l, nil)
 					for _, T := range []int{3, 40} {
 						x := randomX(T, cfg.HiddenSize, uint64(T)+3)
 						want := deviceRun(t, l, x, T, Dual, Whole)
@@ -1126,7 +1134,7 @@ func TestLayerMisalignedBuffers(t *testing.T) {
 							if err := l.ForwardDevice(xb, yb, T, Dual, Whole); err != nil {
 								t.Fatal(err)
 							}
-							staged := l.lastStaged
+							staged := rec.last.staged
 							if err := l.MainStream().Synchronize(); err != nil {
 								t.Fatal(err)
 							}
@@ -1207,14 +1215,15 @@ func TestAlignThreeLaunch(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer l.Close()
-				l.align3From = from
+				l.dispatch.align3From = from
+				rec := recordPlans(l, nil)
 				outs[i] = deviceRun(t, l, x, T, Single, Whole)
-				TK := T * l.routedKS
-				cp := alignCap(TK, l.experts(), 64)
+				TK := T * rec.last.ks
+				cp := alignCap(TK, rec.last.experts, 64)
 				for j, buf := range []struct {
 					b *gpuctx.Buffer
 					n int
-				}{{l.scr.sorted, cp}, {l.scr.bexp, cp / 64}, {l.scr.npost, 1}} {
+				}{{l.dispatch.sorted, cp}, {l.dispatch.bexp, cp / 64}, {l.dispatch.npost, 1}} {
 					host := make([]byte, 4*buf.n)
 					part, err := buf.b.Slice(0, len(host))
 					if err != nil {
@@ -1271,7 +1280,7 @@ func TestRouteAlignOneLaunch(t *testing.T) {
 						t.Fatal(err)
 					}
 					defer three.Close()
-					three.raTokens = 0
+					three.dispatch.raTokens = 0
 					if !one.routeAlignOK(T) || three.routeAlignOK(T) {
 						t.Fatalf("routeAlignOK(%d) = %v and %v, want true and false", T, one.routeAlignOK(T), three.routeAlignOK(T))
 					}
@@ -1429,5 +1438,68 @@ func routeKernelTies(t *testing.T, E int) {
 	}
 	if !slices.Equal(want["minus infinity"], []int32{7, 40, 9, 0, 1, 2}) {
 		t.Errorf("minus infinity: picked %v, want 7 40 9 0 1 2", want["minus infinity"])
+	}
+}
+
+// TestLayerFusedSharedLimit checks the align kernel's limit on the experts it
+// sorts (MaxExperts) where FusedShared adds the shared expert's chunks to the
+// routed experts: a layer whose sum passes it refuses FusedShared, when built
+// and when a batch asks for it, with an error naming the limit, and still
+// runs Dual and Auto (which then cannot fuse); at the limit it fuses.
+func TestLayerFusedSharedLimit(t *testing.T) {
+	for _, b := range layerBackends(t) {
+		for _, tc := range []struct {
+			name    string
+			experts int // routed; the shared expert adds 4 chunks
+			fuses   bool
+		}{{"at the limit", MaxExperts - 4, true}, {"over the limit", MaxExperts - 3, false}} {
+			t.Run(b.name+"/"+tc.name, func(t *testing.T) {
+				cfg := DeepseekV2Lite()
+				cfg.HiddenSize, cfg.NumExperts, cfg.TopK, cfg.Intermediate, cfg.SharedIntermediate = 64, tc.experts, 2, 16, 64
+				w, err := RandomWeights(cfg, 5)
+				if err != nil {
+					t.Fatal(err)
+				}
+				o := LayerOptions{DType: gpuctx.BF16, Mode: FusedShared, NoAutotune: true}
+				if l, err := NewLayer(b.dev, cfg, w, o); tc.fuses {
+					if err != nil {
+						t.Fatal(err)
+					}
+					l.Close()
+				} else if err == nil || !errors.Is(err, gpuctx.ErrInvalid) || !strings.Contains(err.Error(), "512") {
+					if l != nil {
+						l.Close()
+					}
+					t.Fatalf("NewLayer with FusedShared over the limit: err = %v, want ErrInvalid naming 512", err)
+				}
+				o.Mode = Dual
+				l, err := NewLayer(b.dev, cfg, w, o)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				const T = 5
+				x := randomX(T, cfg.HiddenSize, 3)
+				dual := deviceRun(t, l, x, T, Dual, Whole)
+				if got := deviceRun(t, l, x, T, Auto, Whole); !tc.fuses && !bytes.Equal(got, dual) {
+					t.Error("Auto over the limit differs from Dual")
+				}
+				xb, err := b.dev.Alloc(T * cfg.HiddenSize * 2)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer xb.Free()
+				err = l.ForwardDevice(xb, xb, T, FusedShared, Whole)
+				if serr := l.MainStream().Synchronize(); serr != nil {
+					t.Fatal(serr)
+				}
+				if !tc.fuses && (err == nil || !errors.Is(err, gpuctx.ErrInvalid) || !strings.Contains(err.Error(), "512")) {
+					t.Fatalf("FusedShared over the limit: err = %v, want ErrInvalid naming 512", err)
+				}
+				if tc.fuses && err != nil {
+					t.Fatal(err)
+				}
+			})
+		}
 	}
 }

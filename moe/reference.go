@@ -5,7 +5,8 @@ import (
 	"math"
 	"runtime"
 	"sort"
-	"sync"
+
+	"golang.org/x/sync/errgroup"
 )
 
 // Route computes the expert selection of the router for T tokens x [T][H]:
@@ -108,22 +109,21 @@ func parallelTokens(T int, f func(t int)) {
 		}
 		return
 	}
-	var wg sync.WaitGroup
+	var g errgroup.Group
 	next := make(chan int, T)
 	for t := 0; t < T; t++ {
 		next <- t
 	}
 	close(next)
-	for i := 0; i < workers; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	for range workers {
+		g.Go(func() error {
 			for t := range next {
 				f(t)
 			}
-		}()
+			return nil
+		})
 	}
-	wg.Wait()
+	_ = g.Wait() // f reports no errors
 }
 
 func dot(a, x []float32) float64 {
@@ -171,30 +171,16 @@ func topIndices(vals []float64, k int) []int {
 	return order[:k]
 }
 
+// routeToken routes token x as transformers does: its scores, the choice
+// values (scores plus the correction bias), the groups kept, the top K and
+// their weights.
 func routeToken(cfg *Config, w *Weights, x []float32) routed {
 	E, H, K := cfg.NumExperts, cfg.HiddenSize, cfg.TopK
 	scores := make([]float64, E)
 	for e := 0; e < E; e++ {
 		scores[e] = dot(w.Router[e*H:(e+1)*H], x)
 	}
-	if cfg.Scoring == Sigmoid {
-		for e, v := range scores {
-			scores[e] = sigmoid(v)
-		}
-	} else {
-		m := math.Inf(-1)
-		for _, v := range scores {
-			m = max(m, v)
-		}
-		var s float64
-		for e, v := range scores {
-			scores[e] = math.Exp(v - m)
-			s += scores[e]
-		}
-		for e := range scores {
-			scores[e] /= s
-		}
-	}
+	refScores(cfg.Scoring, scores)
 	choice := append([]float64(nil), scores...)
 	if w.Bias != nil {
 		for e := range choice {
@@ -202,30 +188,7 @@ func routeToken(cfg *Config, w *Weights, x []float32) routed {
 		}
 	}
 	if cfg.TopKMethod == GroupLimitedGreedy || cfg.TopKMethod == NoAuxTC {
-		G := cfg.NumGroups
-		per := E / G
-		gs := make([]float64, G)
-		for g := 0; g < G; g++ {
-			grp := choice[g*per : (g+1)*per]
-			if cfg.TopKMethod == GroupLimitedGreedy {
-				gs[g] = math.Inf(-1)
-				for _, v := range grp {
-					gs[g] = max(gs[g], v)
-				}
-			} else {
-				top := topIndices(grp, 2)
-				gs[g] = grp[top[0]] + grp[top[1]]
-			}
-		}
-		keep := make([]bool, G)
-		for _, g := range topIndices(gs, cfg.TopKGroups) {
-			keep[g] = true
-		}
-		for e := range choice {
-			if !keep[e/per] {
-				choice[e] = 0 // masked_fill(~mask, 0.0), as transformers does
-			}
-		}
+		refMaskGroups(cfg, choice)
 	}
 	r := routed{idx: topIndices(choice, K), w: make([]float64, K)}
 	for k, e := range r.idx {
@@ -236,22 +199,82 @@ func routeToken(cfg *Config, w *Weights, x []float32) routed {
 			r.w[k] = choice[e] // the (masked) score torch.topk returned
 		}
 	}
+	refNormalise(cfg, r.w)
+	return r
+}
+
+// refScores replaces the router logits v by their sigmoids, or by their
+// softmax.
+func refScores(scoring Scoring, v []float64) {
+	if scoring == Sigmoid {
+		for e, x := range v {
+			v[e] = sigmoid(x)
+		}
+		return
+	}
+	m := math.Inf(-1)
+	for _, x := range v {
+		m = max(m, x)
+	}
+	var s float64
+	for e, x := range v {
+		v[e] = math.Exp(x - m)
+		s += v[e]
+	}
+	for e := range v {
+		v[e] /= s
+	}
+}
+
+// refMaskGroups scores cfg.NumGroups groups of choice (group_limited_greedy: the
+// max, noaux_tc: the sum of the top 2), keeps the cfg.TopKGroups best and
+// zeroes the choices of the other groups.
+func refMaskGroups(cfg *Config, choice []float64) {
+	G := cfg.NumGroups
+	per := len(choice) / G
+	gs := make([]float64, G)
+	for g := 0; g < G; g++ {
+		grp := choice[g*per : (g+1)*per]
+		if cfg.TopKMethod == GroupLimitedGreedy {
+			gs[g] = math.Inf(-1)
+			for _, v := range grp {
+				gs[g] = max(gs[g], v)
+			}
+		} else {
+			top := topIndices(grp, 2)
+			gs[g] = grp[top[0]] + grp[top[1]]
+		}
+	}
+	keep := make([]bool, G)
+	for _, g := range topIndices(gs, cfg.TopKGroups) {
+		keep[g] = true
+	}
+	for e := range choice {
+		if !keep[e/per] {
+			choice[e] = 0 // masked_fill(~mask, 0.0), as transformers does
+		}
+	}
+}
+
+// refNormalise renormalises the top-K weights w when cfg.NormTopKProb
+// (DeepSeek-V3 adds 1e-20 to the sum) and scales DeepSeek's by
+// cfg.RoutedScalingFactor.
+func refNormalise(cfg *Config, w []float64) {
 	if cfg.NormTopKProb {
 		var s float64
-		for _, v := range r.w {
+		for _, v := range w {
 			s += v
 		}
 		if cfg.Family == DeepseekV3 {
 			s += 1e-20
 		}
-		for k := range r.w {
-			r.w[k] /= s
+		for k := range w {
+			w[k] /= s
 		}
 	}
 	if cfg.Family == DeepseekV2 || cfg.Family == DeepseekV3 {
-		for k := range r.w {
-			r.w[k] *= cfg.RoutedScalingFactor
+		for k := range w {
+			w[k] *= cfg.RoutedScalingFactor
 		}
 	}
-	return r
 }

@@ -52,6 +52,7 @@ func TestLayerTraceDual(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
+	rec := recordPlans(l, nil)
 	const T = 64
 	x := randomX(T, cfg.HiddenSize, 3)
 	// Whether two goroutine streams overlap in wall time is up to the
@@ -68,7 +69,7 @@ func TestLayerTraceDual(t *testing.T) {
 		if err := dev.SetTracer(nil); err != nil {
 			t.Fatal(err)
 		}
-		if !l.lastDual {
+		if !rec.last.dual {
 			t.Fatal("the forward did not use the side stream")
 		}
 		var buf bytes.Buffer

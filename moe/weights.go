@@ -16,10 +16,10 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"sync"
 
 	"github.com/gpuctx/gpuctx/internal/regfile"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
+	"golang.org/x/sync/errgroup"
 )
 
 // DType is the on-disk element type of a weight tensor.
@@ -154,19 +154,16 @@ func RandomWeights(cfg *Config, seed uint64) (*Weights, error) {
 		S := cfg.SharedIntermediate
 		w.Shared = &Expert{Gate: fill(4, S*H, H), Up: fill(5, S*H, H), Down: fill(6, H*S, S)}
 	}
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, runtime.GOMAXPROCS(0))
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
 	for e := 0; e < E; e++ {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func(e int) {
-			defer func() { <-sem; wg.Done() }()
+		g.Go(func() error {
 			base := uint64(16 + 3*e)
 			w.Experts[e] = Expert{Gate: fill(base, I*H, H), Up: fill(base+1, I*H, H), Down: fill(base+2, H*I, I)}
-		}(e)
+			return nil
+		})
 	}
-	wg.Wait()
-	return w, nil
+	return w, g.Wait() // the fills never fail
 }
 
 // Layout names how a layer's expert tensors are stored in a checkpoint.
@@ -202,6 +199,73 @@ func sharedName(f Family) string {
 	return "shared_experts"
 }
 
+// tensorName is the one table of a layer's checkpoint tensor names, relative
+// to the layer prefix (LayerPrefix): LayerTensors writes them, LoadWeights and
+// LoadLayer read them. It returns the tensor that holds part p (of routed
+// expert e) of a family-f layer stored in layout: in the Fused layout, wGate
+// and wUp are rows of experts.gate_up_proj and wDown of experts.down_proj.
+func tensorName(f Family, layout Layout, p weightPart, e int) string {
+	switch p {
+	case wRouter:
+		return "gate.weight"
+	case wBias:
+		return "gate.e_score_correction_bias"
+	case wGate, wUp, wDown:
+		proj := [...]string{"gate_proj", "up_proj", "down_proj"}
+		switch {
+		case layout == Fused && p == wDown:
+			return "experts.down_proj"
+		case layout == Fused:
+			return "experts.gate_up_proj"
+		case layout == MixtralHub:
+			proj = [...]string{"w1", "w3", "w2"}
+		}
+		return fmt.Sprintf("experts.%d.%s.weight", e, proj[p-wGate])
+	case wSharedGateProj:
+		return sharedName(f) + ".gate_proj.weight"
+	case wSharedUpProj:
+		return sharedName(f) + ".up_proj.weight"
+	case wSharedDownProj:
+		return sharedName(f) + ".down_proj.weight"
+	case wSharedExpertGate:
+		return "shared_expert_gate.weight"
+	}
+	panic(fmt.Sprintf("moe: unknown weight part %d", p))
+}
+
+// layerSpecs returns every tensor a layer of cfg stored in layout holds, with
+// its shape, in load order.
+func layerSpecs(cfg *Config, layout Layout) []tensorSpec {
+	H, E, I, S, f := cfg.HiddenSize, cfg.NumExperts, cfg.Intermediate, cfg.SharedIntermediate, cfg.Family
+	var specs []tensorSpec
+	add := func(p weightPart, e int, shape ...int) {
+		specs = append(specs, tensorSpec{tensorName(f, layout, p, e), shape, p, e})
+	}
+	add(wRouter, 0, E, H)
+	if cfg.HasBias() {
+		add(wBias, 0, E)
+	}
+	if layout == Fused {
+		add(wGate, 0, E, 2*I, H)
+		add(wDown, 0, E, H, I)
+	} else {
+		for e := 0; e < E; e++ {
+			add(wGate, e, I, H)
+			add(wUp, e, I, H)
+			add(wDown, e, H, I)
+		}
+	}
+	if S > 0 {
+		add(wSharedGateProj, 0, S, H)
+		add(wSharedUpProj, 0, S, H)
+		add(wSharedDownProj, 0, H, S)
+	}
+	if cfg.SharedGate {
+		add(wSharedExpertGate, 0, 1, H)
+	}
+	return specs
+}
+
 // LayerTensors returns w as checkpoint tensors of layer `layer` with the Hub's
 // names in the given layout, converted to dt (F32, F16 or BF16). Use it with
 // safetensors.Write to save a layer (tests, `moe run --output`).
@@ -212,58 +276,36 @@ func LayerTensors(cfg *Config, w *Weights, layer int, layout Layout, dt DType) (
 	if layout == MixtralHub && cfg.Family != Mixtral {
 		return nil, fmt.Errorf("moe.LayerTensors: layout MixtralHub is for mixtral, not %s", cfg.Family)
 	}
-	H, E, I := cfg.HiddenSize, cfg.NumExperts, cfg.Intermediate
-	p := LayerPrefix(layer, layout)
-	var out []safetensors.Tensor
-	var err error
-	add := func(name string, shape []int, data []float32) {
-		if err != nil {
-			return
-		}
-		var t safetensors.Tensor
-		t, err = safetensors.FromFloat32(p+name, dt, shape, data)
-		out = append(out, t)
-	}
-	add("gate.weight", []int{E, H}, w.Router)
-	if w.Bias != nil {
-		add("gate.e_score_correction_bias", []int{E}, w.Bias)
-	}
-	switch layout {
-	case Fused:
-		gu := make([]float32, 0, E*2*I*H)
-		down := make([]float32, 0, E*H*I)
-		for _, x := range w.Experts {
-			gu = append(append(gu, x.Gate...), x.Up...)
-			down = append(down, x.Down...)
-		}
-		add("experts.gate_up_proj", []int{E, 2 * I, H}, gu)
-		add("experts.down_proj", []int{E, H, I}, down)
-	case PerExpert, MixtralHub:
-		g, u, d := "gate_proj", "up_proj", "down_proj"
-		if layout == MixtralHub {
-			g, u, d = "w1", "w3", "w2"
-		}
-		for e, x := range w.Experts {
-			add(fmt.Sprintf("experts.%d.%s.weight", e, g), []int{I, H}, x.Gate)
-			add(fmt.Sprintf("experts.%d.%s.weight", e, u), []int{I, H}, x.Up)
-			add(fmt.Sprintf("experts.%d.%s.weight", e, d), []int{H, I}, x.Down)
-		}
-	default:
+	if layout != PerExpert && layout != Fused && layout != MixtralHub {
 		return nil, fmt.Errorf("moe.LayerTensors: unknown layout %d", layout)
 	}
-	if w.Shared != nil {
-		S, s := cfg.SharedIntermediate, sharedName(cfg.Family)
-		add(s+".gate_proj.weight", []int{S, H}, w.Shared.Gate)
-		add(s+".up_proj.weight", []int{S, H}, w.Shared.Up)
-		add(s+".down_proj.weight", []int{H, S}, w.Shared.Down)
-	}
-	if w.SharedGate != nil {
-		add("shared_expert_gate.weight", []int{1, H}, w.SharedGate)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("moe.LayerTensors: %w", err)
+	p := LayerPrefix(layer, layout)
+	out := make([]safetensors.Tensor, 0, len(w.Experts)*3+6)
+	for _, sp := range layerSpecs(cfg, layout) {
+		t, err := safetensors.FromFloat32(p+sp.name, dt, sp.shape, tensorValues(w, layout, sp))
+		if err != nil {
+			return nil, fmt.Errorf("moe.LayerTensors: %w", err)
+		}
+		out = append(out, t)
 	}
 	return out, nil
+}
+
+// tensorValues returns the values of tensor sp (see layerSpecs) of w stored
+// in layout.
+func tensorValues(w *Weights, layout Layout, sp tensorSpec) []float32 {
+	if layout != Fused || (sp.part != wGate && sp.part != wDown) {
+		return memWeights{w}.part(sp.part, sp.expert)
+	}
+	var v []float32
+	for _, x := range w.Experts {
+		if sp.part == wDown {
+			v = append(v, x.Down...)
+		} else {
+			v = append(append(v, x.Gate...), x.Up...)
+		}
+	}
+	return v
 }
 
 // MaxIndexBytes bounds the size of model.safetensors.index.json.
@@ -488,8 +530,10 @@ func LoadWeights(dir string, cfg *Config, layer int) (*Weights, error) {
 }
 
 type tensorSpec struct {
-	name  string // relative to the layer prefix
-	shape []int
+	name   string // relative to the layer prefix
+	shape  []int
+	part   weightPart // what it holds (wGate and wDown: every expert's, in the Fused layout)
+	expert int        // the routed expert of wGate, wUp, wDown (per-expert layouts)
 }
 
 // checkedTensor is a tensor of a checkpoint whose header entry was checked.
@@ -504,7 +548,7 @@ type checkedTensor struct {
 type layerLayout struct {
 	layout  Layout
 	prefix  string                   // LayerPrefix(layer, layout)
-	g, u, d string                   // routed projections: gate_proj, up_proj, down_proj or w1, w3, w2
+	family  Family                   // the config's family (the shared expert's module name)
 	specs   []tensorSpec             // every tensor the layer needs, in load order
 	tensors map[string]checkedTensor // by name relative to prefix
 }
@@ -514,20 +558,19 @@ type layerLayout struct {
 // headers; nothing but headers is read. The error names the first missing or
 // misshaped tensor, its file and what was expected.
 func resolveLayer(ck *checkpoint, cfg *Config, layer int) (*layerLayout, error) {
-	H, E, I := cfg.HiddenSize, cfg.NumExperts, cfg.Intermediate
-	ll := &layerLayout{layout: PerExpert, prefix: LayerPrefix(layer, PerExpert), g: "gate_proj", u: "up_proj", d: "down_proj"}
-	if cfg.Family == Mixtral {
-		ok, err := ck.has(LayerPrefix(layer, MixtralHub) + "gate.weight")
+	f := cfg.Family
+	ll := &layerLayout{layout: PerExpert, prefix: LayerPrefix(layer, PerExpert), family: f}
+	if f == Mixtral {
+		ok, err := ck.has(LayerPrefix(layer, MixtralHub) + tensorName(f, MixtralHub, wRouter, 0))
 		if err != nil {
 			return nil, err
 		}
 		if ok {
 			ll.layout, ll.prefix = MixtralHub, LayerPrefix(layer, MixtralHub)
-			ll.g, ll.u, ll.d = "w1", "w3", "w2"
 		}
 	}
 	if ll.layout == PerExpert {
-		ok, err := ck.has(ll.prefix + "experts.gate_up_proj")
+		ok, err := ck.has(ll.prefix + tensorName(f, Fused, wGate, 0))
 		if err != nil {
 			return nil, err
 		}
@@ -535,31 +578,7 @@ func resolveLayer(ck *checkpoint, cfg *Config, layer int) (*layerLayout, error) 
 			ll.layout = Fused
 		}
 	}
-	add := func(name string, shape ...int) { ll.specs = append(ll.specs, tensorSpec{name, shape}) }
-	add("gate.weight", E, H)
-	if cfg.HasBias() {
-		add("gate.e_score_correction_bias", E)
-	}
-	switch ll.layout {
-	case Fused:
-		add("experts.gate_up_proj", E, 2*I, H)
-		add("experts.down_proj", E, H, I)
-	default:
-		for e := 0; e < E; e++ {
-			add(ll.expertName(e, ll.g), I, H)
-			add(ll.expertName(e, ll.u), I, H)
-			add(ll.expertName(e, ll.d), H, I)
-		}
-	}
-	if S := cfg.SharedIntermediate; S > 0 {
-		s := sharedName(cfg.Family)
-		add(s+".gate_proj.weight", S, H)
-		add(s+".up_proj.weight", S, H)
-		add(s+".down_proj.weight", H, S)
-	}
-	if cfg.SharedGate {
-		add("shared_expert_gate.weight", 1, H)
-	}
+	ll.specs = layerSpecs(cfg, ll.layout)
 	ll.tensors = make(map[string]checkedTensor, len(ll.specs))
 	for _, sp := range ll.specs {
 		f, info, err := ck.info(ll.prefix+sp.name, sp.shape...)
@@ -571,10 +590,10 @@ func resolveLayer(ck *checkpoint, cfg *Config, layer int) (*layerLayout, error) 
 	return ll, nil
 }
 
-// expertName returns the name of routed expert e's projection proj (per-expert
-// layouts), relative to the layer prefix.
-func (ll *layerLayout) expertName(e int, proj string) string {
-	return fmt.Sprintf("experts.%d.%s.weight", e, proj)
+// name returns the name of part p (of routed expert e), relative to the
+// layer prefix.
+func (ll *layerLayout) name(p weightPart, e int) string {
+	return tensorName(ll.family, ll.layout, p, e)
 }
 
 func loadLayer(ck *checkpoint, cfg *Config, layer int) (*Weights, error) {
@@ -594,32 +613,26 @@ func loadLayer(ck *checkpoint, cfg *Config, layer int) (*Weights, error) {
 		}
 		vals[sp.name], w.DTypes[sp.name] = v, t.info.DType
 	}
-	w.Router = vals["gate.weight"]
-	w.Bias = vals["gate.e_score_correction_bias"]
+	w.Router = vals[ll.name(wRouter, 0)]
+	w.Bias = vals[ll.name(wBias, 0)]
 	switch ll.layout {
 	case Fused:
-		gu, down := vals["experts.gate_up_proj"], vals["experts.down_proj"]
+		gu, down := vals[ll.name(wGate, 0)], vals[ll.name(wDown, 0)]
 		for e := range w.Experts {
 			blk := gu[e*2*I*H : (e+1)*2*I*H]
 			w.Experts[e] = Expert{Gate: blk[: I*H : I*H], Up: blk[I*H:], Down: down[e*H*I : (e+1)*H*I]}
 		}
-		w.DType = w.DTypes["experts.gate_up_proj"]
 	default:
 		for e := range w.Experts {
-			w.Experts[e] = Expert{
-				Gate: vals[ll.expertName(e, ll.g)],
-				Up:   vals[ll.expertName(e, ll.u)],
-				Down: vals[ll.expertName(e, ll.d)],
-			}
+			w.Experts[e] = Expert{Gate: vals[ll.name(wGate, e)], Up: vals[ll.name(wUp, e)], Down: vals[ll.name(wDown, e)]}
 		}
-		w.DType = w.DTypes[ll.expertName(0, ll.g)]
 	}
+	w.DType = w.DTypes[ll.name(wGate, 0)]
 	if cfg.SharedIntermediate > 0 {
-		s := sharedName(cfg.Family)
-		w.Shared = &Expert{Gate: vals[s+".gate_proj.weight"], Up: vals[s+".up_proj.weight"], Down: vals[s+".down_proj.weight"]}
+		w.Shared = &Expert{Gate: vals[ll.name(wSharedGateProj, 0)], Up: vals[ll.name(wSharedUpProj, 0)], Down: vals[ll.name(wSharedDownProj, 0)]}
 	}
 	if cfg.SharedGate {
-		w.SharedGate = vals["shared_expert_gate.weight"]
+		w.SharedGate = vals[ll.name(wSharedExpertGate, 0)]
 	}
 	return w, nil
 }

@@ -175,7 +175,11 @@ func readInput(path string, cfg *moe.Config) (x []float32, T int, name string, e
 	default:
 		return nil, 0, "", fail(fmt.Sprintf("--input tensor %s has dtype %s", name, info.DType), "store it as F32, BF16 or F16", nil)
 	}
-	if len(info.Shape) != 2 || info.Shape[1] != H {
+	if len(info.Shape) != 2 {
+		return nil, 0, "", fail(fmt.Sprintf("--input tensor %s has shape %v: rank %d, but it must be [tokens, hidden] (rank 2)", name, info.Shape, len(info.Shape)),
+			fmt.Sprintf("pass activations shaped [tokens, %d]; flatten any batch dimensions into tokens", H), nil)
+	}
+	if info.Shape[1] != H {
 		return nil, 0, "", fail(fmt.Sprintf("--input tensor %s has shape %v, but the model's hidden_size is %d", name, info.Shape, H),
 			fmt.Sprintf("pass activations shaped [tokens, %d]", H), nil)
 	}

@@ -104,7 +104,10 @@ func TestMoeRunFixture(t *testing.T) {
 // writeX writes a safetensors file holding x (F32) of the given shape.
 func writeX(t *testing.T, path string, shape []int) {
 	t.Helper()
-	n := shape[0] * shape[1]
+	n := 1
+	for _, d := range shape {
+		n *= d
+	}
 	x := make([]float32, n)
 	for i := range x {
 		x[i] = float32(math.Sin(float64(i)))
@@ -142,6 +145,8 @@ func TestMoeRunFailures(t *testing.T) {
 	}
 	wrongH := filepath.Join(dir, "wrongh.safetensors")
 	writeX(t, wrongH, []int{2, 32})
+	rank3 := filepath.Join(dir, "rank3.safetensors")
+	writeX(t, rank3, []int{1, 2, 64})
 	inCopy := filepath.Join(dir, "x.safetensors")
 	writeX(t, inCopy, []int{2, 64})
 	inBytes, _ := os.ReadFile(inCopy)
@@ -163,6 +168,8 @@ func TestMoeRunFailures(t *testing.T) {
 		{"layer out of range", run("--layer", "9"), []string{"--layer 9", "out of range"}},
 		{"wrong H", []string{"moe", "run", "--model", fixture, "--input", wrongH, "--output", out},
 			[]string{"shape [2 32]", "hidden_size is 64", "[tokens, 64]"}},
+		{"rank 3", []string{"moe", "run", "--model", fixture, "--input", rank3, "--output", out},
+			[]string{"shape [1 2 64]", "rank 3", "must be [tokens, hidden]", "[tokens, 64]"}},
 		{"output is input", []string{"moe", "run", "--model", fixture, "--input", inCopy, "--output", inCopy},
 			[]string{"is the --input file", "never overwritten"}},
 		{"output is input by another path", []string{"moe", "run", "--model", fixture, "--input", inCopy,

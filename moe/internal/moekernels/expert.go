@@ -12,18 +12,6 @@ import (
 // kernels (f32 dot products; gate and up rounded to the activation dtype before
 // SwiGLU; results stored in the activation dtype).
 
-// expertUpArgs are the parameters of gpuctx_moe_expert_up.
-type expertUpArgs struct {
-	Xp, Gu, Counts, Offsets, Act Ptr
-	E, H, I, BF16                int32
-}
-
-// expertDownArgs are the parameters of gpuctx_moe_expert_down.
-type expertDownArgs struct {
-	Act, Down, Counts, Offsets, Out Ptr
-	E, H, I, BF16                   int32
-}
-
 // expertPlan reads counts [E] and offsets [E+1] and checks that every expert's
 // rows lie inside [0, offsets[E]).
 func expertPlan(m kernels.Memory, cp, op Ptr, E int) (counts, offsets []int32, rows int, err error) {

@@ -17,38 +17,6 @@ import (
 // rounded to nearest even. The tile shape changes no result, so every config
 // shares one Go body parameterised by its BM.
 
-// alignArgs are the parameters of gpuctx_moe_align.
-type alignArgs struct {
-	TopkIdx, Sorted, BlockExpert, Npost Ptr
-	TK, E, BM, Cap, First               int32
-}
-
-// upArgs are the parameters of gpuctx_moe_up_<tag>.
-type upArgs struct {
-	X, Gu, Sorted, BlockExpert, Npost, Act Ptr
-	TK, K, H, I, E0, Ns                    int32
-}
-
-// downArgs are the parameters of gpuctx_moe_down_<tag>.
-type downArgs struct {
-	Act, Down, Sorted, BlockExpert, Npost, Out Ptr
-	TK, H, I                                   int32
-}
-
-// routeAlignArgs are the parameters of gpuctx_moe_route_align.
-type routeAlignArgs struct {
-	X, Router, Bias, Logits, TopkIdx, TopkW, Sorted, BlockExpert, Npost, Ticket Ptr
-	T, H, E, K, Scoring, Method, Groups, TopkGroups, HasBias, Norm              int32
-	NormEps, Scale                                                              float32
-	Ks, Ns, BM, Cap                                                             int32
-}
-
-// combineRowsArgs are the parameters of gpuctx_moe_combine_rows.
-type combineRowsArgs struct {
-	Out, W, Shared, Gate, Y                      Ptr
-	T, K, H, HasRouted, HasShared, HasGate, BF16 int32
-}
-
 func roundUp(n, m int) int { return (n + m - 1) / m * m }
 
 // moeRouteAlign is gpuctx_moe_route_align: the router logits (bf16 x [T,H]
@@ -94,8 +62,7 @@ func moeRouteAlign(m kernels.Memory, a *routeAlignArgs) error {
 	}
 	if err := moeRoute(m, &routeArgs{
 		Logits: a.Logits, Bias: a.Bias, TopkIdx: a.TopkIdx, TopkW: a.TopkW, T: T, E: E,
-		K: a.K, Scoring: a.Scoring, Method: a.Method, Groups: a.Groups, TopkGroups: a.TopkGroups,
-		HasBias: a.HasBias, Norm: a.Norm, NormEps: a.NormEps, Scale: a.Scale, Ks: ks, Ns: ns,
+		K: a.K, Rule: a.Rule, Ks: ks, Ns: ns,
 	}); err != nil {
 		return err
 	}
@@ -204,21 +171,6 @@ const AlignChunk = 2048
 // AlignBlocks is the number of chunks (blocks) the three-launch align uses for
 // TK assignments.
 func AlignBlocks(TK int) int { return max((TK+AlignChunk-1)/AlignChunk, 1) }
-
-type alignCountArgs struct {
-	TopkIdx, Bcnt Ptr
-	TK, E         int32
-}
-
-type alignScanArgs struct {
-	Bcnt, Boff, Sorted, BlockExpert, Npost Ptr
-	TK, E, BM, Cap, NB, First              int32
-}
-
-type alignScatterArgs struct {
-	TopkIdx, Boff, Npost, Sorted Ptr
-	TK, E                        int32
-}
 
 // moeAlignCount is gpuctx_moe_align_count: per-chunk expert counts.
 func moeAlignCount(m kernels.Memory, a *alignCountArgs) error {

@@ -190,36 +190,61 @@ func (c MoEGemm) staticSmem() int {
 }
 
 // Check reports why c cannot be instantiated (the static assertions of
-// moe_gemm.cu and the shared-memory limit), or nil.
+// moe_gemm.cu or moe_wgmma.cu and the shared-memory limit), or nil.
 func (c MoEGemm) Check() error {
-	th := c.Threads()
+	var err error
 	if c.Warpgroups > 0 {
-		switch {
-		case c.BK != 64:
-			return fmt.Errorf("tile %s: BK = %d, a warpgroup tile needs 64 (one 128-byte swizzle row)", c.Tag(), c.BK)
-		case c.BM != 64*c.Warpgroups:
-			return fmt.Errorf("tile %s: BM = %d, want 64 rows per warpgroup (%d)", c.Tag(), c.BM, 64*c.Warpgroups)
-		case c.WarpsM != 0 || c.WarpsN != 0:
-			return fmt.Errorf("tile %s: a warpgroup tile has no warp grid", c.Tag())
-		case c.BN%8 != 0 || c.BN > 256:
-			return fmt.Errorf("tile %s: BN = %d, want a multiple of 8 up to 256 (one wgmma; above 128 the tile is down-only)", c.Tag(), c.BN)
-		case c.Producers > 0 && c.Stages < 2:
-			return fmt.Errorf("tile %s: %d stages, a persistent tile needs at least 2", c.Tag(), c.Stages)
-		case c.Producers > 0 && c.Producers != 1 && c.Producers != 2 && c.Producers != 4:
-			return fmt.Errorf("tile %s: %d producer warps, want 1, 2 or 4", c.Tag(), c.Producers)
-		case c.Producers > 0 && (c.BN%(c.Producers*4) != 0 || c.BM%(c.Producers*4) != 0):
-			return fmt.Errorf("tile %s: BM and BN must be multiples of %d rows (four per producer warp)", c.Tag(), c.Producers*4)
-		case c.Producers == 0 && c.Stages < 3:
-			return fmt.Errorf("tile %s: %d stages, a warpgroup tile needs at least 3", c.Tag(), c.Stages)
-		case c.SmemBytes(true)+c.staticSmem() > MoEGemmSmemLimit:
-			return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+c.staticSmem(), MoEGemmSmemLimit)
-		}
-		return nil
+		err = c.checkWarpgroup()
+	} else {
+		err = c.checkMMA()
 	}
-	if c.Producers != 0 {
-		return fmt.Errorf("tile %s: only a warpgroup tile can be persistent", c.Tag())
+	if err != nil {
+		return err
 	}
+	if n := c.SmemBytes(true) + c.staticSmem(); n > MoEGemmSmemLimit {
+		return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), n, MoEGemmSmemLimit)
+	}
+	return nil
+}
+
+// checkWarpgroup checks the static assertions of moe_wgmma.cu.
+func (c MoEGemm) checkWarpgroup() error {
 	switch {
+	case c.BK != 64:
+		return fmt.Errorf("tile %s: BK = %d, a warpgroup tile needs 64 (one 128-byte swizzle row)", c.Tag(), c.BK)
+	case c.BM != 64*c.Warpgroups:
+		return fmt.Errorf("tile %s: BM = %d, want 64 rows per warpgroup (%d)", c.Tag(), c.BM, 64*c.Warpgroups)
+	case c.WarpsM != 0 || c.WarpsN != 0:
+		return fmt.Errorf("tile %s: a warpgroup tile has no warp grid", c.Tag())
+	case c.BN%8 != 0 || c.BN > 256:
+		return fmt.Errorf("tile %s: BN = %d, want a multiple of 8 up to 256 (one wgmma; above 128 the tile is down-only)", c.Tag(), c.BN)
+	case c.Producers == 0 && c.Stages < 3:
+		return fmt.Errorf("tile %s: %d stages, a warpgroup tile needs at least 3", c.Tag(), c.Stages)
+	case c.Producers > 0:
+		return c.checkPersistent()
+	}
+	return nil
+}
+
+// checkPersistent checks the static assertions of moe_wgmma.cu's moe_wgp.
+func (c MoEGemm) checkPersistent() error {
+	switch {
+	case c.Stages < 2:
+		return fmt.Errorf("tile %s: %d stages, a persistent tile needs at least 2", c.Tag(), c.Stages)
+	case c.Producers != 1 && c.Producers != 2 && c.Producers != 4:
+		return fmt.Errorf("tile %s: %d producer warps, want 1, 2 or 4", c.Tag(), c.Producers)
+	case c.BN%(c.Producers*4) != 0 || c.BM%(c.Producers*4) != 0:
+		return fmt.Errorf("tile %s: BM and BN must be multiples of %d rows (four per producer warp)", c.Tag(), c.Producers*4)
+	}
+	return nil
+}
+
+// checkMMA checks the static assertions of moe_gemm.cu.
+func (c MoEGemm) checkMMA() error {
+	th := c.Threads()
+	switch {
+	case c.Producers != 0:
+		return fmt.Errorf("tile %s: only a warpgroup tile can be persistent", c.Tag())
 	case c.BK != 64 && c.BK != 128 && c.BK != 256:
 		return fmt.Errorf("tile %s: BK = %d, want 64, 128 or 256", c.Tag(), c.BK)
 	case c.WarpsM < 1 || c.WarpsN < 1 || c.BM%(16*c.WarpsM) != 0 || c.BN%(16*c.WarpsN) != 0:
@@ -230,8 +255,6 @@ func (c MoEGemm) Check() error {
 		return fmt.Errorf("tile %s: the B tile's %d 16-byte chunks do not split evenly over %d threads", c.Tag(), c.BN*c.BK/8, th)
 	case c.Stages < 2:
 		return fmt.Errorf("tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
-	case c.SmemBytes(true)+c.staticSmem() > MoEGemmSmemLimit:
-		return fmt.Errorf("tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes(true)+c.staticSmem(), MoEGemmSmemLimit)
 	}
 	return nil
 }

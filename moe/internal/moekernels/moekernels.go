@@ -1,10 +1,11 @@
 // Package moekernels registers the Mixture-of-Experts kernels that package moe
-// drives: their CUDA C sources (moe.cu, moe_gemm.cu, embedded here), their Go
-// twins (the CPU backend runs them), their typed arguments (one struct per
-// kernel, whose fields are the launch arguments in order) and their limits
-// (MaxExperts, MaxTopK: the CUDA source gets them as #define through a
-// generated prelude). Registration happens in init, through package kernels;
-// the backends hold no MoE code.
+// drives: their CUDA C sources (moe.cu, moe_gemm.cu, moe_wgmma.cu, embedded
+// here), their Go twins (the CPU backend runs them), their typed arguments (one
+// struct per kernel, whose fields are the launch arguments in order: args.go),
+// the typed launchers package moe queues them with (Launcher: NewLauncher,
+// NewUp, NewDown) and their limits (MaxExperts, MaxTopK: the CUDA source gets
+// them as #define through a generated prelude). Registration happens in init,
+// through package kernels; the backends hold no MoE code.
 //
 // The kernels take int32 dimensions and flags (0/1), and some need a fixed
 // launch shape. "act" pointers hold f32, or bf16 bits when bf16 = 1

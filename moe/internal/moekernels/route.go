@@ -68,62 +68,18 @@ func actView(m kernels.Memory, what string, p Ptr, n int64, bf16 int32) (actSlic
 	return actSlice{f: f}, err
 }
 
-// routeArgs are the parameters of gpuctx_moe_route.
-type routeArgs struct {
-	Logits, Bias, TopkIdx, TopkW                                Ptr
-	T, E, K, Scoring, Method, Groups, TopkGroups, HasBias, Norm int32
-	NormEps, Scale                                              float32
-	Ks, Ns                                                      int32
-}
-
-// planArgs are the parameters of gpuctx_moe_plan.
-type planArgs struct {
-	TopkIdx, Counts, Offsets, Pos Ptr
-	TK, E                         int32
-}
-
-// gatherArgs are the parameters of gpuctx_moe_gather.
-type gatherArgs struct {
-	X, Pos, Xp          Ptr
-	TK, K, H, ElemBytes int32
-}
-
-// swigluArgs are the parameters of gpuctx_moe_swiglu.
-type swigluArgs struct {
-	H, Act        Ptr
-	Rows, I, BF16 int32
-}
-
-// combineArgs are the parameters of gpuctx_moe_combine.
-type combineArgs struct {
-	Out, Pos, W, Shared, Gate, Y                 Ptr
-	T, K, H, HasRouted, HasShared, HasGate, BF16 int32
-}
-
 func moeRoute(m kernels.Memory, a *routeArgs) error {
 	T, E, K := int(a.T), int(a.E), int(a.K)
-	scoring, method, groups, topkGroups := a.Scoring, a.Method, int(a.Groups), int(a.TopkGroups)
-	hasBias, norm := a.HasBias != 0, a.Norm != 0
-	normEps, scale := a.NormEps, a.Scale
 	ks, ns := int(a.Ks), int(a.Ns)
-	if T < 0 || E <= 0 || E > MaxExperts || K <= 0 || K > MaxTopK || K > E {
-		return fmt.Errorf("route: T=%d E=%d K=%d: want T >= 0, 0 < E <= %d, 0 < K <= min(E, %d)", T, E, K, MaxExperts, MaxTopK)
-	}
-	if ns < 0 || ns > maxShared || ks < K+ns {
-		return fmt.Errorf("route: ks=%d ns=%d: want 0 <= ns <= %d and ks >= K+ns = %d", ks, ns, maxShared, K+ns)
-	}
-	if method < 0 || method > 2 || scoring < 0 || scoring > 1 {
-		return fmt.Errorf("scoring %d (want 0 softmax, 1 sigmoid), method %d (want 0 greedy, 1 group max, 2 group top-2 sum)", scoring, method)
-	}
-	if method != 0 && (groups <= 0 || groups > E || E%groups != 0 || topkGroups > groups) {
-		return fmt.Errorf("groups=%d topk_groups=%d do not divide E=%d experts into kept groups", groups, topkGroups, E)
+	if err := checkRoute(T, E, K, ks, ns, a.Rule); err != nil {
+		return err
 	}
 	logits, err := kernels.Slice[float32](m, "logits", a.Logits, int64(T)*int64(E))
 	if err != nil {
 		return err
 	}
 	var bias []float32
-	if hasBias {
+	if a.Rule.HasBias != 0 {
 		if bias, err = kernels.Slice[float32](m, "bias", a.Bias, int64(E)); err != nil {
 			return err
 		}
@@ -136,113 +92,179 @@ func moeRoute(m kernels.Memory, a *routeArgs) error {
 	if err != nil {
 		return err
 	}
-	sc := make([]float32, E)
-	ch := make([]float32, E)
-	taken := make([]bool, E)
-	gs := make([]float32, max(groups, 1))
-	keep := make([]bool, max(groups, 1))
-	wsel := make([]float32, K)
-	negInf := float32(math.Inf(-1))
+	ro := newRouter(E, K, a.Rule, bias)
 	for t := 0; t < T; t++ {
-		lg := logits[t*E : (t+1)*E]
-		if scoring == 1 {
-			for e, v := range lg {
-				sc[e] = 1 / (1 + expf(-v))
-			}
-		} else {
-			m := negInf
-			for _, v := range lg {
-				if v > m { // fmaxf: a NaN never becomes the maximum
-					m = v
-				}
-			}
-			var s float32
-			for e, v := range lg {
-				sc[e] = expf(v - m)
-				s += sc[e]
-			}
-			for e := range sc {
-				sc[e] /= s
-			}
-		}
-		for e := range ch {
-			ch[e] = sc[e]
-			if hasBias {
-				ch[e] = sc[e] + bias[e]
-			}
-			taken[e] = false
-		}
-		if method != 0 {
-			per := E / groups
-			for g := 0; g < groups; g++ {
-				x, y := negInf, negInf
-				for _, v := range ch[g*per : (g+1)*per] {
-					if v > x {
-						x, y = v, x
-					} else if v > y {
-						y = v
-					}
-				}
-				if method == 1 {
-					gs[g] = x
-				} else {
-					gs[g] = x + y
-				}
-				keep[g] = false
-			}
-			for r := 0; r < topkGroups; r++ {
-				bv, bi := negInf, -1
-				for g := 0; g < groups; g++ {
-					if !keep[g] && moeBetter(gs[g], g, bv, bi) {
-						bv, bi = gs[g], g
-					}
-				}
-				if bi >= 0 {
-					keep[bi] = true
-				}
-			}
-			for e := range ch {
-				if !keep[e/per] {
-					ch[e] = 0
-				}
-			}
-		}
-		for k := 0; k < K; k++ {
-			bv, bi := negInf, -1
-			for e := 0; e < E; e++ {
-				if !taken[e] && moeBetter(ch[e], e, bv, bi) {
-					bv, bi = ch[e], e
-				}
-			}
-			if bi < 0 {
-				bi = 0
-			}
-			taken[bi] = true
-			idx[t*ks+k] = int32(bi)
-			if method == 2 {
-				wsel[k] = sc[bi]
-			} else {
-				wsel[k] = ch[bi]
-			}
-		}
-		var s float32
-		if norm {
-			for _, v := range wsel {
-				s += v
-			}
-			s += normEps
-		}
-		for k, v := range wsel {
-			if norm {
-				v /= s
-			}
-			wt[t*ks+k] = v * scale
-		}
+		ro.token(logits[t*E:(t+1)*E], idx[t*ks:(t+1)*ks], wt[t*ks:(t+1)*ks])
 		for j := 0; j < ns; j++ { // shared experts: ids E.., weight 1
 			idx[t*ks+K+j], wt[t*ks+K+j] = int32(E+j), 1
 		}
 	}
 	return nil
+}
+
+// checkRoute checks gpuctx_moe_route's dimensions and rule as moe.cu does.
+func checkRoute(T, E, K, ks, ns int, r RouteRule) error {
+	groups, topkGroups := int(r.Groups), int(r.TopkGroups)
+	if T < 0 || E <= 0 || E > MaxExperts || K <= 0 || K > MaxTopK || K > E {
+		return fmt.Errorf("route: T=%d E=%d K=%d: want T >= 0, 0 < E <= %d, 0 < K <= min(E, %d)", T, E, K, MaxExperts, MaxTopK)
+	}
+	if ns < 0 || ns > maxShared || ks < K+ns {
+		return fmt.Errorf("route: ks=%d ns=%d: want 0 <= ns <= %d and ks >= K+ns = %d", ks, ns, maxShared, K+ns)
+	}
+	if r.Method < 0 || r.Method > 2 || r.Scoring < 0 || r.Scoring > 1 {
+		return fmt.Errorf("scoring %d (want 0 softmax, 1 sigmoid), method %d (want 0 greedy, 1 group max, 2 group top-2 sum)", r.Scoring, r.Method)
+	}
+	if r.Method != 0 && (groups <= 0 || groups > E || E%groups != 0 || topkGroups > groups) {
+		return fmt.Errorf("groups=%d topk_groups=%d do not divide E=%d experts into kept groups", groups, topkGroups, E)
+	}
+	return nil
+}
+
+// router routes one token at a time as a warp of gpuctx_moe_route does, with
+// scratch for E experts.
+type router struct {
+	K         int
+	rule      RouteRule
+	bias      []float32 // nil without HasBias
+	sc, ch    []float32 // scores and choice values
+	taken     []bool    // experts chosen so far
+	gs        []float32 // group scores
+	keep      []bool    // kept groups
+	wsel      []float32 // weights of the chosen experts
+	negInf    float32
+	perGroup  int
+	topGroups int
+}
+
+func newRouter(E, K int, r RouteRule, bias []float32) *router {
+	groups := max(int(r.Groups), 1)
+	return &router{
+		K: K, rule: r, bias: bias,
+		sc: make([]float32, E), ch: make([]float32, E), taken: make([]bool, E),
+		gs: make([]float32, groups), keep: make([]bool, groups), wsel: make([]float32, K),
+		negInf: float32(math.Inf(-1)), perGroup: E / groups, topGroups: int(r.TopkGroups),
+	}
+}
+
+// token routes the token of logits lg [E]: its experts to idx[:K], their
+// weights to wt[:K].
+func (ro *router) token(lg []float32, idx []int32, wt []float32) {
+	ro.score(lg)
+	for e := range ro.ch {
+		ro.ch[e] = ro.sc[e]
+		if ro.bias != nil {
+			ro.ch[e] = ro.sc[e] + ro.bias[e]
+		}
+		ro.taken[e] = false
+	}
+	if ro.rule.Method != 0 {
+		ro.maskGroups()
+	}
+	for k := 0; k < ro.K; k++ {
+		bi := ro.best()
+		ro.taken[bi] = true
+		idx[k] = int32(bi)
+		if ro.rule.Method == 2 {
+			ro.wsel[k] = ro.sc[bi]
+		} else {
+			ro.wsel[k] = ro.ch[bi]
+		}
+	}
+	ro.weights(wt)
+}
+
+// score sets sc to the softmax (Scoring 0) or the sigmoids (1) of lg.
+func (ro *router) score(lg []float32) {
+	sc := ro.sc
+	if ro.rule.Scoring == 1 {
+		for e, v := range lg {
+			sc[e] = 1 / (1 + expf(-v))
+		}
+		return
+	}
+	m := ro.negInf
+	for _, v := range lg {
+		if v > m { // fmaxf: a NaN never becomes the maximum
+			m = v
+		}
+	}
+	var s float32
+	for e, v := range lg {
+		sc[e] = expf(v - m)
+		s += sc[e]
+	}
+	for e := range sc {
+		sc[e] /= s
+	}
+}
+
+// maskGroups scores the groups of perGroup experts (Method 1: the largest
+// choice, 2: the sum of the two largest), keeps the topGroups best (ties:
+// lower index) and zeroes the choices of the others.
+func (ro *router) maskGroups() {
+	per, ch := ro.perGroup, ro.ch
+	for g := range ro.gs {
+		x, y := ro.negInf, ro.negInf
+		for _, v := range ch[g*per : (g+1)*per] {
+			if v > x {
+				x, y = v, x
+			} else if v > y {
+				y = v
+			}
+		}
+		if ro.rule.Method == 1 {
+			ro.gs[g] = x
+		} else {
+			ro.gs[g] = x + y
+		}
+		ro.keep[g] = false
+	}
+	for r := 0; r < ro.topGroups; r++ {
+		bv, bi := ro.negInf, -1
+		for g, v := range ro.gs {
+			if !ro.keep[g] && moeBetter(v, g, bv, bi) {
+				bv, bi = v, g
+			}
+		}
+		if bi >= 0 {
+			ro.keep[bi] = true
+		}
+	}
+	for e := range ch {
+		if !ro.keep[e/per] {
+			ch[e] = 0
+		}
+	}
+}
+
+// best returns the best expert not taken yet (0 if none beats -inf).
+func (ro *router) best() int {
+	bv, bi := ro.negInf, -1
+	for e, v := range ro.ch {
+		if !ro.taken[e] && moeBetter(v, e, bv, bi) {
+			bv, bi = v, e
+		}
+	}
+	return max(bi, 0)
+}
+
+// weights writes the chosen experts' weights to wt[:K]: divided by their sum
+// plus NormEps with Norm, times Scale.
+func (ro *router) weights(wt []float32) {
+	var s float32
+	norm := ro.rule.Norm != 0
+	if norm {
+		for _, v := range ro.wsel {
+			s += v
+		}
+		s += ro.rule.NormEps
+	}
+	for k, v := range ro.wsel {
+		if norm {
+			v /= s
+		}
+		wt[k] = v * ro.rule.Scale
+	}
 }
 
 func moePlan(m kernels.Memory, a *planArgs) error {
@@ -381,67 +403,89 @@ func combine(m kernels.Memory, c combineOp) error {
 	if T < 0 || K < 0 || H <= 0 || (c.hasRouted && K == 0) {
 		return fmt.Errorf("combine: T=%d K=%d H=%d: want T >= 0, H > 0 and K > 0 when routed", T, K, H)
 	}
-	y, err := actView(m, "y", c.y, int64(T)*int64(H), c.bf)
-	if err != nil {
+	var v combineViews
+	var err error
+	if v.y, err = actView(m, "y", c.y, int64(T)*int64(H), c.bf); err != nil {
 		return err
 	}
-	var out actSlice
-	var pos []int32
-	var w []float32
 	if c.hasRouted {
-		if out, err = actView(m, "out", c.out, int64(T)*int64(K)*int64(H), c.bf); err != nil {
+		if err := c.routedViews(m, &v); err != nil {
 			return err
-		}
-		if !c.identity {
-			if pos, err = kernels.Slice[int32](m, "pos", c.pos, int64(T)*int64(K)); err != nil {
-				return err
-			}
-		}
-		if w, err = kernels.Slice[float32](m, "w", c.w, int64(T)*int64(K)); err != nil {
-			return err
-		}
-		for i, p := range pos {
-			if int(p) >= T*K {
-				return fmt.Errorf("pos[%d] = %d is outside the %d rows of out", i, p, T*K)
-			}
 		}
 	}
-	var shared actSlice
-	var gate []float32
 	if c.hasShared {
-		if shared, err = actView(m, "shared", c.shared, int64(T)*int64(H), c.bf); err != nil {
+		if v.shared, err = actView(m, "shared", c.shared, int64(T)*int64(H), c.bf); err != nil {
 			return err
 		}
 		if c.hasGate {
-			if gate, err = kernels.Slice[float32](m, "gate", c.gate, int64(T)); err != nil {
+			if v.gate, err = kernels.Slice[float32](m, "gate", c.gate, int64(T)); err != nil {
 				return err
 			}
 		}
 	}
 	for t := 0; t < T; t++ {
-		sg := float32(1)
-		if c.hasShared && c.hasGate {
-			sg = 1 / (1 + expf(-gate[t]))
+		c.token(&v, t)
+	}
+	return nil
+}
+
+// combineViews are the memory a combine reads and writes; the parts c does
+// not have are nil.
+type combineViews struct {
+	y, out, shared actSlice
+	pos            []int32 // nil for identity
+	w, gate        []float32
+}
+
+// routedViews sets v's routed rows, positions and weights, and checks the
+// positions.
+func (c combineOp) routedViews(m kernels.Memory, v *combineViews) error {
+	T, K, H := c.T, c.K, c.H
+	var err error
+	if v.out, err = actView(m, "out", c.out, int64(T)*int64(K)*int64(H), c.bf); err != nil {
+		return err
+	}
+	if !c.identity {
+		if v.pos, err = kernels.Slice[int32](m, "pos", c.pos, int64(T)*int64(K)); err != nil {
+			return err
 		}
-		row := t * H
-		for h := 0; h < H; h++ {
-			var acc float32
-			if c.hasRouted {
-				for k := 0; k < K; k++ {
-					p := int32(t*K + k)
-					if !c.identity {
-						p = pos[t*K+k]
-					}
-					if p >= 0 {
-						acc += w[t*K+k] * out.load(int(p)*H+h)
-					}
-				}
-			}
-			if c.hasShared {
-				acc += sg * shared.load(row+h)
-			}
-			y.store(row+h, acc)
+	}
+	if v.w, err = kernels.Slice[float32](m, "w", c.w, int64(T)*int64(K)); err != nil {
+		return err
+	}
+	for i, p := range v.pos {
+		if int(p) >= T*K {
+			return fmt.Errorf("pos[%d] = %d is outside the %d rows of out", i, p, T*K)
 		}
 	}
 	return nil
+}
+
+// token writes token t's row of y: its routed rows (k ascending, pos -1
+// skipped) weighted, plus the (gated) shared row.
+func (c combineOp) token(v *combineViews, t int) {
+	K, H := c.K, c.H
+	sg := float32(1)
+	if c.hasShared && c.hasGate {
+		sg = 1 / (1 + expf(-v.gate[t]))
+	}
+	row := t * H
+	for h := 0; h < H; h++ {
+		var acc float32
+		if c.hasRouted {
+			for k := 0; k < K; k++ {
+				p := t*K + k
+				if !c.identity {
+					p = int(v.pos[t*K+k])
+				}
+				if p >= 0 {
+					acc += v.w[t*K+k] * v.out.load(p*H+h)
+				}
+			}
+		}
+		if c.hasShared {
+			acc += sg * v.shared.load(row+h)
+		}
+		v.y.store(row+h, acc)
+	}
 }

@@ -1,0 +1,438 @@
+package moe
+
+import (
+	"fmt"
+	"unsafe"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
+)
+
+// Forward computes y [T,H] for x [T,H] (host float32, row-major) with the
+// layer's Mode: it uploads x, queues ForwardDevice on the main stream, waits for
+// the main stream, and downloads y. It blocks until the result is on the host.
+// In bf16 mode x is rounded to bf16 on upload and y is widened exactly.
+func (l *Layer) Forward(x []float32, T int) ([]float32, error) {
+	const op = "Layer.Forward"
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.check(op); err != nil {
+		return nil, err
+	}
+	H := l.cfg.HiddenSize
+	if T <= 0 {
+		return nil, fmt.Errorf("moe: %s: T = %d tokens: must be > 0: %w", op, T, gpuctx.ErrInvalid)
+	}
+	if len(x) != T*H {
+		return nil, fmt.Errorf("moe: %s: x has %d values, want T*H = %d*%d = %d: %w", op, len(x), T, H, T*H, gpuctx.ErrSize)
+	}
+	xv, yv, err := l.hostIO(T * H * l.es)
+	if err != nil {
+		return nil, err
+	}
+	if err := xv.CopyFromHost(l.encode(x)); err != nil {
+		return nil, err
+	}
+	if err := l.forward(op, xv, yv, T, l.mode, Whole); err != nil {
+		return nil, err
+	}
+	if err := l.main.Synchronize(); err != nil {
+		return nil, fmt.Errorf("moe: %s: %w", op, err)
+	}
+	out := make([]byte, T*H*l.es)
+	if err := yv.CopyToHost(out); err != nil {
+		return nil, err
+	}
+	return l.decode(out), nil
+}
+
+// hostIO returns views of n bytes of Forward's input and output buffers,
+// grown as needed, once the main stream has finished reading them.
+func (l *Layer) hostIO(n int) (xv, yv *gpuctx.Buffer, err error) {
+	synced := false
+	if err := l.grow(&l.xio, n, &synced); err != nil {
+		return nil, nil, err
+	}
+	if err := l.grow(&l.yio, n, &synced); err != nil {
+		return nil, nil, err
+	}
+	if !synced { // an earlier forward may still read xio
+		if err := l.main.Synchronize(); err != nil {
+			return nil, nil, err
+		}
+	}
+	if xv, err = l.xio.Slice(0, n); err != nil {
+		return nil, nil, err
+	}
+	if yv, err = l.yio.Slice(0, n); err != nil {
+		return nil, nil, err
+	}
+	return xv, yv, nil
+}
+
+// ForwardDevice queues y = MoE(x) on the main stream for x and y [T,H] in the
+// layer's dtype on the layer's device (each at least T*H elements; y may be x).
+// part selects the whole block, the shared expert alone or the routed path
+// alone; mode selects Single, Dual (the shared expert on the side stream, forked
+// from and joined back into the main stream with events), Auto or FusedShared.
+//
+// Batches of up to LayerOptions.SmallBatchTokens tokens (and the shared expert
+// alone) need no host wait: the routed experts read the per-expert plan on the
+// device, and from the second forward of a given shape on the whole forward is
+// replayed as a captured graph (x copied into the layer's staging buffer, the
+// graph, the result copied to y, all on the main stream). ForwardDevice then
+// returns once the work is queued. Larger batches use grouped GEMMs, whose sizes
+// the host needs: ForwardDevice blocks once until the main stream has finished
+// the router, the routing and the permutation plan (an event after the counts
+// copy; the shared expert, queued before that wait, keeps the device busy). The
+// caller must keep x and y alive and unmodified until the main stream has passed
+// the forward; later work on the main stream is ordered after it, including the
+// side stream's part.
+//
+// Single and Dual produce bitwise identical y: the same kernels and GEMMs with
+// the same shapes, and a combine with a fixed summation order. The small-batch
+// and grouped-GEMM paths agree to rounding (their dot products sum in different
+// orders).
+func (l *Layer) ForwardDevice(x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.forward("Layer.ForwardDevice", x, y, T, mode, part)
+}
+
+// forward is ForwardDevice with l.mu held: it plans the forward, sizes the
+// stages' scratch, and runs the plan (eagerly, staged, or as a graph).
+func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
+	if err := l.check(op); err != nil {
+		return err
+	}
+	p, err := l.plan(op, x, y, T, mode, part)
+	if err != nil {
+		return err
+	}
+	if l.hook != nil {
+		l.hook(p)
+	}
+	if err := l.ensure(p); err != nil {
+		return err
+	}
+	if p.graph {
+		err = l.forwardGraph(p, x, y)
+	} else {
+		err = l.runEager(p, x, y)
+	}
+	if err == nil && p.routed {
+		l.last = lastRouting{T: T, ks: p.ks}
+	}
+	return err
+}
+
+// runEager queues p eagerly: on x and y, or through the staging buffers.
+func (l *Layer) runEager(p *plan, x, y *gpuctx.Buffer) error {
+	if p.staged {
+		return l.stagedEager(p, x, y)
+	}
+	return l.eager(p, x, y)
+}
+
+// stagedEager runs the forward eagerly on the layer's own staging buffers
+// (16-byte aligned): x is copied in, y copied out, on the main stream.
+func (l *Layer) stagedEager(p *plan, x, y *gpuctx.Buffer) error {
+	if err := l.gc.staging(&l.env, p.n); err != nil {
+		return err
+	}
+	if err := l.main.CopyDtoD(l.gc.gx, 0, x, 0, p.n); err != nil {
+		return err
+	}
+	if err := l.eager(p, l.gc.gx, l.gc.gy); err != nil {
+		return err
+	}
+	return l.main.CopyDtoD(y, 0, l.gc.gy, 0, p.n)
+}
+
+// eager queues the forward of x's first p.n bytes into y's (see enqueue).
+func (l *Layer) eager(p *plan, x, y *gpuctx.Buffer) error {
+	xv, err := x.Slice(0, p.n)
+	if err != nil {
+		return err
+	}
+	yv, err := y.Slice(0, p.n)
+	if err != nil {
+		return err
+	}
+	return l.enqueue(p, xv, yv)
+}
+
+// enqueue is the executor: it queues the stages of p over xv into yv (both
+// exactly T*H elements) on the main stream, and the shared expert on the side
+// stream when p.dual. Routing: router (or nothing on the one-launch path),
+// dispatch (plan and gather, or the aligned sort), the routed experts, with
+// the shared expert where p.place says, then the combine after the side
+// stream is joined back. On the fused path nothing waits for the host and the
+// side stream forks before the router (evFork), so the shared expert overlaps
+// the routing kernels too, which leave DRAM idle; on the others it forks at
+// the counts (evCounts), so it never competes with the router chain the host
+// is waiting for.
+func (l *Layer) enqueue(p *plan, xv, yv *gpuctx.Buffer) error {
+	var err error
+	switch p.path {
+	case pathNone:
+		err = l.sharedAlone(p, xv)
+	case pathFused:
+		err = l.routedFused(p, xv)
+	default:
+		err = l.routedPlanned(p, xv)
+	}
+	if err != nil {
+		return err
+	}
+	if p.dual { // join
+		if err := l.main.Wait(l.evJoin); err != nil {
+			return err
+		}
+	}
+	return l.combineInto(p, yv)
+}
+
+// sharedAlone queues the shared expert alone (SharedOnly), on the side stream
+// forked once x is ready on the main stream (Dual) or on the main stream.
+func (l *Layer) sharedAlone(p *plan, xv *gpuctx.Buffer) error {
+	if !p.shared {
+		return nil
+	}
+	if !p.dual {
+		return l.shared.onMain(xv, p.T)
+	}
+	if err := l.evFork.Record(l.main); err != nil {
+		return err
+	}
+	return l.shared.onSide(l.evFork, xv, p.T)
+}
+
+// routedPlanned queues the small-batch or grouped-GEMM path: router GEMM and
+// route, plan and gather (the counts copied to the host on the grouped path),
+// the shared expert forked at evCounts (Dual), the experts, with the shared
+// expert on the main stream before the host waits for the counts (grouped) or
+// after the expert kernels (small).
+func (l *Layer) routedPlanned(p *plan, xv *gpuctx.Buffer) error {
+	T, small := p.T, p.path == pathSmall
+	if err := l.router.route(xv, T, p.ks, true); err != nil {
+		return err
+	}
+	if err := l.dispatch.planGather(xv, l.router.idx, T, !small); err != nil {
+		return err
+	}
+	if p.place == sharedSide {
+		if err := l.shared.onSide(l.evCounts, xv, T); err != nil {
+			return err
+		}
+	}
+	if small {
+		if err := l.experts.small(&l.dispatch); err != nil {
+			return err
+		}
+		return l.sharedAfter(p, xv)
+	}
+	if err := l.sharedAfter(p, xv); err != nil {
+		return err
+	}
+	counts, err := l.dispatch.hostCounts()
+	if err != nil {
+		return err
+	}
+	groups, err := groupsOf(counts, T*l.cfg.TopK)
+	if err != nil {
+		return err
+	}
+	return l.experts.grouped(l.dispatch.xp, groups, T*l.cfg.TopK)
+}
+
+// sharedAfter queues the shared expert on the main stream when p places it
+// there (after the routed kernels queued so far).
+func (l *Layer) sharedAfter(p *plan, xv *gpuctx.Buffer) error {
+	if p.place != sharedMain {
+		return nil
+	}
+	return l.shared.onMain(xv, p.T)
+}
+
+// routedFused queues the fused path: evFork (Dual), the routing and the
+// aligned sort (one launch, or router GEMM, route and align), the tiles'
+// choice where it is not known yet (tune), the fused expert kernels, then the
+// shared expert on the side stream from evFork or on the main stream. The
+// routed kernels are queued before the side stream's shared expert: an eager
+// forward would otherwise leave the main stream idle while the host queues
+// the shared expert's BLAS calls.
+func (l *Layer) routedFused(p *plan, xv *gpuctx.Buffer) error {
+	if p.place == sharedSide {
+		if err := l.evFork.Record(l.main); err != nil { // x is ready: the shared expert may start
+			return err
+		}
+	}
+	if err := l.sortFused(p, xv); err != nil {
+		return err
+	}
+	if err := l.experts.fused(xv, &l.dispatch, p, p.tiles); err != nil {
+		return err
+	}
+	if p.place == sharedSide {
+		return l.shared.onSide(l.evFork, xv, p.T)
+	}
+	return l.sharedAfter(p, xv)
+}
+
+// sortFused queues the fused path's routing and aligned sort with p's tiles'
+// rows, settling p.tiles first where they are not known: the one-launch path
+// routes and sorts with the rule's rows, tunes on that routing, and sorts
+// again; the other routes, tunes, and sorts. Every forward of a one-launch
+// batch computes the router logits the same way (in that kernel, never in a
+// GEMM), so results do not depend on whether the tiles were tuned yet.
+func (l *Layer) sortFused(p *plan, xv *gpuctx.Buffer) error {
+	if p.oneLaunch {
+		if err := l.ensureFused(p, p.sortBM); err != nil {
+			return err
+		}
+		if err := l.dispatch.routeAlign(xv, &l.router, p, p.sortBM); err != nil {
+			return err
+		}
+	} else if err := l.router.route(xv, p.T, p.ks, true); err != nil {
+		return err
+	}
+	if p.oneLaunch && p.tilesKnown {
+		return nil
+	}
+	if !p.tilesKnown {
+		tp, err := l.tilesFor(p, xv)
+		if err != nil {
+			return err
+		}
+		p.tiles = tp
+	}
+	if err := l.ensureFused(p, p.tiles.up.BM); err != nil {
+		return err
+	}
+	return l.dispatch.align(l.router.idx, p, p.tiles.up.BM)
+}
+
+// combineInto queues the combine of p into yv.
+func (l *Layer) combineInto(p *plan, yv *gpuctx.Buffer) error {
+	in := combineIn{ks: l.cfg.TopK, routed: p.routed, shared: p.shared}
+	if p.routed {
+		in.out, in.pos, in.w = l.experts.out, l.dispatch.pos, l.router.wts
+	}
+	if p.shared {
+		in.sout = l.shared.out
+		if l.shared.gate != nil {
+			in.sg = l.shared.g
+		}
+	}
+	in.gated = in.shared && l.shared.gate != nil
+	if p.path != pathFused {
+		return l.combine.tokens(in, l.router.bias, yv, p.T)
+	}
+	// Routed rows are in assignment order; the fused shared expert's chunks
+	// are rows K.. of each token.
+	in.pos = nil
+	if p.fusedShared() {
+		in.ks, in.shared = p.ks, false
+	}
+	in.gated = in.shared && l.shared.gate != nil
+	return l.combine.rows(in, l.router.bias, yv, p.T)
+}
+
+// ensure grows the scratch buffers a forward of p needs (the fused path's
+// sort is sized by ensureFused, once its tile rows are known).
+func (l *Layer) ensure(p *plan) error {
+	var needs []need
+	if p.routed {
+		TKS := p.T * (l.cfg.TopK + l.ns) // room for the fused shared expert's slots
+		needs = append(needs, l.router.needs(p.T, TKS/p.T)...)
+		if p.path != pathFused {
+			TK := p.T * l.cfg.TopK
+			needs = append(needs, l.dispatch.planNeeds(TK)...)
+			needs = append(needs, l.experts.needs(TK)...)
+		}
+	}
+	if p.shared {
+		needs = append(needs, l.shared.needs(p.T)...)
+	}
+	return l.growAll(needs...)
+}
+
+// ensureFused grows the fused path's scratch for p with tile rows bm.
+func (l *Layer) ensureFused(p *plan, bm int) error {
+	TK := p.T * p.ks
+	sort := l.dispatch.sortNeeds(TK, p.experts, bm)
+	cp := alignCap(TK, p.experts, bm)
+	needs := append(sort[:3:3], l.experts.fusedNeeds(cp, TK)...)
+	needs = append(needs, sort[3:]...)
+	synced := false
+	for _, nd := range needs {
+		if err := l.grow(nd.b, nd.n, &synced); err != nil {
+			return err
+		}
+	}
+	return l.dispatch.resetTicket(&synced)
+}
+
+// lastRouting is where LastRouting finds the last routed forward's routing:
+// its tokens (0: none yet) and slots per token.
+type lastRouting struct{ T, ks int }
+
+// LastRouting waits for the main stream and returns the expert indices [T,K]
+// and routing weights [T,K] of the last forward that ran the routed path, each
+// token's experts in decreasing order of selection score (ties: lower index).
+func (l *Layer) LastRouting() (idx []int32, w []float32, err error) {
+	const op = "Layer.LastRouting"
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.check(op); err != nil {
+		return nil, nil, err
+	}
+	T, KS := l.last.T, l.last.ks
+	if T == 0 {
+		return nil, nil, fmt.Errorf("moe: %s: no forward has routed tokens yet (run Forward, or ForwardDevice with Whole or RoutedOnly)", op)
+	}
+	if err := l.main.Synchronize(); err != nil {
+		return nil, nil, err
+	}
+	K := l.cfg.TopK
+	n := T * KS // rows hold KS slots: K routed, then any fused shared ones
+	allIdx := make([]int32, n)
+	allW := make([]float32, n)
+	for _, v := range []struct {
+		b   *gpuctx.Buffer
+		dst unsafe.Pointer
+	}{{l.router.idx, unsafe.Pointer(unsafe.SliceData(allIdx))}, {l.router.wts, unsafe.Pointer(unsafe.SliceData(allW))}} {
+		view, err := v.b.Slice(0, 4*n)
+		if err != nil {
+			return nil, nil, err
+		}
+		if err := view.CopyToHost(unsafe.Slice((*byte)(v.dst), 4*n)); err != nil {
+			return nil, nil, err
+		}
+	}
+	idx = make([]int32, 0, T*K)
+	w = make([]float32, 0, T*K)
+	for t := 0; t < T; t++ {
+		idx = append(idx, allIdx[t*KS:t*KS+K]...)
+		w = append(w, allW[t*KS:t*KS+K]...)
+	}
+	return idx, w, nil
+}
+
+// smallBatch reports whether a batch of T tokens takes the small-batch path.
+func (l *Layer) smallBatch(T int) bool {
+	return T <= l.small && l.cfg.HiddenSize%8 == 0 && l.cfg.Intermediate%8 == 0
+}
+
+// fused reports whether a batch of T tokens takes the fused routed path.
+func (l *Layer) fused(T int) bool {
+	return l.fusedOK && !l.smallBatch(T)
+}
+
+// routeAlignOK reports whether a fused-path batch of T tokens may route and
+// sort in one launch (gpuctx_moe_route_align); the plan also bounds the
+// experts it sorts by MaxExperts.
+func (l *Layer) routeAlignOK(T int) bool {
+	return l.fused(T) && T <= l.dispatch.raTokens && T*l.cfg.NumExperts <= moekernels.RouteAlignMaxDots
+}
