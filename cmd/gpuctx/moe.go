@@ -436,7 +436,7 @@ func (a *app) runMoe(o moeRunOpts) error {
 	}
 	ph.end()
 	if o.verbose {
-		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "forward": forwardNote(dev.Backend(), dt, o.autotune)}, dev.Backend())
+		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "forward": forwardNote(dev.Backend(), dt, o.autotune, l.TunedFromCache())}, dev.Backend())
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(cfg.Family), Layer: layer,
 		Input: o.input, Tensor: name, Output: o.output, Tokens: T, Hidden: cfg.HiddenSize, DType: dt.String(), Mode: mode.String(),
