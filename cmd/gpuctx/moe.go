@@ -369,7 +369,7 @@ func (a *app) runMoe(o moeRunOpts) error {
 	// replay is one span). One forward runs eagerly anyway: graphs are
 	// captured from the second run of a shape.
 	l, err := moe.LoadLayer(dev, o.model, cfg, layer, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold,
-		NoGraphs: o.trace != "", NoAutotune: !o.autotune})
+		NoGraphs: o.trace != "", NoAutotune: !o.autotune, Tokens: []int{T}})
 	if err != nil {
 		return loadLayerError(o.model, layer, dt, err)
 	}
