@@ -107,8 +107,9 @@ func (s *Stream) EndCapture() (*Graph, error) {
 // capture is always ended: if fn fails, the recorded graph is closed and fn's
 // error returned; otherwise the error is BeginCapture's or EndCapture's, as
 // they return it (errors.Is(err, ErrUnavailable) when the backend cannot
-// capture). Nothing recorded has run; the same rules hold inside fn as between
-// BeginCapture and EndCapture (no host waits on s).
+// capture). Capture runs fn on the calling goroutine, queues nothing itself
+// and waits for nothing; nothing recorded has run when it returns. Inside fn
+// the rules between BeginCapture and EndCapture hold (no host waits on s).
 func (s *Stream) Capture(fn func() error) (*Graph, error) {
 	if err := s.BeginCapture(); err != nil {
 		return nil, err

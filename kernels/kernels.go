@@ -24,8 +24,9 @@
 // checked the argument count and types against Kernel.Params; it computes the
 // whole result (grid and block are only validated) and returns errors (bad
 // pointers, bad sizes) that become the stream's sticky error. Twin builds a
-// Kernel whose parameters are the fields of a struct, so the body reads named
-// fields.
+// Kernel whose parameters are the fields of a struct (a field of struct type
+// stands for its own fields, so that parameters can be grouped), so the body
+// reads named fields; Args and Flatten list them in launch order.
 //
 // Register must be called from init functions only: the registry is read
 // (Sources, Lookup, ...) without further synchronisation by the backends, and

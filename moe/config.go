@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/gpuctx/gpuctx/internal/regfile"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
 // Hard limits on the sizes a Config may describe. They are far above every
@@ -702,9 +703,11 @@ func (c *Config) FirstMoELayer() (int, error) {
 }
 
 // CheckTokens checks that a batch of T tokens is one the layer can run: T >= 1,
-// and small enough for the MoE kernels' 32-bit index arithmetic (T*K and T times
-// the widest activation row must fit in an int32). Call it on the input's shape
-// before decoding or allocating it.
+// and small enough for the MoE kernels' 32-bit index arithmetic: T*K and T
+// times the widest activation row must fit in an int32, and so must what
+// moekernels.CheckLimits bounds (the sorted rows of T*(K + the fused shared
+// expert's chunks) assignments, T*H, and one expert's 2*I*H weights). Call it
+// on the input's shape before decoding or allocating it.
 func (c *Config) CheckTokens(T int) error {
 	if T <= 0 {
 		return fmt.Errorf("the input has no tokens (T = %d); pass activations shaped [tokens, %d] with at least one token", T, c.HiddenSize)
@@ -717,7 +720,19 @@ func (c *Config) CheckTokens(T int) error {
 	if T > maxT {
 		return fmt.Errorf("a batch of %d tokens is too many for the MoE kernels' 32-bit index arithmetic (at most %d tokens for this model); split the batch", T, maxT)
 	}
-	return nil
+	ns := c.fusedSharedChunks()
+	return moekernels.CheckLimits(T, c.TopK+ns, c.NumExperts+ns, c.HiddenSize, c.Intermediate)
+}
+
+// fusedSharedChunks returns the chunks of Intermediate width the shared
+// expert becomes in FusedShared mode (routing slots K.. of every token, the
+// experts after the routed ones), or 0 when it cannot run fused.
+func (c *Config) fusedSharedChunks() int {
+	Is, I := c.SharedIntermediate, c.Intermediate
+	if Is <= 0 || I <= 0 || c.SharedGate || Is%I != 0 || Is/I > MaxTopK {
+		return 0
+	}
+	return Is / I
 }
 
 // HFConfig returns a Hugging Face config.json for c: the fields of c's family

@@ -1,6 +1,7 @@
 package moe
 
 import (
+	"math"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -282,5 +283,42 @@ func TestHFConfigRoundTrip(t *testing.T) {
 		if _, err := c.HFConfig(); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: HFConfig error %v, want one containing %q", tc.name, err, tc.want)
 		}
+	}
+}
+
+// TestCheckTokensLimits checks CheckTokens against the MoE kernels' 32-bit
+// limits (issue 20): the batches past 2^31 sorted-row elements that the
+// 64-bit down-kernel offsets now allow, and the limits that stay 32-bit.
+func TestCheckTokensLimits(t *testing.T) {
+	dsv3 := DeepseekV3Preset()
+	// Small rows, and 16 routed slots plus a fused shared chunk per token:
+	// T*(K+1) passes 2^31 while T*K and T times every row width do not.
+	tiny := &Config{Family: DeepseekV2, HiddenSize: 8, NumExperts: 16, TopK: 16, Intermediate: 8,
+		SharedIntermediate: 8, Scoring: Softmax, TopKMethod: Greedy, NumGroups: 1, TopKGroups: 1,
+		RoutedScalingFactor: 1, HiddenAct: "silu", MoELayerFreq: 1, DecoderSparseStep: 1}
+	tinyT := math.MaxInt32 / 16
+	// One expert's gate and up weights, 2*I*H elements, past 2^31.
+	wide := *dsv3
+	wide.HiddenSize, wide.Intermediate, wide.SharedIntermediate = 1<<16, 1<<15, 1<<15
+	for _, tc := range []struct {
+		name string
+		cfg  *Config
+		T    int
+		want string // "" for nil
+	}{
+		// T*K*I = 2^31 + ...: the down kernel's rows of act, 64-bit now.
+		{"deepseek-v3 past T*K*I = 2^31", dsv3, 140_000, ""},
+		{"deepseek-v3 at the row limit", dsv3, math.MaxInt32 / 7168, ""},
+		{"deepseek-v3 past the row limit", dsv3, math.MaxInt32/7168 + 1, "32-bit"},
+		{"tiny under the sorted-row limit", tiny, 126_000_000, ""},
+		{"fused shared slots past 2^31", tiny, tinyT, "sorted rows"},
+		{"expert weights past 2^31", &wide, 1, "2*I*H"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.cfg.CheckTokens(tc.T)
+			if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
+				t.Errorf("CheckTokens(%d) = %v, want %q", tc.T, err, tc.want)
+			}
+		})
 	}
 }

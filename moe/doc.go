@@ -7,11 +7,15 @@
 // (Qwen1.5-MoE), Qwen3-MoE and Mixtral.
 //
 // Layer is the device forward: NewLayer uploads a layer's weights to a gpuctx
-// Device, and Layer.ForwardDevice queues the router GEMM, the routing,
-// permutation, SwiGLU and combine kernels and the routed experts' grouped GEMMs
-// on the layer's main stream, with the shared expert on the same stream (Single)
-// or on a side stream forked and joined with events (Dual). Its doc comments say
-// which stream each call uses and what it waits for.
+// Device, and Layer.ForwardDevice queues the router, the routing and
+// permutation (or the block-aligned sort), the routed experts (small-batch
+// kernels, grouped GEMMs, or the fused tile kernels), SwiGLU and the combine
+// on the layer's main stream, with the shared expert on the same stream
+// (Single), on a side stream forked and joined with events (Dual), or inside
+// the fused kernels (FusedShared). Each forward is planned first, then run by
+// one executor over stages that own their buffers (see ARCHITECTURE.md); an
+// ExpertShard runs the same stages around a collective.Comm. Its doc comments
+// say which stream each call uses and what it waits for.
 //
 // Everything else in this package runs on the host, on the calling goroutine
 // (some functions fan out over worker goroutines and wait for them). Config and Weights are plain data: once built

@@ -325,12 +325,12 @@ func (l *Layer) combineInto(p *plan, yv *gpuctx.Buffer) error {
 			in.sg = l.shared.g
 		}
 	}
-	in.gated = in.shared && l.shared.gate != nil
 	if p.path != pathFused {
+		in.gated = in.shared && l.shared.gate != nil
 		return l.combine.tokens(in, l.router.bias, yv, p.T)
 	}
 	// Routed rows are in assignment order; the fused shared expert's chunks
-	// are rows K.. of each token.
+	// are rows K.. of each token, not a separate output.
 	in.pos = nil
 	if p.fusedShared() {
 		in.ks, in.shared = p.ks, false
@@ -362,7 +362,7 @@ func (l *Layer) ensure(p *plan) error {
 func (l *Layer) ensureFused(p *plan, bm int) error {
 	TK := p.T * p.ks
 	sort := l.dispatch.sortNeeds(TK, p.experts, bm)
-	cp := alignCap(TK, p.experts, bm)
+	cp := moekernels.AlignCap(TK, p.experts, bm)
 	needs := append(sort[:3:3], l.experts.fusedNeeds(cp, TK)...)
 	needs = append(needs, sort[3:]...)
 	synced := false

@@ -1219,7 +1219,7 @@ func TestAlignThreeLaunch(t *testing.T) {
 				rec := recordPlans(l, nil)
 				outs[i] = deviceRun(t, l, x, T, Single, Whole)
 				TK := T * rec.last.ks
-				cp := alignCap(TK, rec.last.experts, 64)
+				cp := moekernels.AlignCap(TK, rec.last.experts, 64)
 				for j, buf := range []struct {
 					b *gpuctx.Buffer
 					n int
@@ -1500,6 +1500,89 @@ func TestLayerFusedSharedLimit(t *testing.T) {
 					t.Fatal(err)
 				}
 			})
+		}
+	}
+}
+
+// TestLastRoutingAfterReplay checks that LastRouting reports the last
+// forward's routing when that forward was a graph replay: not the routing
+// size or slot stride of the last forward that ran eagerly or was captured.
+func TestLastRoutingAfterReplay(t *testing.T) {
+	cfg := scaledPresets()["deepseek-v2-lite"]
+	w, err := RandomWeights(cfg, 29)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range layerBackends(t) {
+		for _, tc := range []struct {
+			name   string
+			mode   Mode // of the forward whose routing is asked for
+			other  Mode // of the forwards between
+			T, Tot int
+		}{{"fused after dual", FusedShared, Dual, 3, 5}, {"dual after fused", Dual, FusedShared, 5, 3}} {
+			t.Run(b.name+"/"+tc.name, func(t *testing.T) {
+				l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				x, xo := randomX(tc.T, cfg.HiddenSize, 41), randomX(tc.Tot, cfg.HiddenSize, 42)
+				for range 3 { // eager, captured, replayed
+					deviceRun(t, l, x, tc.T, tc.mode, Whole)
+					deviceRun(t, l, xo, tc.Tot, tc.other, Whole)
+				}
+				deviceRun(t, l, x, tc.T, tc.mode, Whole) // a replay
+				idx, _, err := l.LastRouting()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(idx) != tc.T*cfg.TopK {
+					t.Fatalf("LastRouting has %d indices, want T*K = %d*%d", len(idx), tc.T, cfg.TopK)
+				}
+				checkRouting(t, l, cfg, roundWeights(w), roundAll(x), tc.T)
+			})
+		}
+	}
+}
+
+// TestLayerSortedRowsLimit checks that a fused-path batch whose sorted rows
+// (T*(K + the fused shared chunks), padded per expert) pass the MoE kernels'
+// 32-bit row indices is refused when it is taken, naming the limit, while the
+// same batch in Dual (K slots) gets past that check.
+func TestLayerSortedRowsLimit(t *testing.T) {
+	cfg := &Config{Family: DeepseekV2, HiddenSize: 8, NumExperts: 16, TopK: 16, Intermediate: 8,
+		SharedIntermediate: 8, Scoring: Softmax, TopKMethod: Greedy, NumGroups: 1, TopKGroups: 1,
+		RoutedScalingFactor: 1, HiddenAct: "silu", MoELayerFreq: 1, DecoderSparseStep: 1}
+	w, err := RandomWeights(cfg, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// T*16 rows and their padding fit in an int32; T*17 do not.
+	bm := moekernels.MaxTileRows()
+	T := (math.MaxInt32 - 16*(bm-1) - bm) / 16
+	for _, b := range layerBackends(t) {
+		l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, NoAutotune: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		if l.ns != 1 {
+			t.Fatalf("%d fused shared chunks, want 1", l.ns)
+		}
+		x, err := b.dev.Alloc(64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer x.Free()
+		for _, tc := range []struct {
+			mode Mode
+			want error
+			text string
+		}{{FusedShared, gpuctx.ErrInvalid, "sorted rows"}, {Auto, gpuctx.ErrInvalid, "sorted rows"}, {Dual, gpuctx.ErrSize, "holds 64 bytes"}} {
+			err := l.ForwardDevice(x, x, T, tc.mode, Whole)
+			if !errors.Is(err, tc.want) || !strings.Contains(err.Error(), tc.text) {
+				t.Errorf("%s %v: err = %v, want %v naming %q", b.name, tc.mode, err, tc.want, tc.text)
+			}
 		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"math"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
 // routePath is how a forward computes the routed experts.
@@ -145,6 +146,17 @@ func (l *Layer) checkForward(op string, x, y *gpuctx.Buffer, T int, mode Mode, p
 			return fmt.Errorf("moe: %s: %w", op, err)
 		}
 	}
+	if l.fused(T) {
+		// The fused kernels' sorted rows stay 32-bit: the slots and experts
+		// of FusedShared where the mode may run it.
+		ks, ne := K, E
+		if mode == FusedShared || mode == Auto {
+			ks, ne = K+l.ns, E+l.ns
+		}
+		if err := moekernels.CheckLimits(T, ks, ne, H, I); err != nil {
+			return fmt.Errorf("moe: %s: %v: %w", op, err, gpuctx.ErrInvalid)
+		}
+	}
 	n := T * H * l.es
 	for _, b := range []struct {
 		name string
@@ -189,11 +201,10 @@ func (l *Layer) resolveMode(op string, x, y *gpuctx.Buffer, p *plan, mode Mode, 
 // a multiple of the routed width, at most MaxTopK chunks), else 0; it does
 // not check the align kernel's limit (fusedSharedLimit).
 func sharedChunks(cfg *Config, fusedOK bool) int {
-	I, Is := cfg.Intermediate, cfg.SharedIntermediate
-	if fusedOK && Is > 0 && !cfg.SharedGate && Is%I == 0 && Is/I <= MaxTopK {
-		return Is / I
+	if !fusedOK {
+		return 0
 	}
-	return 0
+	return cfg.fusedSharedChunks()
 }
 
 // fusedSharedLimit returns an error (without prefix) when FusedShared would

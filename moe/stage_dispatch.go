@@ -49,13 +49,6 @@ const align3From = 2 * moekernels.AlignChunk
 // evening: measured on an H200).
 const routeAlignTokens = 16
 
-// alignCap is the worst-case padded row count of gpuctx_moe_align for TK
-// assignments over E experts in blocks of bm rows.
-func alignCap(TK, E, bm int) int {
-	n := TK + min(E, TK)*(bm-1)
-	return (n + bm - 1) / bm * bm
-}
-
 // planNeeds returns the plan's scratch for TK assignments (small-batch and
 // grouped-GEMM paths).
 func (d *dispatchStage) planNeeds(TK int) []need {
@@ -66,7 +59,7 @@ func (d *dispatchStage) planNeeds(TK int) []need {
 // sortNeeds returns the aligned sort's scratch for TK assignments over E
 // experts in blocks of bm rows (fused path).
 func (d *dispatchStage) sortNeeds(TK, E, bm int) []need {
-	cp := alignCap(TK, E, bm)
+	cp := moekernels.AlignCap(TK, E, bm)
 	nb := moekernels.AlignBlocks(TK)
 	return []need{{&d.sorted, 4 * cp}, {&d.bexp, 4 * (cp / bm)}, {&d.npost, 4}, {&d.bcnt, 4 * nb * E}, {&d.boff, 4 * nb * E}}
 }
@@ -139,7 +132,7 @@ func (d *dispatchStage) align(idx *gpuctx.Buffer, p *plan, bm int) error {
 	if first >= E {
 		return fmt.Errorf("moe: internal error: the fused shared expert's chunks sort first at expert %d of %d", first, E)
 	}
-	blk, one, cp := gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, alignCap(TK, E, bm)
+	blk, one, cp := gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, gpuctx.Dim3{X: 1, Y: 1, Z: 1}, moekernels.AlignCap(TK, E, bm)
 	if TK < d.align3From {
 		return d.kAlign.LaunchEarly(e.main, one, blk, 0, moekernels.Align{TopkIdx: idx, Sorted: d.sorted, BlockExpert: d.bexp,
 			Npost: d.npost, TK: int32(TK), E: int32(E), BM: int32(bm), Cap: int32(cp), First: int32(first)})
@@ -170,5 +163,5 @@ func (d *dispatchStage) routeAlign(x *gpuctx.Buffer, r *routerStage, p *plan, bm
 		X: x, Router: r.weight, Bias: r.bias, Logits: r.logits, TopkIdx: r.idx, TopkW: r.wts,
 		Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Ticket: d.ticket,
 		T: int32(T), H: int32(c.HiddenSize), E: int32(c.NumExperts), K: int32(c.TopK), Rule: routeRule(c),
-		Ks: int32(ks), Ns: int32(ks - c.TopK), BM: int32(bm), Cap: int32(alignCap(T*ks, p.experts, bm))})
+		Ks: int32(ks), Ns: int32(ks - c.TopK), BM: int32(bm), Cap: int32(moekernels.AlignCap(T*ks, p.experts, bm))})
 }

@@ -167,7 +167,7 @@ func (x *expertStage) up(kUp moekernels.Launcher[moekernels.Up], c moekernels.Mo
 	e := x.e
 	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
 	TK := p.T * K
-	gx, gy := c.Grid(I, alignCap(TK, p.experts, c.BM), e.dev.Info().SMCount)
+	gx, gy := c.Grid(I, moekernels.AlignCap(TK, p.experts, c.BM), e.dev.Info().SMCount)
 	return kUp.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(true), moekernels.Up{
 		X: in, Gu: x.gu, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: x.act,
 		TK: int32(TK), K: int32(K), H: int32(H), I: int32(I), E0: int32(e.cfg.NumExperts), Ns: int32(p.early)})
@@ -179,7 +179,7 @@ func (x *expertStage) downs(kDown moekernels.Launcher[moekernels.Down], c moeker
 	e := x.e
 	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
 	TK := p.T * K
-	gx, gy := c.Grid(H, alignCap(TK, p.experts, c.BM), e.dev.Info().SMCount)
+	gx, gy := c.Grid(H, moekernels.AlignCap(TK, p.experts, c.BM), e.dev.Info().SMCount)
 	return kDown.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(false), moekernels.Down{
 		Act: x.act, Down: x.down, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Out: x.out,
 		TK: int32(TK), H: int32(H), I: int32(I)})

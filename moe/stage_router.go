@@ -7,16 +7,6 @@ import (
 	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
-// Routing codes passed to gpuctx_moe_route (kernels/moe.cu).
-const (
-	scoreSoftmax int32 = 0
-	scoreSigmoid int32 = 1
-
-	methodGreedy    int32 = 0
-	methodGroupMax  int32 = 1 // group_limited_greedy
-	methodGroupTop2 int32 = 2 // noaux_tc
-)
-
 // routerStage is the router: its weights ([E,H] in the layer's dtype, the
 // f32 correction bias, zeros when the config has none), gpuctx_moe_route, and
 // its outputs: the f32 logits [T,E], and per token ks slots of expert indices
@@ -63,15 +53,15 @@ func (r *routerStage) route(x *gpuctx.Buffer, T, ks int, early bool) error {
 // routeRule returns how gpuctx_moe_route and gpuctx_moe_route_align route
 // for config c.
 func routeRule(c *Config) moekernels.RouteRule {
-	scoring, method, eps, scale := scoreSoftmax, methodGreedy, float32(0), float32(1)
+	scoring, method, eps, scale := moekernels.ScoreSoftmax, moekernels.MethodGreedy, float32(0), float32(1)
 	if c.Scoring == Sigmoid {
-		scoring = scoreSigmoid
+		scoring = moekernels.ScoreSigmoid
 	}
 	switch c.TopKMethod {
 	case GroupLimitedGreedy:
-		method = methodGroupMax
+		method = moekernels.MethodGroupMax
 	case NoAuxTC:
-		method = methodGroupTop2
+		method = moekernels.MethodGroupTop2
 	}
 	if c.Family == DeepseekV3 {
 		eps = 1e-20

@@ -29,6 +29,15 @@ type RouteRule struct {
 	NormEps, Scale                                     float32
 }
 
+// The values of RouteRule.Scoring and RouteRule.Method.
+const (
+	ScoreSoftmax    int32 = 0 // softmax over the experts
+	ScoreSigmoid    int32 = 1 // a sigmoid per expert
+	MethodGreedy    int32 = 0 // the top K
+	MethodGroupMax  int32 = 1 // group_limited_greedy: groups scored by their max
+	MethodGroupTop2 int32 = 2 // noaux_tc: groups scored by the sum of their top 2
+)
+
 // RouteArgs are the parameters of gpuctx_moe_route.
 type RouteArgs[P Pointer] struct {
 	Logits, Bias, TopkIdx, TopkW P

@@ -73,6 +73,16 @@ func (c MoEGemm) Grid(n, cap, sms int) (x, y int) {
 	return nx, ny
 }
 
+// MaxGridY is CUDA's limit on a grid's y dimension, which holds the row
+// blocks of a tile that is not persistent.
+const MaxGridY = 65535
+
+// Fits reports whether the config's kernels can run over cap sorted rows: a
+// persistent tile always can; another needs cap/BM <= MaxGridY row blocks
+// (16-row tiles stop at about a million sorted rows, e.g. DeepSeek-V3's
+// 131072 tokens times 8). The tuner skips the tiles that do not fit.
+func (c MoEGemm) Fits(cap int) bool { return c.Producers > 0 || cap/c.BM <= MaxGridY }
+
 // HasUp reports whether the config has an up kernel: every mma.sync tile, and
 // the warpgroup tiles whose gate and up columns fit one wgmma (2*BN <= 256).
 // The others are down-only tiles.

@@ -39,7 +39,7 @@ type Launcher[A LaunchArgs] struct {
 func NewLauncher[A LaunchArgs](d *gpuctx.Device) (Launcher[A], error) {
 	name := kernelOf[A]()
 	if name == "" {
-		return Launcher[A]{}, fmt.Errorf("moekernels: NewLauncher: %T belongs to a GEMM tile: use NewUp or NewDown: %w", *new(A), gpuctx.ErrInvalid)
+		return Launcher[A]{}, fmt.Errorf("moekernels: NewLauncher: Up and Down belong to a GEMM tile: use NewUp or NewDown: %w", gpuctx.ErrInvalid)
 	}
 	return newLauncher[A](d, name)
 }

@@ -108,15 +108,19 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     static_assert(A_PER >= 1 && (BM * CH) % THREADS == 0, "A tile chunks must split evenly over the threads");
     static_assert(B_PER >= 1 && (NB * BN * CH) % THREADS == 0, "B tile chunks must split evenly over the threads");
     const int kch = (tid % CH) * 8;
-    // Element offsets (32-bit: the layer keeps T*H and one expert's weights
-    // under 2^31 elements) from A and from this expert's B; -1: a zero row.
+    // Element offsets from Ab and from this expert's B; -1: a zero row. They
+    // stay 32-bit (registers): UP's A rows are tokens (x is [T, Kdim], T*H <
+    // 2^31) and one expert's weights hold under 2^31 elements (moekernels'
+    // CheckLimits); DOWN's A rows are sorted rows, up to T*K*I elements in
+    // all, so Ab starts at the block's first row, a 64-bit offset.
+    const unsigned short* Ab = UP ? A : A + (long long)mb * BM * Kdim;
     int ga[A_PER];
     unsigned oa[A_PER];
 #pragma unroll
     for (int i = 0; i < A_PER; ++i) {
         const int c = tid + i * THREADS, r = c / CH;
-        const int src = row_src[r];
-        ga[i] = src >= 0 ? src * Kdim + kch : -1;
+        const int src = row_src[r];  // DOWN: -1 or mb*BM + r
+        ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + kch : -1;
         oa[i] = 2u * (unsigned)mg_swz<BK>(r, c % CH);
     }
     const unsigned short* Be = B + b_base * Kdim;
@@ -138,7 +142,7 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
 #pragma unroll
         for (int i = 0; i < A_PER; ++i) {
             const bool ok = kok && ga[i] >= 0;
-            mg_cp16(st + oa[i], A + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
+            mg_cp16(st + oa[i], Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {

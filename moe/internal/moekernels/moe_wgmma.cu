@@ -122,13 +122,16 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
     const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
     const int KT = (Kdim + BK - 1) / BK;
     const int kch = (tid % CH) * 8;
+    // 32-bit element offsets from Ab (DOWN: the block's first row, a 64-bit
+    // offset) and from this expert's B, as in moe_gemm.
+    const unsigned short* Ab = UP ? A : A + (long long)mb * BM * Kdim;
     int ga[A_PER];
     unsigned oa[A_PER];
 #pragma unroll
     for (int i = 0; i < A_PER; ++i) {
         const int c = tid + i * THREADS, r = c / CH;
-        const int src = row_src[r];
-        ga[i] = src >= 0 ? src * Kdim + kch : -1;
+        const int src = row_src[r];  // DOWN: -1 or mb*BM + r
+        ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + kch : -1;
         oa[i] = (unsigned)(r * 128 + (((c % CH) ^ (r & 7)) << 4));
     }
     const unsigned short* Be = B + b_base * Kdim;
@@ -151,7 +154,7 @@ static __device__ __forceinline__ void moe_wg(const unsigned short* __restrict__
 #pragma unroll
         for (int i = 0; i < A_PER; ++i) {
             const bool ok = kok && ga[i] >= 0;
-            wg_cp16(st + oa[i], A + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
+            wg_cp16(st + oa[i], Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
@@ -343,15 +346,19 @@ static __device__ __forceinline__ void moe_wgp(const unsigned short* __restrict_
             const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
             const int e = block_expert[mb];
             if (e < 0) continue;
-            // Byte offset of row q + RSTEP*i's chunk in A, a multiple of 16;
-            // bit 0 set: a padding row (zeros), whose offset is row 0's.
+            // Byte offset of row q + RSTEP*i's chunk from At, a multiple of
+            // 16; bit 0 set: a padding row (zeros), whose offset is row 0's.
+            // 32-bit: UP's rows are tokens (2*T*H bytes < 2^32); DOWN's are
+            // this tile's rows of act, from At = its first row (a 64-bit
+            // offset: act holds up to T*K*I elements).
+            const unsigned short* At = UP ? A : A + (long long)mb * BM * Kdim;
             unsigned ga[A_PER];
 #pragma unroll
             for (int i = 0; i < A_PER; ++i) {
                 const int p = mb * BM + q + RSTEP * i;
                 const int a = sorted[p];
                 const bool real = a >= 0 && a < TK;
-                ga[i] = real ? 2u * (unsigned)((UP ? a / topk : p) * Kdim + kch) : 2u * (unsigned)kch | 1u;
+                ga[i] = real ? 2u * (unsigned)((UP ? a / topk : q + RSTEP * i) * Kdim + kch) : 2u * (unsigned)kch | 1u;
             }
             // B row q + RSTEP*i is row n0 + q + RSTEP*(i % B_HALF) of the gate
             // (i < B_HALF) or the up block of expert e, or of its down block.
@@ -366,7 +373,7 @@ static __device__ __forceinline__ void moe_wgp(const unsigned short* __restrict_
                 const int k0 = kt * BK;
                 const bool kok = k0 + kch < Kdim;
                 if (kok) {
-                    const char* Ak = (const char*)(A + k0);
+                    const char* Ak = (const char*)(At + k0);
 #pragma unroll
                     for (int i = 0; i < A_PER; ++i)
                         wg_cp16(st + so[i % SW] + i * RSTEP * 128, Ak + (ga[i] & ~1u), (ga[i] & 1u) ? 0 : 16);

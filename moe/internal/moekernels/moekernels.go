@@ -8,7 +8,9 @@
 // through package kernels; the backends hold no MoE code.
 //
 // The kernels take int32 dimensions and flags (0/1), and some need a fixed
-// launch shape. "act" pointers hold f32, or bf16 bits when bf16 = 1
+// launch shape. Row counts and most element offsets are 32-bit; those whose
+// products can pass 2^31 for a batch moe.Config.CheckTokens accepts are
+// 64-bit, and CheckLimits bounds the rest (limits.go). "act" pointers hold f32, or bf16 bits when bf16 = 1
 // (elem_bytes 4 or 2); all math is f32 with a fixed summation order, bf16
 // stores round to nearest even. E <= MaxExperts experts, K <= MaxTopK per
 // token. Launch arguments are passed in the order listed:

@@ -157,14 +157,14 @@ func (ro *router) token(lg []float32, idx []int32, wt []float32) {
 		}
 		ro.taken[e] = false
 	}
-	if ro.rule.Method != 0 {
+	if ro.rule.Method != MethodGreedy {
 		ro.maskGroups()
 	}
 	for k := 0; k < ro.K; k++ {
 		bi := ro.best()
 		ro.taken[bi] = true
 		idx[k] = int32(bi)
-		if ro.rule.Method == 2 {
+		if ro.rule.Method == MethodGroupTop2 {
 			ro.wsel[k] = ro.sc[bi]
 		} else {
 			ro.wsel[k] = ro.ch[bi]
@@ -176,7 +176,7 @@ func (ro *router) token(lg []float32, idx []int32, wt []float32) {
 // score sets sc to the softmax (Scoring 0) or the sigmoids (1) of lg.
 func (ro *router) score(lg []float32) {
 	sc := ro.sc
-	if ro.rule.Scoring == 1 {
+	if ro.rule.Scoring == ScoreSigmoid {
 		for e, v := range lg {
 			sc[e] = 1 / (1 + expf(-v))
 		}
@@ -212,7 +212,7 @@ func (ro *router) maskGroups() {
 				y = v
 			}
 		}
-		if ro.rule.Method == 1 {
+		if ro.rule.Method == MethodGroupMax {
 			ro.gs[g] = x
 		} else {
 			ro.gs[g] = x + y
