@@ -206,9 +206,9 @@ func (d *Device) Kernel(name string) (*Kernel, error) {
 	if err := d.check("Device.Kernel"); err != nil {
 		return nil, err
 	}
-	t0 := time.Now()
+	d.kstats.begin()
 	k, err := d.hd.Kernel(name)
-	d.kstats.add(time.Since(t0))
+	d.kstats.end()
 	if err != nil {
 		return nil, fmt.Errorf("gpuctx: Device.Kernel(%q): %w", name, err)
 	}

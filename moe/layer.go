@@ -169,6 +169,12 @@ type LayerOptions struct {
 	// timing both. For one-shot runs, where the timing would cost more than it
 	// saves; the tile changes no result.
 	NoAutotune bool
+	// Tokens, if set, are the batch sizes the caller expects to run: on CUDA
+	// the fused tiles they will run or time (by the forced tile, the rule, the
+	// tuning cache or tune's candidates) are compiled while the layer loads,
+	// on several cores at once and alongside moe.cu, instead of at the first
+	// forward. A hint only: any batch size still runs.
+	Tokens []int
 }
 
 // Layer is one MoE block on a device: the stages of a forward (router,
@@ -274,9 +280,16 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 		}
 		l.tuner.forceTile = &t
 	}
-	l.tuner.autotune, l.tuner.noTune = !o.NoAutotune && dev.Backend() == "cuda", o.NoAutotune
+	l.tuner.autotune, l.tuner.noTune = !o.NoAutotune && (dev.Backend() == "cuda" || tuneAnyBackend), o.NoAutotune
 	l.tuner.tiles, l.tuner.autoModes = map[tileKey]tilePair{}, map[int]Mode{}
-	if err := l.init(dev, cfg, o, src); err != nil {
+	if !o.NoAutotune && l.tuner.forceTile == nil {
+		l.dt = o.DType // the key's dtype, before init sets it
+		l.tuner.cache = newTuneCache(tuneCacheDir(tuneGetenv), tuneKeyText(dev, l))
+	}
+	wait := prefetchTiles(dev, l.expectedTiles(dev.Backend(), o.Tokens))
+	err := l.init(dev, cfg, o, src)
+	wait()
+	if err != nil {
 		_ = l.release()
 		return nil, fmt.Errorf("%s: %w", prefix, err)
 	}

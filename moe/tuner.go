@@ -33,7 +33,19 @@ type tuner struct {
 	log       []string             // what tune chose (TileChoices)
 	autoModes map[int]Mode         // Auto's measured choice by token bucket
 	evTune    [2]*gpuctx.Event     // timing events of tune
+	cache     tuneCache            // tuning results on disk (tunecache.go)
 }
+
+// fromCacheNote ends a TileChoices line whose choice came from the tuning
+// cache instead of a timing.
+const fromCacheNote = " (tuning cache)"
+
+// tuneAnyBackend (tests) times the fused tiles on any backend, not only CUDA.
+var tuneAnyBackend bool
+
+// timingHook, when set (tests), is called for every timing tune and autoMode
+// run.
+var timingHook func()
 
 // tileKey is what a tile choice depends on: the token bucket and whether the
 // shared expert rides along.
@@ -136,10 +148,17 @@ func (l *Layer) tilesFor(p *plan, x *gpuctx.Buffer) (tilePair, error) {
 	}
 	tp := tilePair{ruleTile(p.T, p.ks, p.experts), ruleTile(p.T, p.ks, p.experts)}
 	if tu.autotune && !p.capturing {
+		if c, ok := tu.cache.tiles(b); ok {
+			tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d, fused shared %v): up %s, down %s%s",
+				p.T, b.bucket, b.fusedShared, c.up.Tag(), c.down.Tag(), fromCacheNote))
+			tu.tiles[b] = c
+			return c, nil
+		}
 		var err error
 		if tp, err = l.tune(p, x); err != nil {
 			return tilePair{}, err
 		}
+		_ = tu.cache.storeTiles(b, tp) // a cache that cannot be written only costs a tuning later
 	}
 	tu.tiles[b] = tp
 	return tp, nil
@@ -157,6 +176,9 @@ const tuneSpan = 250 * time.Microsecond
 // next: H200, bench/gpu/s6_tune.sh). reps makes each timing about tuneSpan
 // long.
 func (l *Layer) timeIt(launch func() error) (time.Duration, error) {
+	if timingHook != nil {
+		timingHook()
+	}
 	start, stop := l.tuner.evTune[0], l.tuner.evTune[1]
 	var ts []time.Duration
 	reps := 1
@@ -205,6 +227,7 @@ type timed struct {
 // how many blocks it has. It runs on the main stream and waits for it.
 func (l *Layer) tune(p *plan, x *gpuctx.Buffer) (tilePair, error) {
 	withRoute := p.ks > l.cfg.TopK && p.oneLaunch
+	prefetchTiles(l.dev, tuneCandidates(p.T))() // compile the candidates on several cores at once
 	var bestPair tilePair
 	bestSum := time.Duration(-1)
 	var log []string
@@ -321,6 +344,11 @@ func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, part Part) (Mode
 		tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d): auto runs %v (rule, NoAutotune: fused up to %d tokens)", T, b, m, autoRuleTokens))
 		return m, nil
 	}
+	if m, ok := tu.cache.mode(b); ok {
+		tu.autoModes[b] = m
+		tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d): auto runs %v%s", T, b, m, fromCacheNote))
+		return m, nil
+	}
 	best, bestD := Dual, time.Duration(-1)
 	var log []string
 	for _, m := range []Mode{Dual, FusedShared} {
@@ -344,6 +372,7 @@ func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, part Part) (Mode
 		}
 	}
 	tu.autoModes[b] = best
+	_ = tu.cache.storeMode(b, best) // a cache that cannot be written only costs a tuning later
 	tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d): auto runs %v (%s)", T, b, best, strings.Join(log, ", ")))
 	return best, nil
 }
@@ -351,6 +380,9 @@ func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, part Part) (Mode
 // timeForward times one forward between the tuning events on the main stream
 // and waits for it.
 func (l *Layer) timeForward(op string, x, y *gpuctx.Buffer, T int, m Mode, part Part) (time.Duration, error) {
+	if timingHook != nil {
+		timingHook()
+	}
 	start, stop := l.tuner.evTune[0], l.tuner.evTune[1]
 	if err := start.Record(l.main); err != nil {
 		return 0, err
@@ -374,4 +406,18 @@ func (l *Layer) TileChoices() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return slices.Clone(l.tuner.log)
+}
+
+// TunedFromCache reports whether the layer has made tuning choices and took
+// every one of them from the disk cache of tuning results (tunecache.go)
+// instead of timing: for moe run -v.
+func (l *Layer) TunedFromCache() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.tuner.log {
+		if !strings.HasSuffix(line, fromCacheNote) {
+			return false
+		}
+	}
+	return len(l.tuner.log) > 0
 }

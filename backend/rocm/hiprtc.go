@@ -39,6 +39,16 @@ var hipUnsupported = map[string]string{
 	"moe_fp8_mma.cu": "inline PTX (cp.async, mma.sync, the sm_89 E4M3 conversion) has no HIP equivalent; it needs an MFMA (__builtin_amdgcn_mfma_*) version",
 }
 
+// hipFamily returns the source file a compilation unit comes from: package
+// moekernels registers moe_gemm.cu once per tile, as moe_gemm_<tag>.cu (tags
+// start with "m").
+func hipFamily(file string) string {
+	if strings.HasPrefix(file, "moe_gemm_m") {
+		return "moe_gemm.cu"
+	}
+	return file
+}
+
 // module is one compiled kernel file on one device.
 type module struct {
 	once sync.Once
@@ -149,7 +159,7 @@ func (d *device) Kernel(name string) (hal.Kernel, error) {
 	if !ok {
 		return nil, fmt.Errorf("rocm: Kernel(%q): %w", name, hal.ErrNoKernel)
 	}
-	if why, bad := hipUnsupported[file]; bad {
+	if why, bad := hipUnsupported[hipFamily(file)]; bad {
 		return nil, fmt.Errorf("rocm: Kernel(%q): %s is not ported to HIP: %s: %w", name, file, why, hal.ErrUnavailable)
 	}
 	if archs := kernels.Archs(file); len(archs) > 0 {
@@ -204,8 +214,8 @@ func hipPortNotes() []string {
 	var out []string
 	for file, src := range kernelSrcs() {
 		switch {
-		case hipUnsupported[file] != "":
-			out = append(out, file+": not ported ("+hipUnsupported[file]+")")
+		case hipUnsupported[hipFamily(file)] != "":
+			out = append(out, file+": not ported ("+hipUnsupported[hipFamily(file)]+")")
 		case strings.Contains(src, "_sync("):
 			out = append(out, file+": warp intrinsics mapped by the vendor header to 32-lane halves of a wavefront")
 		default:

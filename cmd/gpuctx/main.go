@@ -66,8 +66,10 @@ Environment:
   GPUCTX_MAX_BLAS_HANDLES  BLAS handles pooled per device and math flavour
                            (default 16).
   GPUCTX_KERNEL_CACHE      directory of the compiled-kernel cache (default
-                           $XDG_CACHE_HOME or ~/.cache, /gpuctx/kernels), or
-                           off to compile in every process.`
+                           $XDG_CACHE_HOME or ~/.cache, /gpuctx/kernels; the
+                           tuning results go to its tuning/ folder, by default
+                           /gpuctx/tuning), or off to compile and tune in
+                           every process.`
 
 // newRootCmd builds a fresh command tree writing to stdout and stderr.
 func newRootCmd(stdout, stderr io.Writer) *cobra.Command {

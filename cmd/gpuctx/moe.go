@@ -394,7 +394,7 @@ func (a *app) runMoe(o moeRunOpts) error {
 	// replay is one span). One forward runs eagerly anyway: graphs are
 	// captured from the second run of a shape.
 	l, err := moe.LoadLayer(dev, o.model, cfg, layer, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold,
-		NoGraphs: o.trace != "", NoAutotune: !o.autotune})
+		NoGraphs: o.trace != "", NoAutotune: !o.autotune, Tokens: []int{T}})
 	if err != nil {
 		return loadLayerError(o.model, layer, dt, err)
 	}
@@ -461,7 +461,7 @@ func (a *app) runMoe(o moeRunOpts) error {
 	}
 	ph.end()
 	if o.verbose {
-		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "forward": forwardNote(dev.Backend(), dt, o.autotune)}, dev.Backend())
+		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "forward": forwardNote(dev.Backend(), dt, o.autotune, l.TunedFromCache())}, dev.Backend())
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(cfg.Family), Layer: layer,
 		Input: o.input, Tensor: name, Output: o.output, Tokens: T, Hidden: cfg.HiddenSize, DType: dt.String(), Mode: mode.String(),

@@ -546,7 +546,7 @@ func (a *app) benchOptions(dev *gpuctx.Device, o *moeBenchOpts, p *moeBenchPlan,
 	bo := bench.MoEOptions{Config: cfg, Weights: weights, Modes: p.modes, Tokens: tokens, Iters: o.iters, Warmup: o.warmup,
 		Sets: o.sets, Seed: o.seed, CopyBytes: copyBytesCUDA, GemmN: gemmNCUDA, GemmPerRound: 5, CheckTol: bench.CheckTol(p.dt),
 		Layer: moe.LayerOptions{DType: p.dt, Mode: p.modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch,
-			NoGraphs: o.noGraphs, NoFused: o.noFused, Tile: o.tile}}
+			NoGraphs: o.noGraphs, NoFused: o.noFused, Tile: o.tile, Tokens: tokens}}
 	if dev.Backend() == "cpu" {
 		bo.CopyBytes, bo.GemmN, bo.GemmPerRound = copyBytesCPU, gemmNCPU, 1
 	}

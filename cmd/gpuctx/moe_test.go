@@ -545,16 +545,18 @@ func TestForwardNote(t *testing.T) {
 		backend  string
 		dt       gpuctx.DType
 		autotune bool
+		cached   bool
 		want     string
 	}{
-		{"cuda", gpuctx.BF16, false, "rule of thumb (--autotune times them)"},
-		{"cuda", gpuctx.BF16, true, "includes timing the fused GEMM tiles (--autotune)"},
-		{"cuda", gpuctx.F32, false, "kernel lookups excluded"},
-		{"cpu", gpuctx.BF16, false, "kernel lookups excluded"},
+		{"cuda", gpuctx.BF16, false, false, "rule of thumb (--autotune times them)"},
+		{"cuda", gpuctx.BF16, true, false, "includes timing the fused GEMM tiles (--autotune)"},
+		{"cuda", gpuctx.BF16, true, true, "fused GEMM tiles from the tuning cache (--autotune; GPUCTX_KERNEL_CACHE=off times them)"},
+		{"cuda", gpuctx.F32, false, false, "kernel lookups excluded"},
+		{"cpu", gpuctx.BF16, false, false, "kernel lookups excluded"},
 	} {
-		got := forwardNote(c.backend, c.dt, c.autotune)
+		got := forwardNote(c.backend, c.dt, c.autotune, c.cached)
 		if !strings.HasSuffix(got, c.want) {
-			t.Errorf("forwardNote(%s, %v, %v) = %q, want it to end %q", c.backend, c.dt, c.autotune, got, c.want)
+			t.Errorf("forwardNote(%s, %v, %v, %v) = %q, want it to end %q", c.backend, c.dt, c.autotune, c.cached, got, c.want)
 		}
 	}
 }

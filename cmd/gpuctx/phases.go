@@ -77,12 +77,15 @@ func (p *phases) print(w io.Writer, notes map[string]string, backend string) {
 
 // forwardNote describes moe run's forward phase: on CUDA a bf16 layer's fused
 // expert GEMMs pick their tiles by rule of thumb unless --autotune times them
-// (which the forward then includes).
-func forwardNote(backend string, dt gpuctx.DType, autotune bool) string {
+// (which the forward then includes), unless the tiles came from the disk
+// cache of tuning results (cached).
+func forwardNote(backend string, dt gpuctx.DType, autotune, cached bool) string {
 	const what = "one forward, host in and out, kernel lookups excluded"
 	switch {
 	case backend != "cuda" || dt != gpuctx.BF16:
 		return what
+	case autotune && cached:
+		return what + "; fused GEMM tiles from the tuning cache (--autotune; GPUCTX_KERNEL_CACHE=off times them)"
 	case autotune:
 		return what + "; includes timing the fused GEMM tiles (--autotune)"
 	}

@@ -132,7 +132,8 @@ func RouteAlignSmem(T, E int) int {
 	return max(route, alignWarps*MaxExperts*4+(MaxExperts+1)*4)
 }
 
-// File names of the registered sources.
+// File names of the sources: moe.cu is registered as it is, the two GEMM
+// families once per tile (MoEGemm.File, TileSource).
 const (
 	RouteFile = "moe.cu"
 	GemmFile  = "moe_gemm.cu"
@@ -203,15 +204,30 @@ var waitsFirst = sync.OnceValue(func() map[string]bool {
 // grid-dependency macros, then the file.
 func RouteSource() string { return Prelude() + gridDeps + routeSource }
 
-// GemmSource returns moe_gemm.cu as it is compiled: the grid-dependency
-// macros, moe_tile.cuh (shared with moe_wgmma.cu), the file, then the
-// extern "C" instances of its templates for every config of MoEGemms.
+// GemmSource returns moe_gemm.cu with every mma.sync tile: the
+// grid-dependency macros, moe_tile.cuh (shared with moe_wgmma.cu), the file,
+// then the extern "C" instances of its templates for every config of
+// MoEGemms. No unit compiles it whole (see TileSource); tests scan it.
 func GemmSource() string { return gridDeps + tileSource + gemmSource + moeGemmInstances() }
 
-// WgmmaSource returns moe_wgmma.cu as it is compiled: the grid-dependency
-// macros, moe_tile.cuh, the file, then its generated wgmma wrappers and the
-// instances of every warpgroup tile.
-func WgmmaSource() string { return gridDeps + tileSource + wgmmaSource + wgmmaInstances() }
+// WgmmaSource returns moe_wgmma.cu with every warpgroup tile: the
+// grid-dependency macros, moe_tile.cuh, the file, then its generated wgmma
+// wrappers and the instances of every warpgroup tile. No unit compiles it
+// whole (see TileSource); tests scan it.
+func WgmmaSource() string { return gridDeps + tileSource + wgmmaSource + wgmmaInstances(MoEGemms) }
+
+// TileSource returns the compilation unit of tile c, registered as c.File():
+// the text of its family (GemmSource or WgmmaSource) with only c's instances
+// (and the wgmma widths c uses). NVRTC takes seconds per unit and most of a
+// whole family's time went to the ~35 instances a run never launches: a run
+// compiles the units of the tiles it uses, and the tuner the candidates it
+// times, in parallel (moe's tuner requests them concurrently).
+func TileSource(c MoEGemm) string {
+	if c.Warpgroups > 0 {
+		return gridDeps + tileSource + wgmmaSource + wgmmaInstances([]MoEGemm{c})
+	}
+	return gridDeps + tileSource + gemmSource + gemmInstancesHead + gemmInstance(c)
+}
 
 func init() {
 	kernels.Register(kernels.Source{File: RouteFile, Text: RouteSource(), Kernels: []kernels.Kernel{
@@ -229,20 +245,24 @@ func init() {
 		kernels.Twin("gpuctx_moe_route_align", moeRouteAlign),
 		kernels.Twin("gpuctx_moe_combine_rows", moeCombineRows),
 	}})
-	var gemms, wgs []kernels.Kernel
 	for _, c := range MoEGemms {
-		bm := c.BM // the tile shape changes no result: one body per BM
-		var ks []kernels.Kernel
-		if c.HasUp() {
-			ks = append(ks, kernels.Twin(c.UpName(), func(m kernels.Memory, a *upArgs) error { return moeFusedUp(m, a, bm) }))
-		}
-		ks = append(ks, kernels.Twin(c.DownName(), func(m kernels.Memory, a *downArgs) error { return moeFusedDown(m, a, bm) }))
-		if c.Warpgroups > 0 {
-			wgs = append(wgs, ks...)
-		} else {
-			gemms = append(gemms, ks...)
-		}
+		kernels.Register(tileUnit(c))
 	}
-	kernels.Register(kernels.Source{File: GemmFile, Text: GemmSource(), Kernels: gemms})
-	kernels.Register(kernels.Source{File: WgmmaFile, Text: WgmmaSource(), Kernels: wgs, Archs: []int{90}})
+}
+
+// tileUnit is the registration of tile c's compilation unit: TileSource and
+// the Go twins of its kernels (the tile shape changes no result: one body
+// per BM); a warpgroup tile compiles for compute capability 9.0 only.
+func tileUnit(c MoEGemm) kernels.Source {
+	bm := c.BM
+	var ks []kernels.Kernel
+	if c.HasUp() {
+		ks = append(ks, kernels.Twin(c.UpName(), func(m kernels.Memory, a *upArgs) error { return moeFusedUp(m, a, bm) }))
+	}
+	ks = append(ks, kernels.Twin(c.DownName(), func(m kernels.Memory, a *downArgs) error { return moeFusedDown(m, a, bm) }))
+	s := kernels.Source{File: c.File(), Text: TileSource(c), Kernels: ks}
+	if c.Warpgroups > 0 {
+		s.Archs = []int{90}
+	}
+	return s
 }
