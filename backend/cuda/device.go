@@ -232,17 +232,33 @@ func checkSize(call string, n int) error {
 	return nil
 }
 
-// CopyHtoD copies n bytes from host src to device dst and returns when done
-// (cuMemcpyHtoD_v2). It is ordered after work on the legacy default stream
-// only; synchronise other streams first.
+// CopyHtoD copies n bytes from host src to device dst and returns when the
+// bytes are in device memory (cuMemcpyHtoD_v2, then cuStreamSynchronize of
+// the legacy default stream). It is ordered after work on the legacy default
+// stream only; synchronise other streams first.
+//
+// The synchronize is what makes it synchronous: from pageable memory,
+// cuMemcpyHtoD returns once the bytes are staged, and the DMA to dst may still
+// be pending on the legacy stream (CUDA driver API, "API synchronization
+// behavior"). Every stream of this backend is CU_STREAM_NON_BLOCKING, so work
+// queued on one after CopyHtoD returned would not wait for that DMA and could
+// read dst's old contents: under load from another process it did (moe's
+// TestLayerDualBitwise, bench/RESULTS.md 2026-12-02).
 func (d *device) CopyHtoD(dst hal.Ptr, src unsafe.Pointer, n int) error {
 	if err := checkSize("CopyHtoD", n); err != nil || n == 0 {
 		return err
 	}
 	return d.Do(func() error {
-		return check(d.api, "cuMemcpyHtoD_v2", d.api.cuMemcpyHtoD(uintptr(dst), src, uintptr(n)))
+		if err := check(d.api, "cuMemcpyHtoD_v2", d.api.cuMemcpyHtoD(uintptr(dst), src, uintptr(n))); err != nil {
+			return err
+		}
+		return check(d.api, "cuStreamSynchronize", d.api.cuStreamSynchronize(legacyStream))
 	})
 }
+
+// legacyStream is the handle of the legacy default stream (CU_STREAM_LEGACY
+// is 0x1; the NULL stream is the legacy one in the driver API).
+const legacyStream = 0
 
 // CopyDtoH copies n bytes from device src to host dst and returns when done
 // (cuMemcpyDtoH_v2). Ordering as for CopyHtoD.
@@ -255,14 +271,19 @@ func (d *device) CopyDtoH(dst unsafe.Pointer, src hal.Ptr, n int) error {
 	})
 }
 
-// CopyDtoD copies n bytes between device buffers (cuMemcpyDtoD_v2). Ordering
+// CopyDtoD copies n bytes between device buffers and returns when they are
+// copied (cuMemcpyDtoD_v2, which returns before the copy completes, then
+// cuStreamSynchronize of the legacy default stream, as in CopyHtoD). Ordering
 // as for CopyHtoD.
 func (d *device) CopyDtoD(dst, src hal.Ptr, n int) error {
 	if err := checkSize("CopyDtoD", n); err != nil || n == 0 {
 		return err
 	}
 	return d.Do(func() error {
-		return check(d.api, "cuMemcpyDtoD_v2", d.api.cuMemcpyDtoD(uintptr(dst), uintptr(src), uintptr(n)))
+		if err := check(d.api, "cuMemcpyDtoD_v2", d.api.cuMemcpyDtoD(uintptr(dst), uintptr(src), uintptr(n))); err != nil {
+			return err
+		}
+		return check(d.api, "cuStreamSynchronize", d.api.cuStreamSynchronize(legacyStream))
 	})
 }
 
