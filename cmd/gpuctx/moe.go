@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -35,7 +36,31 @@ mixtral.`,
 		RunE: func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
 	}
 	cmd.AddCommand(newMoeRunCmd(a), newMoeBenchCmd(a), newMoeInitCmd(a))
+	for _, sub := range cmd.Commands() {
+		checkTileFlag(sub)
+	}
 	return cmd
+}
+
+// checkTileFlag makes cmd refuse, before any work, a --tile (if it has that
+// flag) that names no tile of the fused expert GEMMs.
+func checkTileFlag(cmd *cobra.Command) {
+	f := cmd.Flags().Lookup("tile")
+	if f == nil {
+		return
+	}
+	next := cmd.PreRunE
+	cmd.PreRunE = func(c *cobra.Command, args []string) error {
+		if tag := f.Value.String(); tag != "" && !slices.Contains(moe.TileTags(), tag) {
+			tags := moe.TileTags()
+			return fail(fmt.Sprintf("--tile %q is not a tile of the fused expert GEMMs", tag),
+				fmt.Sprintf("use one of the %d tags (mma.sync first; the ones with g<N> are warpgroup tiles, compute capability 9.0 only): %s", len(tags), strings.Join(tags, ", ")), nil)
+		}
+		if next != nil {
+			return next(c, args)
+		}
+		return nil
+	}
 }
 
 // parseLayerDType maps --dtype to the layer's compute type.
