@@ -822,7 +822,9 @@ func TestLayerFusedShared(t *testing.T) {
 					if got := l.ns > 0; got != fusable {
 						t.Fatalf("shared expert fused = %v, want %v", got, fusable)
 					}
-					for _, T := range []int{1, 3, 40, 300} {
+					// Under -race or -short: the small-batch fallback (1) and
+					// two fused batches; the plain run adds 300.
+					for _, T := range heavyShapes([]int{1, 3, 40, 300}, []int{1, 3, 40}) {
 						x := randomX(T, cfg.HiddenSize, uint64(T)+50)
 						dual := deviceRun(t, l, x, T, Dual, Whole)
 						dualIdx, _, err := l.LastRouting()
