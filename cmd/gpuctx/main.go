@@ -260,8 +260,10 @@ func (a *app) openRuntime() (*gpuctx.Runtime, error) {
 // commit (main.buildCommit when set with -ldflags "-X main.buildCommit=REV",
 // else vcs.revision from the build info), the commit date (vcs.time) and
 // "modified" when the work tree had uncommitted changes (vcs.modified), e.g.
-// "devel (commit abc1234, 2026-12-01, modified)". go run, builds outside a
-// git checkout and builds with -buildvcs=false carry no commit.
+// "devel (commit abc1234, 2026-12-01, modified)". go run (unless
+// -buildvcs=true), builds outside a git checkout or in a git worktree (the go
+// command looks for a .git directory) and builds with -buildvcs=false carry no
+// commit.
 func version() string {
 	bi, _ := debug.ReadBuildInfo()
 	return formatVersion(bi, buildCommit)
@@ -308,7 +310,7 @@ func formatVersion(bi *debug.BuildInfo, override string) string {
 		parts = append(parts, "modified")
 	}
 	if len(parts) == 0 {
-		return v + " (no commit recorded: go run never records one; go build or go install in a git checkout does, unless GOFLAGS holds -buildvcs=false; or set it with -ldflags \"-X main.buildCommit=REV\")"
+		return v + " (no commit recorded: go run records one only with -buildvcs=true; go build and go install do in a git checkout, though not in a git worktree, unless -buildvcs=false; or set it with -ldflags \"-X main.buildCommit=REV\")"
 	}
 	return v + " (" + strings.Join(parts, ", ") + ")"
 }
