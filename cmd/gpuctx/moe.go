@@ -384,7 +384,11 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	if err != nil {
 		return err
 	}
-	ph := phases{prog: newProgress(&a.errOut, "moe run", len(moeRunPhases))}
+	steps := 5 // parse, open, load, forward, write; compile is charged afterwards
+	if o.trace != "" {
+		steps++
+	}
+	ph := phases{prog: newProgress(&a.errOut, "moe run", steps)}
 	defer ph.prog.finish()
 	start := time.Now()
 	ph.begin("parse")

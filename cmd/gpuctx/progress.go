@@ -114,7 +114,7 @@ func (p *progress) show(seq int) {
 				progressbar.OptionShowCount(), progressbar.OptionClearOnFinish())
 			_ = p.bar.Set(p.done)
 		}
-		p.bar.Describe(p.prefix + ": " + p.name + " (" + p.what + ")")
+		p.bar.Describe(p.prefix + ": " + p.name)
 		return
 	}
 	fmt.Fprintf(p.w, "%s: %s: %s ...\n", p.prefix, p.name, p.what)
