@@ -43,7 +43,7 @@ func newDevice(r *Runtime, hd hal.Device) *Device {
 // Info returns the device's properties.
 func (d *Device) Info() DeviceInfo { return d.info }
 
-// Backend returns the name of the device's backend ("cuda" or "cpu").
+// Backend returns the name of the device's backend: "cuda", "rocm" or "cpu".
 func (d *Device) Backend() string { return d.rt.be.Name() }
 
 // MemInfo reports free and total device memory in bytes.

@@ -1,11 +1,13 @@
 // Package gpuctx is a pure-Go GPU runtime for inference work: devices, memory,
 // streams, events and kernels on NVIDIA GPUs (CUDA driver API, cuBLAS, cuBLASLt
-// and NVRTC, loaded at run time) or on a CPU backend that keeps the same
-// semantics, plus stream-safe BLAS Contexts whose library handles always run on
-// the stream the caller chose.
+// and NVRTC, loaded at run time), on AMD GPUs (HIP, hipRTC and rocBLAS, loaded
+// at run time; not yet run on AMD hardware) or on a CPU backend that keeps the
+// same semantics, plus stream-safe BLAS Contexts whose library handles always
+// run on the stream the caller chose.
 //
-// Open picks a backend: CUDA when libcuda loads and a device exists, else the CPU
-// backend. GPUCTX_BACKEND=cuda|cpu forces one; a forced backend that is not
+// Open picks a backend: CUDA when libcuda loads and a device exists, else ROCm
+// when libamdhip64 loads and a device exists, else the CPU backend.
+// GPUCTX_BACKEND=cuda|rocm|cpu forces one; a forced backend that is not
 // available is an error, never a silent fallback.
 //
 // # Streams and Contexts
@@ -196,8 +198,9 @@ func OpenBackend(name string) (*Runtime, error) {
 
 // SelectionNote says why automatic backend selection (Open with
 // $GPUCTX_BACKEND unset, or OpenBackend("auto")) did not pick CUDA: the CUDA
-// backend's error, recorded when the Runtime was opened. It is "" when CUDA
-// was picked or a backend was named explicitly.
+// backend's error and, when it fell back to the CPU backend, the ROCm
+// backend's, recorded when the Runtime was opened. It is "" when CUDA was
+// picked or a backend was named explicitly.
 func (r *Runtime) SelectionNote() string { return r.note }
 
 // Backend returns "cuda", "rocm" or "cpu".

@@ -778,7 +778,9 @@ func TestLayerFusedTiles(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer l.Close()
-				for _, T := range []int{1, 3, 40, 300} {
+				// Under -race or -short 3 (empty and partly filled experts)
+				// and 40; the plain run adds 1 and 300 (several row blocks).
+				for _, T := range heavyShapes([]int{1, 3, 40, 300}, []int{3, 40}) {
 					x := randomX(T, cfg.HiddenSize, uint64(T))
 					want := deviceRun(t, ref, x, T, Single, Whole)
 					if got := deviceRun(t, l, x, T, Single, Whole); !bytes.Equal(got, want) {
@@ -822,7 +824,9 @@ func TestLayerFusedShared(t *testing.T) {
 					if got := l.ns > 0; got != fusable {
 						t.Fatalf("shared expert fused = %v, want %v", got, fusable)
 					}
-					for _, T := range []int{1, 3, 40, 300} {
+					// Under -race or -short: the small-batch fallback (1) and
+					// two fused batches; the plain run adds 300.
+					for _, T := range heavyShapes([]int{1, 3, 40, 300}, []int{1, 3, 40}) {
 						x := randomX(T, cfg.HiddenSize, uint64(T)+50)
 						dual := deviceRun(t, l, x, T, Dual, Whole)
 						dualIdx, _, err := l.LastRouting()
@@ -908,7 +912,10 @@ func TestLayerSharedRowsEarly(t *testing.T) {
 					if early.ns == 0 {
 						t.Fatal("the shared expert is not fused: the test is vacuous")
 					}
-					for _, T := range []int{1, 3, 17, 40, 4096/(cfg.TopK+early.ns) + 5} {
+					// Under -race or -short the one-launch routing (1) and the
+					// router GEMM with the one-block align (40); the plain run
+					// adds the three-launch align (also TestAlignThreeLaunch's).
+					for _, T := range heavyShapes([]int{1, 3, 17, 40, 4096/(cfg.TopK+early.ns) + 5}, []int{1, 40}) {
 						x := randomX(T, cfg.HiddenSize, uint64(T)+70)
 						got := deviceRun(t, early, x, T, FusedShared, Whole)
 						if p := recs[0].last; !p.fusedShared() || p.ks-cfg.TopK != early.ns {

@@ -278,6 +278,11 @@ func TestVersion(t *testing.T) {
 			t.Errorf("formatVersion(%v, %q) = %q, want %q", c.bi.Settings, c.override, got, c.want)
 		}
 	}
+	// Without a commit the message says how to get one, go run first (it is
+	// how the README runs the CLI), not only -buildvcs.
+	if got := formatVersion(&debug.BuildInfo{}, ""); !strings.Contains(got, "go run records one only with -buildvcs=true") {
+		t.Errorf("formatVersion without a commit = %q, want the go run advice", got)
+	}
 	code, out, _ := execute(t, "--version")
 	if code != 0 || !strings.HasPrefix(out, "gpuctx ") || strings.Contains(out, "(devel)") {
 		t.Errorf("--version: exit code %d, output %q", code, out)

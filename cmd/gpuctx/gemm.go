@@ -205,7 +205,7 @@ func (a *app) runGemm(cmd *cobra.Command, o gemmOpts) error {
 	if o.policy == "shared" {
 		policy = gpuctx.SharedHandle
 	}
-	pr := a.newProgress("gemm")
+	pr := a.newStepProgress("gemm")
 	bo := bench.GemmOptions{M: o.m, N: o.n, K: o.k, DType: t, Flavour: flavour, Lt: o.lt, Policy: policy, Streams: o.streams,
 		Iters: o.iters, Warmup: o.warmup, Repeats: o.repeats, Sets: o.sets, Check: o.check, Progress: pr}
 	g, err := bench.NewGemmBench(dev, bo)

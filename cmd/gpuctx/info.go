@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strings"
 	"text/tabwriter"
 
 	"github.com/spf13/cobra"
@@ -14,7 +15,8 @@ import (
 func init() { register(newInfoCmd) }
 
 func newInfoCmd(a *app) *cobra.Command {
-	return &cobra.Command{
+	var verbose bool
+	cmd := &cobra.Command{
 		Use:   "info",
 		Short: "Print the backend, each device's properties and the libraries loaded",
 		Long: `info opens the backend (--backend, else $GPUCTX_BACKEND, else auto), prints
@@ -22,7 +24,11 @@ every device's properties (name, compute capability, SMs, memory, L2 cache,
 driver version), then checks each device by compiling and launching one kernel
 (gpuctx_empty) and creating one BLAS handle through a Context, and finally lists
 every library loaded with its path and version. A failed check is reported as a
-line of the output; only a backend that cannot be opened fails the command.`,
+line of the output; only a backend that cannot be opened fails the command.
+
+When auto selection passes over a backend (no GPU, no driver), info says so in
+one line per backend; -v prints the whole diagnosis: the loader's advice and
+every path it tried.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			rep, err := a.collectInfo()
@@ -37,17 +43,28 @@ line of the output; only a backend that cannot be opened fails the command.`,
 				}
 				return nil
 			}
-			return rep.writeText(a.out)
+			return rep.writeText(a.out, verbose)
 		},
 	}
+	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "print why each backend that auto selection passed over could not be opened, in full")
+	return cmd
 }
 
 // infoReport is what info prints; its JSON form is the --json output.
 type infoReport struct {
-	Backend   string          `json:"backend"`
-	Selection string          `json:"selection_note,omitempty"` // why auto selection did not pick CUDA
-	Devices   []deviceReport  `json:"devices"`
-	Libraries []libraryReport `json:"libraries"`
+	Backend   string `json:"backend"`
+	Selection string `json:"selection_note,omitempty"` // why auto selection did not pick CUDA, in full
+	// Skipped lists the backends auto selection tried before Backend.
+	Skipped   []skippedBackend `json:"skipped_backends,omitempty"`
+	Devices   []deviceReport   `json:"devices"`
+	Libraries []libraryReport  `json:"libraries"`
+}
+
+// skippedBackend is a backend that auto selection could not open.
+type skippedBackend struct {
+	Name   string `json:"name"`   // cuda or rocm
+	Reason string `json:"reason"` // the diagnosis's first clause, e.g. "cannot load CUDA driver (libcuda.so.1, libcuda.so)"
+	Full   string `json:"diagnosis"`
 }
 
 type deviceReport struct {
@@ -83,7 +100,8 @@ func (a *app) collectInfo() (*infoReport, error) {
 		return nil, err
 	}
 	defer rt.Close()
-	rep := &infoReport{Backend: rt.Backend(), Selection: oneLine(rt.SelectionNote()), Devices: []deviceReport{}, Libraries: []libraryReport{}}
+	rep := &infoReport{Backend: rt.Backend(), Selection: oneLine(rt.SelectionNote()), Skipped: skippedBackends(rt.SelectionNote()),
+		Devices: []deviceReport{}, Libraries: []libraryReport{}}
 	for i := range rt.DeviceCount() {
 		dr := deviceReport{Index: i, Checks: []checkReport{}}
 		dev, err := rt.Device(i)
@@ -155,11 +173,76 @@ func checkBlas(dev *gpuctx.Device) error {
 	return err
 }
 
-func (r *infoReport) writeText(w io.Writer) error {
+// skippedMarkers start each backend's part of Runtime.SelectionNote: "...
+// because CUDA is unavailable: <error>\nand ROCm is unavailable: <error>".
+var skippedMarkers = []struct{ marker, name string }{
+	{"because CUDA is unavailable: ", "cuda"},
+	{"\nand ROCm is unavailable: ", "rocm"},
+}
+
+// skippedBackends splits a selection note into one entry per backend that
+// auto selection could not open. A note in another shape is one entry named
+// "auto" holding all of it, so nothing is lost.
+func skippedBackends(note string) []skippedBackend {
+	if note == "" {
+		return nil
+	}
+	type part struct {
+		name       string
+		start, end int
+	}
+	var parts []part
+	for _, m := range skippedMarkers {
+		if i := strings.Index(note, m.marker); i >= 0 {
+			if n := len(parts); n > 0 && parts[n-1].end > i {
+				parts[n-1].end = i
+			}
+			parts = append(parts, part{m.name, i + len(m.marker), len(note)})
+		}
+	}
+	var out []skippedBackend
+	for _, p := range parts {
+		full := strings.TrimSpace(strings.TrimPrefix(note[p.start:p.end], p.name+": backend unavailable: "))
+		out = append(out, skippedBackend{Name: p.name, Reason: firstClause(full), Full: full})
+	}
+	if len(out) == 0 {
+		out = append(out, skippedBackend{Name: "auto", Reason: firstClause(note), Full: note})
+	}
+	return out
+}
+
+// firstClause is a diagnosis up to its first ": " outside parentheses,
+// without a leading "dynload: ": what failed, without the advice and the
+// paths tried.
+func firstClause(s string) string {
+	s = strings.TrimPrefix(oneLine(s), "dynload: ")
+	depth := 0
+	for i, r := range s {
+		switch {
+		case r == '(':
+			depth++
+		case r == ')':
+			depth--
+		case r == ':' && depth == 0 && strings.HasPrefix(s[i:], ": "):
+			return s[:i]
+		}
+	}
+	return s
+}
+
+func (r *infoReport) writeText(w io.Writer, verbose bool) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "backend:\t%s\n", r.Backend)
-	if r.Selection != "" {
-		fmt.Fprintf(tw, "  selection:\t%s\n", r.Selection)
+	for _, s := range r.Skipped {
+		if !verbose {
+			fmt.Fprintf(tw, "  not %s:\t%s (-v: why)\n", s.Name, s.Reason)
+			continue
+		}
+		lines := strings.Split(s.Full, "\n")
+		fmt.Fprintf(tw, "  not %s:\t%s\n", s.Name, lines[0])
+		for _, l := range lines[1:] {
+			fmt.Fprintf(tw, "    %s\n", l) // no tab: keeps the columns narrow
+		}
 	}
 	fmt.Fprintf(tw, "devices:\t%d\n", len(r.Devices))
 	for _, d := range r.Devices {

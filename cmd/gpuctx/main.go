@@ -21,6 +21,7 @@ import (
 	"os"
 	"regexp"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"time"
 
@@ -33,10 +34,21 @@ import (
 
 // app is the state shared by every command of one invocation.
 type app struct {
-	backend string // --backend: "", auto, cuda, rocm or cpu
+	backend string // --backend: "", or one of backendNames
 	json    bool   // --json
 	out     io.Writer
 	errOut  io.Writer
+}
+
+// backendNames are the values --backend and $GPUCTX_BACKEND take, as
+// gpuctx.OpenBackend accepts them; the help, the errors and the README list
+// them from here (TestDocsMatchCLI).
+var backendNames = []string{"auto", "cuda", "rocm", "cpu"}
+
+// backendList is backendNames as prose: "auto, cuda, rocm or cpu".
+func backendList() string {
+	n := len(backendNames)
+	return strings.Join(backendNames[:n-1], ", ") + " or " + backendNames[n-1]
 }
 
 // commands are the constructors registered by each command's file (init).
@@ -46,21 +58,24 @@ var commands []func(a *app) *cobra.Command
 func register(f func(a *app) *cobra.Command) { commands = append(commands, f) }
 
 const longHelp = `gpuctx is a pure-Go GPU runtime for inference work. Its BLAS contexts bind
-their library handles (cuBLAS, cuBLASLt) to the stream the caller chose, before
-every call and under the handle's lock, so that work issued on a side stream
-really runs there and several streams can overlap safely from many goroutines.
-The vendor libraries are loaded at run time: one binary (built with
-CGO_ENABLED=0) runs on a machine with an NVIDIA GPU or on none (CPU backend).
+their library handles (cuBLAS, cuBLASLt, rocBLAS) to the stream the caller
+chose, before every call and under the handle's lock, so that work issued on a
+side stream really runs there and several streams can overlap safely from many
+goroutines. The vendor libraries are loaded at run time: one binary (built with
+CGO_ENABLED=0) runs on a machine with an NVIDIA GPU (cuda), an AMD GPU (rocm)
+or none (cpu).
 
 Start with "gpuctx info": it prints the backend, every device and the libraries
 loaded, after compiling one kernel and creating one BLAS handle.
 
 Environment:
-  GPUCTX_BACKEND           auto (default), cuda or cpu; --backend overrides it.
-                           A forced backend that is unavailable is an error,
-                           never a silent fallback.
-  GPUCTX_LIBRARY_PATH      colon-separated directories searched first for
-                           libcuda, libcublas, libcublasLt and libnvrtc.
+  GPUCTX_BACKEND           auto (default: cuda, else rocm, else cpu), cuda,
+                           rocm or cpu; --backend overrides it. A forced
+                           backend that is unavailable is an error, never a
+                           silent fallback.
+  GPUCTX_LIBRARY_PATH      colon-separated directories searched first for the
+                           vendor libraries (libcuda, libcublas, libcublasLt,
+                           libnvrtc; libamdhip64, libhiprtc, librocblas).
   GPUCTX_BLAS_WORKSPACE    per-stream BLAS workspace in bytes (default 32 MiB
                            on compute capability >= 9.0, else 4 MiB).
   GPUCTX_MAX_BLAS_HANDLES  BLAS handles pooled per device and math flavour
@@ -82,18 +97,18 @@ func newRootCmd(stdout, stderr io.Writer) *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		PersistentPreRunE: func(*cobra.Command, []string) error {
-			switch strings.ToLower(strings.TrimSpace(a.backend)) {
-			case "", "auto", "cuda", "rocm", "cpu":
+			b := strings.ToLower(strings.TrimSpace(a.backend))
+			if b == "" || slices.Contains(backendNames, b) {
 				return nil
 			}
-			return fail(fmt.Sprintf("--backend %q is not a backend", a.backend), "use auto, cuda, rocm or cpu", nil)
+			return fail(fmt.Sprintf("--backend %q is not a backend", a.backend), "use "+backendList(), nil)
 		},
 	}
 	root.SetVersionTemplate("gpuctx {{.Version}}\n")
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	root.PersistentFlags().StringVar(&a.backend, "backend", "",
-		"backend to use: auto, cuda, rocm or cpu; unset: $GPUCTX_BACKEND, else auto")
+		"backend to use: "+backendList()+"; unset: $GPUCTX_BACKEND, else auto")
 	root.PersistentFlags().BoolVar(&a.json, "json", false, "print machine-readable JSON instead of text")
 	for _, f := range commands {
 		root.AddCommand(f(a))
@@ -112,6 +127,7 @@ func run(args []string, stdout, stderr io.Writer) (code int) {
 	}()
 	root := newRootCmd(stdout, stderr)
 	root.SetArgs(args)
+	recordArgs(root, args)
 	if err := root.Execute(); err != nil {
 		fmt.Fprintln(stderr, errorLine(err))
 		return 1
@@ -218,7 +234,7 @@ func (a *app) openRuntime() (*gpuctx.Runtime, error) {
 	}
 	rt, err := gpuctx.OpenBackend(name)
 	if err != nil {
-		fix := "set " + gpuctx.BackendEnv + " or --backend to auto, cuda, rocm or cpu"
+		fix := "set " + gpuctx.BackendEnv + " or --backend to " + backendList()
 		if errors.Is(err, gpuctx.ErrUnavailable) {
 			fix = "to run without a GPU, use --backend cpu"
 		}
@@ -231,8 +247,10 @@ func (a *app) openRuntime() (*gpuctx.Runtime, error) {
 // commit (main.buildCommit when set with -ldflags "-X main.buildCommit=REV",
 // else vcs.revision from the build info), the commit date (vcs.time) and
 // "modified" when the work tree had uncommitted changes (vcs.modified), e.g.
-// "devel (commit abc1234, 2026-12-01, modified)". Builds with
-// -buildvcs=false and no buildCommit carry no commit.
+// "devel (commit abc1234, 2026-12-01, modified)". go run (unless
+// -buildvcs=true), builds outside a git checkout or in a git worktree (the go
+// command looks for a .git directory) and builds with -buildvcs=false carry no
+// commit.
 func version() string {
 	bi, _ := debug.ReadBuildInfo()
 	return formatVersion(bi, buildCommit)
@@ -279,7 +297,7 @@ func formatVersion(bi *debug.BuildInfo, override string) string {
 		parts = append(parts, "modified")
 	}
 	if len(parts) == 0 {
-		return v + " (no commit recorded: built with -buildvcs=false or outside a git checkout; set one with -ldflags \"-X main.buildCommit=REV\")"
+		return v + " (no commit recorded: go run records one only with -buildvcs=true; go build and go install do in a git checkout, though not in a git worktree, unless -buildvcs=false; or set it with -ldflags \"-X main.buildCommit=REV\")"
 	}
 	return v + " (" + strings.Join(parts, ", ") + ")"
 }

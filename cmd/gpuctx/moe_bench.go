@@ -581,7 +581,7 @@ func (a *app) measureMoeBench(cmd *cobra.Command, o moeBenchOpts, p *moeBenchPla
 	if tr != nil {
 		bo.Tracer = benchTracer{tr}
 	}
-	pr := a.newProgress("moe bench")
+	pr := a.newStepProgress("moe bench")
 	bo.Progress = pr
 	pr.Begin(bench.MoESteps(bo, o.rounds, p.peer != nil), "ceilings")
 	b, err := bench.NewMoEBench(dev, bo)

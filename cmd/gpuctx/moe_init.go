@@ -71,90 +71,23 @@ type moeInitReport struct {
 }
 
 func (a *app) runMoeInit(o moeInitOpts) error {
-	if o.dir == "" {
-		return fail("moe init: --dir is required", "name the directory to write the checkpoint into", nil)
-	}
-	var dt safetensors.DType
-	switch o.dtype {
-	case "bf16":
-		dt = safetensors.BF16
-	case "f32":
-		dt = safetensors.F32
-	default:
-		return fail(fmt.Sprintf("moe init: --dtype %q", o.dtype), "use bf16 or f32", nil)
-	}
-	cfg, err := moe.Preset(o.preset)
+	dt, cfg, layer, cj, err := o.plan()
 	if err != nil {
-		return fail("moe init: --preset", "use one of "+strings.Join(moe.PresetNames(), ", "), err)
+		return err
 	}
-	if o.small {
-		if cfg, err = scaleDown(cfg); err != nil {
-			return err
-		}
+	if err := o.checkDir(cfg, dt); err != nil {
+		return err
 	}
-	if err := cfg.CheckTokens(o.tokens); err != nil {
-		return fail(fmt.Sprintf("moe init: --tokens %d", o.tokens), "pass a positive token count the kernels can index", err)
-	}
-	layer, err := cfg.FirstMoELayer()
-	if err != nil {
-		return fail("moe init: preset "+o.preset, "report this: every preset has an MoE layer", err)
-	}
-	cfg.NumHiddenLayers = layer + 1
-	cj, err := cfg.HFConfig()
-	if err != nil {
-		return fail("moe init: writing config.json for preset "+o.preset, "report this", err)
-	}
-
-	// Nothing the user had is touched: refuse before any work if a file exists.
-	if st, err := os.Stat(o.dir); err == nil && !st.IsDir() {
-		return fail(fmt.Sprintf("moe init: --dir %s is not a directory", o.dir), "name a new or existing directory", nil)
-	} else if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fail("moe init: --dir "+o.dir, "name a directory you can write to", err)
-	}
-	for _, name := range append([]string{"model.safetensors.index.json"}, moeInitFiles...) {
-		if _, err := os.Lstat(filepath.Join(o.dir, name)); err == nil {
-			return fail(fmt.Sprintf("moe init: %s already holds %s", o.dir, name),
-				"choose a new directory; moe init never overwrites files", nil)
-		}
-	}
-	// f32 random weights, then their tensors in dtype.
-	elems := layerElems(cfg)
-	host := float64(elems) * float64(4+2*dt.Size())
-	if avail := sysmem.Field("MemAvailable"); avail > 0 && host > 0.9*float64(avail) {
-		return fail(fmt.Sprintf("moe init: preset %s needs ~%s of host memory to generate (f32 weights, their %s tensors and the encoded file); %s is available",
-			o.preset, gib(host), dt, gib(float64(avail))), "use --small or a smaller preset", nil)
-	}
-	if err := os.MkdirAll(o.dir, 0o755); err != nil {
-		return fail("moe init: creating --dir "+o.dir, "name a directory you can write to", err)
-	}
-
 	start := time.Now()
 	step := func(what string) {
 		if !a.json {
 			fmt.Fprintf(a.errOut, "moe init: %s (%.1f s)\n", what, time.Since(start).Seconds())
 		}
 	}
-	step(fmt.Sprintf("generating %s random weights of %s layer %d (~%s in f32)", cfg.Family, o.preset, layer, bytesText(4*float64(elems))))
-	w, err := moe.RandomWeights(cfg, o.seed)
+	step(fmt.Sprintf("generating %s random weights of %s layer %d (~%s in f32)", cfg.Family, o.preset, layer, bytesText(4*float64(layerElems(cfg)))))
+	ts, xt, err := o.generate(cfg, layer, dt)
 	if err != nil {
-		return fail("moe init: generating the weights", "report this", err)
-	}
-	layout := moe.PerExpert
-	if cfg.Family == moe.Mixtral {
-		layout = moe.MixtralHub
-	}
-	ts, err := moe.LayerTensors(cfg, w, layer, layout, dt)
-	if err != nil {
-		return fail("moe init: encoding the weights", "report this", err)
-	}
-	r := rand.New(rand.NewPCG(o.seed, 99))
-	x := make([]float32, o.tokens*cfg.HiddenSize)
-	for i := range x {
-		x[i] = float32(4*r.Float64() - 2)
-	}
-	xt, err := safetensors.FromFloat32("x", dt, []int{o.tokens, cfg.HiddenSize}, x)
-	if err != nil {
-		return fail("moe init: encoding x", "report this", err)
+		return err
 	}
 	var wbytes int64
 	for _, t := range ts {
@@ -186,6 +119,101 @@ func (a *app) runMoeInit(o moeInitOpts) error {
 	fmt.Fprintf(a.out, "next: gpuctx moe run --model %s --input %s --output y.safetensors -v\n",
 		o.dir, filepath.Join(o.dir, "input.safetensors"))
 	return nil
+}
+
+// plan checks the flags and derives what moe init writes: the dtype on disk,
+// the layer's config (NumHiddenLayers cut to the layer plus one), the layer
+// and config.json's bytes.
+func (o moeInitOpts) plan() (safetensors.DType, *moe.Config, int, []byte, error) {
+	if o.dir == "" {
+		return "", nil, 0, nil, fail("moe init: --dir is required", "name the directory to write the checkpoint into", nil)
+	}
+	var dt safetensors.DType
+	switch o.dtype {
+	case "bf16":
+		dt = safetensors.BF16
+	case "f32":
+		dt = safetensors.F32
+	default:
+		return "", nil, 0, nil, fail(fmt.Sprintf("moe init: --dtype %q", o.dtype), "use bf16 or f32", nil)
+	}
+	cfg, err := moe.Preset(o.preset)
+	if err != nil {
+		return "", nil, 0, nil, fail(fmt.Sprintf("moe init: --preset %q is not a preset", o.preset), "use one of "+strings.Join(moe.PresetNames(), ", "), nil)
+	}
+	if o.small {
+		if cfg, err = scaleDown(cfg); err != nil {
+			return "", nil, 0, nil, err
+		}
+	}
+	if err := cfg.CheckTokens(o.tokens); err != nil {
+		return "", nil, 0, nil, fail(fmt.Sprintf("moe init: --tokens %d", o.tokens), "pass a positive token count the kernels can index", err)
+	}
+	layer, err := cfg.FirstMoELayer()
+	if err != nil {
+		return "", nil, 0, nil, fail("moe init: preset "+o.preset, "report this: every preset has an MoE layer", err)
+	}
+	cfg.NumHiddenLayers = layer + 1
+	cj, err := cfg.HFConfig()
+	if err != nil {
+		return "", nil, 0, nil, fail("moe init: writing config.json for preset "+o.preset, "report this", err)
+	}
+	return dt, cfg, layer, cj, nil
+}
+
+// checkDir refuses, before any work, a --dir that is a file or already holds
+// a checkpoint file (nothing the user had is touched) and a preset whose
+// generation would not fit in the host's available memory; then it creates
+// the directory.
+func (o moeInitOpts) checkDir(cfg *moe.Config, dt safetensors.DType) error {
+	if st, err := os.Stat(o.dir); err == nil && !st.IsDir() {
+		return fail(fmt.Sprintf("moe init: --dir %s is not a directory", o.dir), "name a new or existing directory", nil)
+	} else if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fail("moe init: --dir "+o.dir, "name a directory you can write to", err)
+	}
+	for _, name := range append([]string{"model.safetensors.index.json"}, moeInitFiles...) {
+		if _, err := os.Lstat(filepath.Join(o.dir, name)); err == nil {
+			return fail(fmt.Sprintf("moe init: %s already holds %s", o.dir, name),
+				"choose a new directory; moe init never overwrites files", nil)
+		}
+	}
+	// f32 random weights, then their tensors in dtype.
+	host := float64(layerElems(cfg)) * float64(4+2*dt.Size())
+	if avail := sysmem.Field("MemAvailable"); avail > 0 && host > 0.9*float64(avail) {
+		return fail(fmt.Sprintf("moe init: preset %s needs ~%s of host memory to generate (f32 weights, their %s tensors and the encoded file); %s is available",
+			o.preset, gib(host), dt, gib(float64(avail))), "use --small or a smaller preset", nil)
+	}
+	if err := os.MkdirAll(o.dir, 0o755); err != nil {
+		return fail("moe init: creating --dir "+o.dir, "name a directory you can write to", err)
+	}
+	return nil
+}
+
+// generate draws the layer's random weights and x, and returns the weights as
+// the checkpoint's tensors (the Hub's names and layout) and x, both in dt.
+func (o moeInitOpts) generate(cfg *moe.Config, layer int, dt safetensors.DType) ([]safetensors.Tensor, safetensors.Tensor, error) {
+	w, err := moe.RandomWeights(cfg, o.seed)
+	if err != nil {
+		return nil, safetensors.Tensor{}, fail("moe init: generating the weights", "report this", err)
+	}
+	layout := moe.PerExpert
+	if cfg.Family == moe.Mixtral {
+		layout = moe.MixtralHub
+	}
+	ts, err := moe.LayerTensors(cfg, w, layer, layout, dt)
+	if err != nil {
+		return nil, safetensors.Tensor{}, fail("moe init: encoding the weights", "report this", err)
+	}
+	r := rand.New(rand.NewPCG(o.seed, 99))
+	x := make([]float32, o.tokens*cfg.HiddenSize)
+	for i := range x {
+		x[i] = float32(4*r.Float64() - 2)
+	}
+	xt, err := safetensors.FromFloat32("x", dt, []int{o.tokens, cfg.HiddenSize}, x)
+	if err != nil {
+		return nil, safetensors.Tensor{}, fail("moe init: encoding x", "report this", err)
+	}
+	return ts, xt, nil
 }
 
 // bytesText is b in GiB, or in MiB below one GiB.

@@ -105,17 +105,21 @@ func TestMoeInitFailures(t *testing.T) {
 		name string
 		args []string
 		want []string
+		once string // appears exactly once in the message
 	}{
-		{"no dir", []string{"moe", "init"}, []string{"--dir is required"}},
-		{"existing checkpoint", []string{"moe", "init", "--small", "--dir", taken}, []string{"already holds config.json", "never overwrites"}},
-		{"dir is a file", []string{"moe", "init", "--small", "--dir", file}, []string{"is not a directory"}},
-		{"bad dtype", []string{"moe", "init", "--dtype", "f16", "--dir", t.TempDir()}, []string{`--dtype "f16"`, "bf16 or f32"}},
-		{"bad preset", []string{"moe", "init", "--preset", "gpt-5", "--dir", t.TempDir()}, []string{"--preset", "deepseek-v2-lite"}},
-		{"bad tokens", []string{"moe", "init", "--tokens", "0", "--dir", t.TempDir()}, []string{"--tokens 0"}},
+		{"no dir", []string{"moe", "init"}, []string{"--dir is required"}, ""},
+		{"existing checkpoint", []string{"moe", "init", "--small", "--dir", taken}, []string{"already holds config.json", "never overwrites"}, ""},
+		{"dir is a file", []string{"moe", "init", "--small", "--dir", file}, []string{"is not a directory"}, ""},
+		{"bad dtype", []string{"moe", "init", "--dtype", "f16", "--dir", t.TempDir()}, []string{`--dtype "f16"`, "bf16 or f32"}, ""},
+		{"bad preset", []string{"moe", "init", "--preset", "gpt-5", "--dir", t.TempDir()}, []string{`--preset "gpt-5" is not a preset`, "deepseek-v2-lite"}, "deepseek-v2-lite"},
+		{"bad tokens", []string{"moe", "init", "--tokens", "0", "--dir", t.TempDir()}, []string{"--tokens 0"}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			code, out, errOut := execute(t, tc.args...)
 			wantOneLineFailure(t, code, out, errOut, tc.want...)
+			if tc.once != "" && strings.Count(errOut, tc.once) != 1 {
+				t.Errorf("%q appears %d times, want once: %s", tc.once, strings.Count(errOut, tc.once), errOut)
+			}
 		})
 	}
 	if b, err := os.ReadFile(cj); err != nil || string(b) != "{\"mine\": true}" {

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -269,11 +270,15 @@ func TestMoeBenchFailures(t *testing.T) {
 		{"unknown mode", []string{"--mode", "single,both"}, []string{`--mode "both" is not a mode`}},
 		{"bad iters", []string{"--iters", "0"}, []string{"--iters 0"}},
 		{"deepseek-v3 full size on CPU", []string{"--preset", "deepseek-v3", "--full-size"}, []string{"deepseek-v3", "host memory", "drop --full-size"}},
+		{"unknown tile", []string{"--tile", "m1n1"}, []string{`--tile "m1n1" is not a tile`, fmt.Sprintf("one of the %d tags", len(moe.TileTags())), "m16n64k64w1x4s6, "}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			code, stdout, stderr := execute(t, append([]string{"moe", "bench"}, c.args...)...)
 			wantOneLineFailure(t, code, stdout, stderr, c.want...)
+			if strings.Contains(stderr, "fewer experts") {
+				t.Errorf("advice about experts for a flag error: %s", stderr)
+			}
 		})
 	}
 }

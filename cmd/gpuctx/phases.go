@@ -12,13 +12,21 @@ import (
 // phases accumulates the wall time of a command's phases (moe run -v). A
 // phase may be entered more than once; time is charged to the current one.
 type phases struct {
-	d   map[string]time.Duration
-	cur string
-	t   time.Time
+	d    map[string]time.Duration
+	cur  string
+	t    time.Time
+	prog *progress // reports long phases (nil: none)
 }
 
 // begin ends the current phase and starts name.
 func (p *phases) begin(name string) {
+	p.charge()
+	p.cur = name
+	p.prog.phase(name, phaseWhat(name))
+}
+
+// charge adds the current phase's time up to now to it.
+func (p *phases) charge() {
 	now := time.Now()
 	if p.d == nil {
 		p.d = map[string]time.Duration{}
@@ -26,18 +34,19 @@ func (p *phases) begin(name string) {
 	if p.cur != "" {
 		p.d[p.cur] += now.Sub(p.t)
 	}
-	p.cur, p.t = name, now
+	p.t = now
 }
 
-// end ends the current phase.
+// end ends the current phase and the progress report.
 func (p *phases) end() {
 	p.begin("")
+	p.prog.finish()
 }
 
 // move recharges d of phase from's time to phase to (time measured inside
 // from that belongs to to, such as kernel compilation inside NewLayer).
 func (p *phases) move(from, to string, d time.Duration) {
-	p.begin(p.cur) // charge the current phase up to now
+	p.charge()
 	d = min(d, p.d[from])
 	p.d[from] -= d
 	p.d[to] += d
@@ -48,15 +57,25 @@ var moeRunPhases = []struct{ name, what string }{
 	{"open", "backend, device 0 and the BLAS library (first handle)"},
 	{"parse", "config.json, safetensors headers, the input x"},
 	{"load", "weights read and uploaded (converted where the file's dtype is not --dtype)"},
-	{"compile", ""},
+	{"compile", "kernel lookups and compilation"},
 	{"forward", "one forward, host in and out, kernel lookups excluded"},
 	{"trace", "reading the timing events, writing --trace"},
 	{"write", "encoding and writing --output"},
 }
 
+// phaseWhat is what moe run's phase name covers ("" for an unknown name).
+func phaseWhat(name string) string {
+	for _, ph := range moeRunPhases {
+		if ph.name == name {
+			return ph.what
+		}
+	}
+	return ""
+}
+
 // print writes the breakdown to w: one line per phase, then the total.
 // notes replaces the description of the phases it names (the compile
-// phase's is empty otherwise).
+// phase's is generic otherwise).
 func (p *phases) print(w io.Writer, notes map[string]string, backend string) {
 	var total time.Duration
 	fmt.Fprintf(w, "wall time (%s backend):\n", backend)

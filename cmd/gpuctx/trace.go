@@ -2,7 +2,12 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"fmt"
+	"os"
+	"strings"
+
+	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
 )
@@ -77,4 +82,43 @@ func (a *app) finishTrace(r *traceRun) error {
 	}
 	fmt.Fprintf(a.errOut, "trace: %d operations written to %s (open it in https://ui.perfetto.dev)\n", r.tr.Spans(), r.path)
 	return nil
+}
+
+// recordArgs keeps the command line for the records a run writes (the trace's
+// metadata) in the app behind root's commands.
+func recordArgs(root *cobra.Command, args []string) {
+	root.SetContext(context.WithValue(context.Background(), argsKey{}, args))
+}
+
+// argsKey is the context key of the command line recorded by recordArgs.
+type argsKey struct{}
+
+// invocation is the command line of cmd's run as the user typed it, each
+// argument shell-quoted where needed ("gpuctx moe run --model /tmp/m ..."),
+// with $GPUCTX_BACKEND in front when it is set.
+func invocation(cmd *cobra.Command) string {
+	var args []string
+	if ctx := cmd.Context(); ctx != nil {
+		args, _ = ctx.Value(argsKey{}).([]string)
+	}
+	parts := []string{cmd.Root().Name()}
+	if v := os.Getenv(gpuctx.BackendEnv); v != "" {
+		parts = append([]string{gpuctx.BackendEnv + "=" + quoteArg(v)}, parts...)
+	}
+	for _, s := range args {
+		parts = append(parts, quoteArg(s))
+	}
+	return strings.Join(parts, " ")
+}
+
+// quoteArg returns s as one shell word: unchanged when it needs no quoting,
+// else in single quotes.
+func quoteArg(s string) string {
+	plain := s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune(",._-+/:=@%^", r))
+	}) < 0
+	if plain {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -49,8 +50,9 @@ func TestMoeRunVerboseAndTrace(t *testing.T) {
 	dir := t.TempDir()
 	out, trace := filepath.Join(dir, "y.safetensors"), filepath.Join(dir, "moe.json")
 	in := filepath.Join(fixture, "input.safetensors")
-	code, stdout, stderr := execute(t, "moe", "run", "--model", fixture, "--input", in, "--output", out,
-		"--dtype", "f32", "--mode", "dual", "-v", "--trace", trace)
+	args := []string{"moe", "run", "--model", fixture, "--input", in, "--output", out,
+		"--dtype", "f32", "--mode", "dual", "-v", "--trace", trace}
+	code, stdout, stderr := execute(t, args...)
 	if code != 0 {
 		t.Fatalf("exit code %d, stderr %q", code, stderr)
 	}
@@ -62,6 +64,12 @@ func TestMoeRunVerboseAndTrace(t *testing.T) {
 		if !strings.Contains(stderr, w) {
 			t.Errorf("-v output lacks %q:\n%s", w, stderr)
 		}
+	}
+	// The summary's load time is the breakdown's load phase, to the digit.
+	sum := regexp.MustCompile(`load ([0-9.]+) ms \(weights to the device\)`).FindStringSubmatch(stdout)
+	phase := regexp.MustCompile(`\n  load +([0-9.]+) ms  weights`).FindStringSubmatch(stderr)
+	if sum == nil || phase == nil || sum[1] != phase[1] {
+		t.Errorf("summary's load %q differs from -v's load phase %q:\n%s\n%s", sum, phase, stdout, stderr)
 	}
 	tr, names := readTrace(t, trace)
 	joined := strings.Join(names, ",")
@@ -79,7 +87,9 @@ func TestMoeRunVerboseAndTrace(t *testing.T) {
 	if len(tracks) != 2 {
 		t.Errorf("spans on %d stream tracks, want 2 (main and side)", len(tracks))
 	}
-	if tr.OtherData["command"] != "gpuctx moe run" || !strings.HasPrefix(tr.OtherData["graphs"], "off") {
+	// The trace records the whole command line, as typed, and the backend
+	// variable that chose the backend.
+	if want := "GPUCTX_BACKEND=cpu gpuctx " + strings.Join(args, " "); tr.OtherData["command"] != want || !strings.HasPrefix(tr.OtherData["graphs"], "off") {
 		t.Errorf("metadata %v", tr.OtherData)
 	}
 	if ents, _ := os.ReadDir(dir); len(ents) != 2 {
@@ -133,5 +143,22 @@ func TestBenchTrace(t *testing.T) {
 	}
 	if n != 4 || len(tids) != 2 {
 		t.Errorf("gemm trace: %d GEMM spans on %d tracks, want 4 on 2: %v", n, len(tids), names)
+	}
+}
+
+func TestQuoteArg(t *testing.T) {
+	for _, c := range []struct{ in, want string }{
+		{"--model", "--model"},
+		{"/tmp/a-b_c.d/x,y:z=1", "/tmp/a-b_c.d/x,y:z=1"},
+		{"", "''"},
+		{"a b", "'a b'"},
+		{"it's", `'it'\''s'`},
+		{"$HOME", "'$HOME'"},
+	} {
+		t.Run(c.in, func(t *testing.T) {
+			if got := quoteArg(c.in); got != c.want {
+				t.Errorf("quoteArg(%q) = %s, want %s", c.in, got, c.want)
+			}
+		})
 	}
 }

@@ -1,0 +1,6 @@
+//go:build !race
+
+package moe
+
+// raceEnabled: the race detector is off; heavy tests run every shape.
+const raceEnabled = false
