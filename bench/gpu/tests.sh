@@ -3,7 +3,10 @@
 # compute-sanitizer memcheck and racecheck over the MoE kernels' tests.
 # Build first (here): bash bench/gpu/pack.sh . ./backend/cuda/... ./moe/... ./cmd/gpuctx
 # Environment: RUN (a -test.run regexp for the binaries, default all),
-# MEMCHECK / RACECHECK (-test.run regexps of the moe tests the sanitizers run).
+# MEMCHECK / RACECHECK (-test.run regexps of the moe tests the sanitizers run),
+# LOADED=1: also the layer tests beside another process loading the GPU (the
+# soak, 90 s), twice: the check that showed the copy race (bench/RESULTS.md,
+# 2026-12-02: 19 and 13 failed subtests without the fix, 0 with it).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t0=$(date +%s)
@@ -18,4 +21,11 @@ san() { # tool regexp
 }
 san memcheck "${MEMCHECK:-TestRouteAlignOneLaunch|TestAlignThreeLaunch|TestLoadLayer|TestLayerSharedRowsEarly/cuda}"
 san racecheck "${RACECHECK:-TestLayerFusedTiles/cuda/m16n64k64w1x4s6}"
+if [ "${LOADED:-0}" = 1 ]; then
+  (cd moe && GPUCTX_SOAK_SHARED=1 GPUCTX_SOAK=90s ../.gpu/moe.test -test.run 'TestSoak$' > "$OUT/loaded-soak.log" 2>&1 & sleep 8
+   for r in 1 2; do
+     timeout 40 ../.gpu/moe.test -test.count=2 -test.run 'TestLayerDualBitwise/cuda' > "$OUT/loaded-$r.log" 2>&1
+     echo "beside a soak, round $r: rc=$? $(grep -c -- '--- FAIL' "$OUT/loaded-$r.log") failed subtests"
+   done; wait)
+fi
 echo "== total $(( $(date +%s) - t0 )) s"
