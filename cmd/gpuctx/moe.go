@@ -314,9 +314,10 @@ rank's side stream while the rows are in flight, so --mode does not apply, nor
 runtimes. In f32 the output equals the one-device run's bitwise for batches
 above the small-batch size (16 tokens on the grouped-GEMM path).
 
---gpus 1 on CUDA runs the layer the same way over a one-rank NCCL communicator
-(collective/nccl) when libnccl.so.2 loads, so that every run exercises the NCCL
-path; without NCCL, and with --trace, it runs the one-device layer.`,
+An explicit --gpus 1 on CUDA runs the layer the same way over a one-rank NCCL
+communicator (collective/nccl) when libnccl.so.2 loads, to exercise the NCCL
+path on one GPU; without --gpus (the default), without NCCL and with --trace it
+runs the one-device layer (its --mode and fused kernels).`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
   gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
   gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json
@@ -444,7 +445,7 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 		return err
 	}
 	defer rt.Close()
-	if comm, lib := pickMoeComm(rt.Backend(), o.gpus, o.trace != "", nccl.Load); comm == commNCCL {
+	if comm, lib := pickMoeComm(rt.Backend(), o.gpus, cmd.Flags().Changed("gpus"), o.trace != "", nccl.Load); comm == commNCCL {
 		return a.runMoeNCCL(o, moeParallelRun{rt: rt, cfg: in.cfg, layer: in.layer, x: in.x, T: in.T, name: in.name, reads: in.reads, dt: dt, start: start}, lib)
 	}
 	warmBlas(dev)

@@ -11,10 +11,11 @@ import (
 	"github.com/gpuctx/gpuctx/collective/nccl"
 )
 
-// TestPickMoeComm: --gpus above 1 uses the in-process group; --gpus 1 on CUDA
-// goes through a one-rank NCCL communicator when NCCL loads, and runs the
-// one-device layer when it does not, with --trace, and on every other
-// backend (where NCCL is never even loaded).
+// TestPickMoeComm: --gpus above 1 uses the in-process group; an explicit
+// --gpus 1 on CUDA goes through a one-rank NCCL communicator when NCCL loads,
+// and runs the one-device layer when it does not, with --trace, without
+// --gpus (the default), and on every other backend (where NCCL is never even
+// loaded).
 func TestPickMoeComm(t *testing.T) {
 	lib := &nccl.Lib{}
 	found := func() (*nccl.Lib, error) { return lib, nil }
@@ -23,23 +24,25 @@ func TestPickMoeComm(t *testing.T) {
 		name     string
 		backend  string
 		gpus     int
+		explicit bool // --gpus given
 		tracing  bool
 		load     func() (*nccl.Lib, error)
 		want     moeComm
 		wantLoad bool
 	}{
-		{"cuda, one GPU, NCCL", "cuda", 1, false, found, commNCCL, true},
-		{"cuda, one GPU, no NCCL", "cuda", 1, false, missing, commNone, true},
-		{"cuda, one GPU, tracing", "cuda", 1, true, found, commNone, false},
-		{"cuda, two GPUs", "cuda", 2, false, found, commLocal, false},
-		{"cpu, one device", "cpu", 1, false, found, commNone, false},
-		{"cpu, three devices", "cpu", 3, false, found, commLocal, false},
-		{"rocm, one GPU", "rocm", 1, false, found, commNone, false},
+		{"cuda, --gpus 1, NCCL", "cuda", 1, true, false, found, commNCCL, true},
+		{"cuda, no --gpus (default 1), NCCL", "cuda", 1, false, false, found, commNone, false},
+		{"cuda, --gpus 1, no NCCL", "cuda", 1, true, false, missing, commNone, true},
+		{"cuda, --gpus 1, tracing", "cuda", 1, true, true, found, commNone, false},
+		{"cuda, two GPUs", "cuda", 2, true, false, found, commLocal, false},
+		{"cpu, --gpus 1", "cpu", 1, true, false, found, commNone, false},
+		{"cpu, three devices", "cpu", 3, true, false, found, commLocal, false},
+		{"rocm, --gpus 1", "rocm", 1, true, false, found, commNone, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			loaded := false
 			load := func() (*nccl.Lib, error) { loaded = true; return tc.load() }
-			got, l := pickMoeComm(tc.backend, tc.gpus, tc.tracing, load)
+			got, l := pickMoeComm(tc.backend, tc.gpus, tc.explicit, tc.tracing, load)
 			if got != tc.want || loaded != tc.wantLoad {
 				t.Errorf("pickMoeComm = %d (NCCL loaded %v), want %d (loaded %v)", got, loaded, tc.want, tc.wantLoad)
 			}

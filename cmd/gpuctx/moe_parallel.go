@@ -80,16 +80,18 @@ const (
 )
 
 // pickMoeComm chooses the communicator of moe run --gpus gpus on backend:
-// above one device the in-process group (as before); one device on CUDA runs
-// expert parallel through a one-rank NCCL communicator when load (nccl.Load)
-// finds NCCL, so that every run exercises the NCCL path the multi-GPU layer
-// takes; otherwise, and with --trace (which traces the one-device layer's
-// kernels), the one-device layer. load is called only on that CUDA path.
-func pickMoeComm(backend string, gpus int, tracing bool, load func() (*nccl.Lib, error)) (moeComm, *nccl.Lib) {
+// above one device the in-process group (as before); an explicit --gpus 1
+// (explicit) on CUDA runs expert parallel through a one-rank NCCL
+// communicator when load (nccl.Load) finds NCCL, so that the NCCL path the
+// multi-GPU layer takes can be run on one GPU; otherwise, without --gpus (the
+// default: the one-device layer, with its modes and fused kernels), and with
+// --trace (which traces the one-device layer's kernels), the one-device layer.
+// load is called only on that CUDA path.
+func pickMoeComm(backend string, gpus int, explicit, tracing bool, load func() (*nccl.Lib, error)) (moeComm, *nccl.Lib) {
 	switch {
 	case gpus > 1:
 		return commLocal, nil
-	case gpus != 1 || backend != "cuda" || tracing:
+	case gpus != 1 || !explicit || backend != "cuda" || tracing:
 		return commNone, nil
 	}
 	lib, err := load()
