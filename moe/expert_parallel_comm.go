@@ -13,7 +13,7 @@ import (
 // say. The ExpertParallel owns the comms: its Close closes them, and so does
 // an error here.
 func NewExpertParallelComms(devs []*gpuctx.Device, comms []collective.Comm, cfg *Config, w *Weights, dtype gpuctx.DType) (*ExpertParallel, error) {
-	const op = "moe.NewExpertParallelComms"
+	const op = "moe: NewExpertParallelComms"
 	closeFrom := func(r int) {
 		for _, c := range comms[r:] {
 			if c != nil {
