@@ -202,6 +202,16 @@ func TestGemmOrderedBehindEvent(t *testing.T) {
 	})
 }
 
+// busyLen is the length of the kernel chain that keeps the other stream busy:
+// shorter under -short (CI's race step), where the CPU backend's handles
+// refuse a GEMM on a stream other than the bound one whatever the timing.
+func busyLen() int {
+	if testing.Short() {
+		return 20
+	}
+	return 100
+}
+
 // Test 2: one Context, the same object throughout, switched between streams A
 // and B; each GEMM is checked after synchronising only its own stream while the
 // other stream is kept busy, so a GEMM issued on the wrong stream shows up.
@@ -224,7 +234,7 @@ func TestContextSwitchesStreams(t *testing.T) {
 					if _, err := ctx.SetStream(cur); err != nil {
 						t.Fatal(err)
 					}
-					busy(t, d, other, scratch[other], 100)
+					busy(t, d, other, scratch[other], busyLen())
 					layout := []gpuctx.Layout{gpuctx.RowMajor, gpuctx.ColMajor}[i%2]
 					ta, tb := i%3 == 0, i%4 == 1
 					a, b := randF32(r, m*k), randF32(r, k*n)
@@ -330,7 +340,11 @@ func concurrentGemms(t *testing.T, d *gpuctx.Device, goroutines, perG int, ctxFo
 // Contexts, for both handle policies. Every result must be right and no
 // workspace may be used by two streams at once.
 func TestConcurrentStreamsNoWorkspaceSharing(t *testing.T) {
-	const goroutines, perG = 8, 200
+	const goroutines = 8
+	perG := 200
+	if testing.Short() { // CI's race step: the CPU handles catch a shared workspace on any call
+		perG = 50
+	}
 	eachDevice(t, func(t *testing.T, d *gpuctx.Device) {
 		for _, pol := range []gpuctx.HandlePolicy{gpuctx.PooledHandles, gpuctx.SharedHandle} {
 			for _, shared := range []bool{true, false} {
