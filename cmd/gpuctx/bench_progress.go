@@ -28,7 +28,7 @@ func (a *app) newStepProgress(name string) *stepProgress {
 // Begin starts a run of total steps.
 func (p *stepProgress) Begin(total int, what string) {
 	p.total, p.done = total, 0
-	if stderrIsTerminal(p.w) {
+	if writerIsTerminal(p.w) {
 		p.bar = progressbar.NewOptions(total, progressbar.OptionSetWriter(p.w), progressbar.OptionSetWidth(30),
 			progressbar.OptionShowCount(), progressbar.OptionClearOnFinish(), progressbar.OptionSetDescription(p.name+": "+what))
 		return

@@ -268,16 +268,6 @@ func shellQuote(s string) string {
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
-// stderrIsTerminal reports whether w is a character device (a terminal).
-func stderrIsTerminal(w io.Writer) bool {
-	f, ok := w.(*os.File)
-	if !ok {
-		return false
-	}
-	st, err := f.Stat()
-	return err == nil && st.Mode()&os.ModeCharDevice != 0
-}
-
 // moeBenchPlan is what runMoeBench resolved from the flags before opening
 // the device.
 type moeBenchPlan struct {
