@@ -221,11 +221,21 @@ func (wk *loadWorker) do(l *env, ch *loadChunk) error {
 	ses, des := sdt.Size(), ddt.Size()
 	rows, w := ch.r1-ch.r0, c.c1-c.c0
 	out := wk.stage[:rows*w*des]
-	if c.full() && sdt == ddt {
+	switch {
+	case ch.t.scales != nil: // FP8: dequantize the rows, keep columns [c0, c1)
+		raw := wk.raw[:rows*c.cols]
+		if err := ch.t.f.ReadRaw(ch.name, raw, ch.off); err != nil {
+			return err
+		}
+		r0 := ch.row0 + ch.r0
+		if err := ch.t.dequantRows(out, raw, ddt, r0, r0+rows, c.cols, c.c0, c.c1); err != nil {
+			return fmt.Errorf("tensor %s (in %s): %w", ch.name, ch.t.f.Path, err)
+		}
+	case c.full() && sdt == ddt:
 		if err := ch.t.f.ReadRaw(ch.name, out, ch.off); err != nil {
 			return err
 		}
-	} else {
+	default:
 		raw := wk.raw[:rows*c.cols*ses]
 		if err := ch.t.f.ReadRaw(ch.name, raw, ch.off); err != nil {
 			return err

@@ -494,8 +494,11 @@ func (c *checkpoint) info(name string, shape ...int) (*safetensors.File, safeten
 	if !slices.Equal(info.Shape, shape) {
 		return nil, info, fmt.Errorf("tensor %s has shape %v, expected %v (in %s)", name, info.Shape, shape, f.Path)
 	}
+	if info.DType == safetensors.F8E4M3 {
+		return f, info, nil // checked with its scales (fp8Scales)
+	}
 	if !info.DType.IsFloat() || info.DType == safetensors.F64 {
-		return nil, info, fmt.Errorf("tensor %s has dtype %s; want F32, BF16 or F16 (in %s)", name, info.DType, f.Path)
+		return nil, info, fmt.Errorf("tensor %s has dtype %s; want F32, BF16 or F16, or F8_E4M3 with block scales (in %s)", name, info.DType, f.Path)
 	}
 	return f, info, nil
 }
@@ -537,9 +540,13 @@ type tensorSpec struct {
 }
 
 // checkedTensor is a tensor of a checkpoint whose header entry was checked.
+// An F8_E4M3 weight has its block scales (checked: finite and positive),
+// scales [ceil(rows/block[0])][ceil(cols/block[1])]; other tensors none.
 type checkedTensor struct {
-	f    *safetensors.File
-	info safetensors.TensorInfo
+	f      *safetensors.File
+	info   safetensors.TensorInfo
+	scales []float32
+	block  [2]int
 }
 
 // layerLayout is how one MoE layer's tensors are stored in a checkpoint, every
@@ -585,9 +592,30 @@ func resolveLayer(ck *checkpoint, cfg *Config, layer int) (*layerLayout, error) 
 		if err != nil {
 			return nil, err
 		}
-		ll.tensors[sp.name] = checkedTensor{f, info}
+		ct := checkedTensor{f: f, info: info}
+		if info.DType == safetensors.F8E4M3 {
+			if ct.scales, err = ck.fp8Scales(ll.prefix+sp.name, sp.shape, cfg.Quant); err != nil {
+				return nil, err
+			}
+			ct.block = cfg.Quant.Block()
+		}
+		ll.tensors[sp.name] = ct
 	}
 	return ll, nil
+}
+
+// float32s reads tensor name (of shape) as float32 values: widened, or for
+// an FP8 weight dequantized (code * scale_inv).
+func (t *checkedTensor) float32s(name string, shape []int) ([]float32, error) {
+	if t.scales == nil {
+		v, _, err := t.f.Float32(name)
+		return v, err
+	}
+	w, err := t.fp8Weight(name, 0, shape[0], shape[1])
+	if err != nil {
+		return nil, err
+	}
+	return w.Dequantize()
 }
 
 // name returns the name of part p (of routed expert e), relative to the
@@ -607,7 +635,7 @@ func loadLayer(ck *checkpoint, cfg *Config, layer int) (*Weights, error) {
 	vals := make(map[string][]float32, len(ll.specs))
 	for _, sp := range ll.specs {
 		t := ll.tensors[sp.name]
-		v, _, err := t.f.Float32(ll.prefix + sp.name)
+		v, err := t.float32s(ll.prefix+sp.name, sp.shape)
 		if err != nil {
 			return nil, err
 		}
