@@ -220,7 +220,8 @@ type Layer struct {
 // (synchronous copies that wait for nothing queued), compiles or looks up the
 // MoE kernels, and makes the side stream, the events and the BLAS Context.
 // Errors name the bad value: a nil device, an invalid config or weights, a
-// dtype other than F32/BF16, more than MaxExperts experts or MaxTopK experts per
+// dtype other than F32/BF16, FP8 options it cannot honour (see
+// LayerOptions.FP8), more than MaxExperts experts or MaxTopK experts per
 // token, a negative AutoThreshold, an unknown Mode, Mode FusedShared on a layer
 // whose routed experts and shared-expert chunks pass MaxExperts, or a stream of
 // another device. On error everything made so far is released. LoadLayer

@@ -31,7 +31,13 @@ import (
 // the file's bytes are read into a host staging buffer and copied as they
 // are; otherwise each chunk is converted on the host (BF16 and F16 widen
 // exactly; F32 and F16 round to the nearest bf16, ties to even, as NewLayer
-// does). The one difference from NewLayer: a signalling-NaN bf16 weight keeps
+// does; an F8_E4M3 weight of an FP8 checkpoint, cfg.Quant, is dequantized,
+// code * scale_inv in float32). With o.FP8 the routed experts are read one
+// projection at a time instead: an FP8 weight's codes and scales as stored,
+// any other quantized in 128x128 blocks (fp8.Quantize). An FP8 weight's
+// scales are checked with the headers (present, of the shape the config's
+// blocks give, finite and positive) before anything is allocated; a NaN code
+// is an error when it is read. The one difference from NewLayer: a signalling-NaN bf16 weight keeps
 // its bits, where NewLayer's round trip through float32 quiets it.
 //
 // The chunks are read (pread) and uploaded by up to 8 goroutines (at most

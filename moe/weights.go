@@ -509,8 +509,10 @@ func (c *checkpoint) info(name string, shape ...int) (*safetensors.File, safeten
 // headers only), then reads and converts only this layer's tensors to float32.
 // Experts may be stored per expert (experts.<e>.gate_proj.weight, ...), fused
 // (experts.gate_up_proj [E,2I,H], experts.down_proj [E,H,I]) or, for Mixtral,
-// under block_sparse_moe with w1/w3/w2. A dense layer, a missing or misshaped
-// tensor, a missing shard or an unsupported dtype is an error naming it. It runs
+// under block_sparse_moe with w1/w3/w2. An FP8 checkpoint's F8_E4M3 weights
+// (cfg.Quant set) are dequantized (fp8.Weight.Dequantize) after their scales
+// are checked. A dense layer, a missing or misshaped tensor, a missing shard,
+// an unsupported dtype or a bad FP8 scale or code is an error naming it. It runs
 // on the calling goroutine and touches no device. To put the layer on a
 // device, LoadLayer reads the same tensors without the float32 copy.
 func LoadWeights(dir string, cfg *Config, layer int) (*Weights, error) {
