@@ -18,18 +18,20 @@ import (
 
 // fp8Configs are small layers whose sizes are not multiples of the 128x128
 // FP8 block (partial blocks in every projection): DeepSeek-V3 routing with a
-// shared expert, Qwen2-MoE with its shared-expert gate, Qwen3-MoE without a
-// shared expert.
+// shared expert of the routed width, DeepSeek-V2 with one of twice it (a bf16
+// layer fuses it as two chunks, columns of its down projection), Qwen2-MoE
+// with its shared-expert gate, Qwen3-MoE without a shared expert.
 func fp8Configs() map[string]*Config {
 	v := variants()
 	out := map[string]*Config{}
-	for _, name := range []string{"deepseek_v3", "qwen2_moe", "qwen3_moe"} {
+	for _, name := range []string{"deepseek_v3", "deepseek_v2_greedy", "qwen2_moe", "qwen3_moe"} {
 		c := *v[name]
 		c.HiddenSize, c.Intermediate = 144, 160
-		switch c.SharedIntermediate {
-		case 0:
-		default:
+		if c.SharedIntermediate > 0 {
 			c.SharedIntermediate = 160
+		}
+		if c.Family == DeepseekV2 {
+			c.SharedIntermediate = 320
 		}
 		out[name] = &c
 	}
@@ -162,6 +164,25 @@ func TestLayerFP8(t *testing.T) {
 							t.Errorf("%s T=%d: relative error %.3g against the float64 reference on the dequantized weights, want <= %g", name, T, rel, tol)
 						}
 					}
+					// bf16 with the shared expert fused (dequantized chunks).
+					if l := layers["bf16"]; l.ns > 0 {
+						got := l.decode(deviceRun(t, l, x, T, FusedShared, Whole))
+						if rel := relErr(got, want); !(rel <= 2e-2) {
+							t.Errorf("bf16 fused shared T=%d: relative error %.3g, want <= 2e-2", T, rel)
+						}
+					}
+				}
+				// Dequantizing in chunks of one row on three goroutines gives
+				// the same bytes.
+				defer func(b, w int) { loadChunkBytes, loadWorkers = b, w }(loadChunkBytes, loadWorkers)
+				loadChunkBytes, loadWorkers = 1, 3
+				for _, dt := range layerDTypes {
+					l, err := LoadLayer(b.dev, dir, cfg, 1, LayerOptions{DType: dt})
+					if err != nil {
+						t.Fatal(err)
+					}
+					sameLayers(t, layers[dt.String()], l)
+					_ = l.Close()
 				}
 				checkFP8Bytes(t, b.dev, cfg, dir, layers["fp8"], layers["bf16"])
 			})
