@@ -134,29 +134,31 @@ type Config struct {
 
 // rawConfig holds the config.json fields we read. Pointers tell absent from zero.
 type rawConfig struct {
-	ModelType                    *string         `json:"model_type"`
-	HiddenSize                   *int            `json:"hidden_size"`
-	NRoutedExperts               *int            `json:"n_routed_experts"`
-	NumExperts                   *int            `json:"num_experts"`
-	NumLocalExperts              *int            `json:"num_local_experts"`
-	NumExpertsPerTok             *int            `json:"num_experts_per_tok"`
-	MoEIntermediateSize          *int            `json:"moe_intermediate_size"`
-	IntermediateSize             *int            `json:"intermediate_size"`
-	NSharedExperts               *int            `json:"n_shared_experts"`
-	SharedExpertIntermediateSize *int            `json:"shared_expert_intermediate_size"`
-	ScoringFunc                  *string         `json:"scoring_func"`
-	TopKMethod                   *string         `json:"topk_method"`
-	NGroup                       *int            `json:"n_group"`
-	TopKGroup                    *int            `json:"topk_group"`
-	NormTopKProb                 *bool           `json:"norm_topk_prob"`
-	RoutedScalingFactor          *float64        `json:"routed_scaling_factor"`
-	HiddenAct                    *string         `json:"hidden_act"`
-	NumHiddenLayers              *int            `json:"num_hidden_layers"`
-	FirstKDenseReplace           *int            `json:"first_k_dense_replace"`
-	MoELayerFreq                 *int            `json:"moe_layer_freq"`
-	DecoderSparseStep            *int            `json:"decoder_sparse_step"`
-	MLPOnlyLayers                []int           `json:"mlp_only_layers"`
-	QuantizationConfig           json.RawMessage `json:"quantization_config"`
+	ModelType                    *string  `json:"model_type"`
+	HiddenSize                   *int     `json:"hidden_size"`
+	NRoutedExperts               *int     `json:"n_routed_experts"`
+	NumExperts                   *int     `json:"num_experts"`
+	NumLocalExperts              *int     `json:"num_local_experts"`
+	NumExpertsPerTok             *int     `json:"num_experts_per_tok"`
+	MoEIntermediateSize          *int     `json:"moe_intermediate_size"`
+	IntermediateSize             *int     `json:"intermediate_size"`
+	NSharedExperts               *int     `json:"n_shared_experts"`
+	SharedExpertIntermediateSize *int     `json:"shared_expert_intermediate_size"`
+	ScoringFunc                  *string  `json:"scoring_func"`
+	TopKMethod                   *string  `json:"topk_method"`
+	NGroup                       *int     `json:"n_group"`
+	TopKGroup                    *int     `json:"topk_group"`
+	NormTopKProb                 *bool    `json:"norm_topk_prob"`
+	RoutedScalingFactor          *float64 `json:"routed_scaling_factor"`
+	HiddenAct                    *string  `json:"hidden_act"`
+	NumHiddenLayers              *int     `json:"num_hidden_layers"`
+	FirstKDenseReplace           *int     `json:"first_k_dense_replace"`
+	MoELayerFreq                 *int     `json:"moe_layer_freq"`
+	DecoderSparseStep            *int     `json:"decoder_sparse_step"`
+	MLPOnlyLayers                []int    `json:"mlp_only_layers"`
+
+	// quantization_config, parsed by fp8.ParseQuantConfig (Config.Quant).
+	QuantizationConfig json.RawMessage `json:"quantization_config"`
 }
 
 // family defaults: exactly the defaults of the transformers 5.x configuration

@@ -501,3 +501,47 @@ func TestLayerFP8Options(t *testing.T) {
 		})
 	}
 }
+
+// TestLoadLayerFP8Layouts checks that LoadLayer quantizes at load what
+// NewLayer quantizes from LoadWeights, bit for bit, from every layout and
+// dtype a bf16/f32 checkpoint may have.
+func TestLoadLayerFP8Layouts(t *testing.T) {
+	dev := layerBackends(t)[0].dev
+	v := variants()
+	for _, c := range []loadCase{{"deepseek_v3", PerExpert, safetensors.F32, 1}, {"qwen2_moe", Fused, safetensors.BF16, 2},
+		{"mixtral", MixtralHub, safetensors.F16, 1}, {"qwen3_moe", Fused, safetensors.F32, 1}} {
+		t.Run(c.String(), func(t *testing.T) {
+			cfg := *v[c.variant]
+			cfg.HiddenSize, cfg.Intermediate = 144, 48
+			if cfg.SharedIntermediate > 0 {
+				cfg.SharedIntermediate = 96
+			}
+			dir := writeLayerCheckpoint(t, &cfg, c)
+			w, err := LoadWeights(dir, &cfg, 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			o := LayerOptions{DType: gpuctx.BF16, FP8: true}
+			want, err := NewLayer(dev, &cfg, w, o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer want.Close()
+			got, err := LoadLayer(dev, dir, &cfg, 1, o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer got.Close()
+			bw, bg := fp8Buffers(t, want), fp8Buffers(t, got)
+			for k := range bw {
+				if !bytes.Equal(bw[k], bg[k]) {
+					t.Errorf("buffer %d differs", k)
+				}
+			}
+			x := randomX(9, cfg.HiddenSize, 1)
+			if !bytes.Equal(deviceRun(t, want, x, 9, Dual, Whole), deviceRun(t, got, x, 9, Dual, Whole)) {
+				t.Error("outputs differ")
+			}
+		})
+	}
+}

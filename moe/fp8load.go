@@ -116,3 +116,28 @@ func (t *checkedTensor) dequantRows(dst, raw []byte, ddt safetensors.DType, r0, 
 	}
 	return nil
 }
+
+// fp8Weight of fileWeights returns part p (of routed expert e), rows x cols:
+// the checkpoint's codes and scales when it stores the part in FP8, else its
+// values quantized in 128x128 blocks (fp8.Quantize), read from the file
+// without a float32 copy of anything but this part.
+func (s *fileWeights) fp8Weight(p weightPart, e, rows, cols int) (*fp8.Weight, error) {
+	t, name, row0 := s.source(p, e)
+	if t.scales != nil {
+		return t.fp8Weight(name, row0, rows, cols)
+	}
+	ses := t.info.DType.Size()
+	raw := make([]byte, rows*cols*ses)
+	if err := t.f.ReadRaw(name, raw, int64(row0)*int64(cols)*int64(ses)); err != nil {
+		return nil, err
+	}
+	v := make([]float32, rows*cols)
+	if err := safetensors.DecodeFloat32(v, raw, t.info.DType); err != nil {
+		return nil, fmt.Errorf("tensor %s (in %s): %w", name, t.f.Path, err)
+	}
+	w, err := fp8.Quantize(v, rows, cols, [2]int{fp8.BlockSize, fp8.BlockSize})
+	if err != nil {
+		return nil, fmt.Errorf("tensor %s (in %s): %w", name, t.f.Path, err)
+	}
+	return w, nil
+}

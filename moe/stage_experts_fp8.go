@@ -7,7 +7,6 @@ import (
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/moe/fp8"
 	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
-	"github.com/gpuctx/gpuctx/moe/safetensors"
 	"golang.org/x/sync/errgroup"
 )
 
@@ -195,45 +194,4 @@ func (x *expertStage) fusedFP8(in *gpuctx.Buffer, d *dispatchStage, p *plan) err
 	return down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.down.Threads(), Y: 1, Z: 1}, tp.down.SmemBytes(false), moekernels.FP8Down{
 		Act: x.act, Down: q.down, Downs: q.downs, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Out: x.out,
 		TK: int32(TK), H: int32(H), I: int32(I)})
-}
-
-// fp8Weight of memWeights quantizes part p (of routed expert e), rows x cols,
-// in 128x128 blocks (fp8.Quantize).
-func (m memWeights) fp8Weight(p weightPart, e, rows, cols int) (*fp8.Weight, error) {
-	w, err := fp8.Quantize(m.part(p, e), rows, cols, [2]int{fp8.BlockSize, fp8.BlockSize})
-	if err != nil {
-		return nil, fmt.Errorf("%s of expert %d: %w", p, e, err)
-	}
-	return w, nil
-}
-
-// fp8Weight of fileWeights returns part p (of routed expert e), rows x cols:
-// the checkpoint's codes and scales when it stores the part in FP8, else its
-// values quantized in 128x128 blocks (fp8.Quantize), read from the file
-// without a float32 copy of anything but this part.
-func (s *fileWeights) fp8Weight(p weightPart, e, rows, cols int) (*fp8.Weight, error) {
-	t, name, row0 := s.source(p, e)
-	if t.scales != nil {
-		return t.fp8Weight(name, row0, rows, cols)
-	}
-	ses := t.info.DType.Size()
-	raw := make([]byte, rows*cols*ses)
-	if err := t.f.ReadRaw(name, raw, int64(row0)*int64(cols)*int64(ses)); err != nil {
-		return nil, err
-	}
-	v := make([]float32, rows*cols)
-	if err := safetensors.DecodeFloat32(v, raw, t.info.DType); err != nil {
-		return nil, fmt.Errorf("tensor %s (in %s): %w", name, t.f.Path, err)
-	}
-	w, err := fp8.Quantize(v, rows, cols, [2]int{fp8.BlockSize, fp8.BlockSize})
-	if err != nil {
-		return nil, fmt.Errorf("tensor %s (in %s): %w", name, t.f.Path, err)
-	}
-	return w, nil
-}
-
-// String names a weight part in errors.
-func (p weightPart) String() string {
-	return [...]string{"router", "correction bias", "gate_proj", "up_proj", "down_proj",
-		"shared gate_proj", "shared up_proj", "shared down_proj", "shared_expert_gate"}[p]
 }

@@ -197,3 +197,23 @@ func (m memWeights) upload(e *env, copies []weightCopy) error {
 	}
 	return nil
 }
+
+// fp8Weight of memWeights quantizes part p (of routed expert e), rows x cols,
+// in 128x128 blocks (fp8.Quantize).
+func (m memWeights) fp8Weight(p weightPart, e, rows, cols int) (*fp8.Weight, error) {
+	w, err := fp8.Quantize(m.part(p, e), rows, cols, [2]int{fp8.BlockSize, fp8.BlockSize})
+	if err != nil {
+		return nil, fmt.Errorf("%s of expert %d: %w", p, e, err)
+	}
+	return w, nil
+}
+
+// String names a weight part in errors.
+func (p weightPart) String() string {
+	names := [...]string{"router", "correction bias", "gate_proj", "up_proj", "down_proj",
+		"shared gate_proj", "shared up_proj", "shared down_proj", "shared_expert_gate"}
+	if int(p) < len(names) {
+		return names[p]
+	}
+	return fmt.Sprintf("weightPart(%d)", p)
+}
