@@ -545,3 +545,62 @@ func TestLoadLayerFP8Layouts(t *testing.T) {
 		})
 	}
 }
+
+// TestLayerFP8Fixtures converts every HF fixture to the Hub's FP8 format and
+// runs it as an FP8 layer: within 1e-2 of the float64 reference on the
+// dequantized weights and bf16 inputs, on every backend.
+func TestLayerFP8Fixtures(t *testing.T) {
+	dirs, _ := filepath.Glob(filepath.Join("testdata", "*", "config.json"))
+	if len(dirs) == 0 {
+		t.Fatal("no fixtures in moe/testdata")
+	}
+	for _, b := range layerBackends(t) {
+		for _, cj := range dirs {
+			src := filepath.Dir(cj)
+			t.Run(b.name+"/"+filepath.Base(src), func(t *testing.T) {
+				cfg, w, cases := loadLayerFixture(t, src)
+				if err := checkFP8(cfg, LayerOptions{DType: gpuctx.BF16, FP8: true}); err != nil {
+					t.Skipf("not an FP8 shape: %v", err)
+				}
+				ts, err := LayerTensors(cfg, w, 1, PerExpert, safetensors.BF16)
+				if err != nil {
+					t.Fatal(err)
+				}
+				c := *cfg
+				c.NumHiddenLayers = 2
+				cjs, err := c.HFConfig()
+				if err != nil {
+					t.Fatal(err)
+				}
+				dir := t.TempDir()
+				if err := fp8.WriteCheckpoint(dir, cjs, ts, fp8.HubQuantConfig(), nil); err != nil {
+					t.Fatal(err)
+				}
+				qc, err := LoadConfig(dir)
+				if err != nil {
+					t.Fatal(err)
+				}
+				wq, err := LoadWeights(dir, qc, 1)
+				if err != nil {
+					t.Fatal(err)
+				}
+				l, err := LoadLayer(b.dev, dir, qc, 1, LayerOptions{DType: gpuctx.BF16, FP8: true, Mode: Dual})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				for _, fc := range cases {
+					got, err := l.Forward(fc.x, fc.T)
+					if err != nil {
+						t.Fatal(err)
+					}
+					ref, err := Reference(qc, wq, roundAll(fc.x), fc.T)
+					if err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, fc.name+" fp8 vs reference on the dequantized weights", got, ref, nil, 1e-2)
+				}
+			})
+		}
+	}
+}
