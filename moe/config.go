@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/gpuctx/gpuctx/internal/regfile"
+	"github.com/gpuctx/gpuctx/moe/fp8"
 	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
@@ -122,6 +123,13 @@ type Config struct {
 	// MLPOnlyLayers and (L+1) % DecoderSparseStep == 0.
 	DecoderSparseStep int
 	MLPOnlyLayers     []int
+
+	// Quant is config.json's quantization_config when the checkpoint stores
+	// its projection weights in block-scaled FP8 (DeepSeek-V3/R1,
+	// Qwen3-FP8), else nil. LoadWeights and LoadLayer then read those
+	// weights as F8_E4M3 with their weight_scale_inv; see fp8.ParseQuantConfig
+	// for what is accepted.
+	Quant *fp8.QuantConfig
 }
 
 // rawConfig holds the config.json fields we read. Pointers tell absent from zero.
@@ -148,6 +156,9 @@ type rawConfig struct {
 	MoELayerFreq                 *int     `json:"moe_layer_freq"`
 	DecoderSparseStep            *int     `json:"decoder_sparse_step"`
 	MLPOnlyLayers                []int    `json:"mlp_only_layers"`
+
+	// quantization_config, parsed by fp8.ParseQuantConfig (Config.Quant).
+	QuantizationConfig json.RawMessage `json:"quantization_config"`
 }
 
 // family defaults: exactly the defaults of the transformers 5.x configuration
@@ -232,6 +243,11 @@ func ParseConfig(data []byte) (*Config, error) {
 	}
 	if err != nil {
 		return nil, err
+	}
+	if len(r.QuantizationConfig) > 0 && string(r.QuantizationConfig) != "null" {
+		if c.Quant, err = fp8.ParseQuantConfig(r.QuantizationConfig); err != nil {
+			return nil, err
+		}
 	}
 	if err := c.Validate(); err != nil {
 		return nil, err
@@ -737,7 +753,8 @@ func (c *Config) fusedSharedChunks() int {
 
 // HFConfig returns a Hugging Face config.json for c: the fields of c's family
 // that ParseConfig reads (model_type, sizes, routing, the layer pattern), so
-// that ParseConfig(HFConfig()) gives c back. It fails on a Config that no
+// that ParseConfig(HFConfig()) gives c back, with c.Quant as its
+// quantization_config (fp8.WithQuantConfig) when set. It fails on a Config that no
 // config.json of its family can describe: DeepSeek's shared width not a
 // multiple of the routed one, a shared expert on qwen3_moe or mixtral, a
 // Qwen2-MoE shared expert without its gate (or the reverse).
@@ -798,5 +815,9 @@ func (c *Config) HFConfig() ([]byte, error) {
 		m["num_local_experts"] = c.NumExperts
 		m["intermediate_size"] = c.Intermediate
 	}
-	return json.MarshalIndent(m, "", "  ")
+	out, err := json.MarshalIndent(m, "", "  ")
+	if err != nil || c.Quant == nil {
+		return out, err
+	}
+	return fp8.WithQuantConfig(out, c.Quant)
 }

@@ -17,6 +17,11 @@
 // ExpertShard runs the same stages around a collective.Comm. Its doc comments
 // say which stream each call uses and what it waits for.
 //
+// FP8 checkpoints (DeepSeek-V3/R1, Qwen3-FP8: config.json's
+// quantization_config, Config.Quant; package moe/fp8) load dequantized into
+// f32 and bf16 layers, or with LayerOptions.FP8 keep the routed experts' E4M3
+// codes and 128x128 block scales on the device, run by weight-only FP8 tiles.
+//
 // Everything else in this package runs on the host, on the calling goroutine
 // (some functions fan out over worker goroutines and wait for them). Config and Weights are plain data: once built
 // they are safe to read from many goroutines, and the device forward may keep

@@ -307,10 +307,10 @@ func (l *Layer) sortFused(p *plan, xv *gpuctx.Buffer) error {
 		}
 		p.tiles = tp
 	}
-	if err := l.ensureFused(p, p.tiles.up.BM); err != nil {
+	if err := l.ensureFused(p, p.rowsBM()); err != nil {
 		return err
 	}
-	return l.dispatch.align(l.router.idx, p, p.tiles.up.BM)
+	return l.dispatch.align(l.router.idx, p, p.rowsBM())
 }
 
 // combineInto queues the combine of p into yv.

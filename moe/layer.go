@@ -169,6 +169,17 @@ type LayerOptions struct {
 	// timing both. For one-shot runs, where the timing would cost more than it
 	// saves; the tile changes no result.
 	NoAutotune bool
+	// FP8 keeps the routed experts' weights in FP8 on the device: E4M3
+	// codes with the float32 scale of every 128x128 block beside them (as
+	// DeepSeek-V3/R1 and Qwen3-FP8 ship them), never expanded to bf16, run
+	// by the weight-only FP8 tiles (w8a16: bf16 activations, the codes
+	// converted in registers) on the fused path. An FP8 checkpoint's experts
+	// load as stored; other weights are quantized at load (fp8.Quantize).
+	// The router and correction bias stay as stored, the shared expert is
+	// bf16 (dequantized from an FP8 checkpoint): the routed experts are the
+	// bytes that matter. It needs DType BF16 and sizes the tiles take, and
+	// refuses FusedShared, NoFused, SmallBatchTokens > 0 and Tile (checkFP8).
+	FP8 bool
 	// Tokens, if set, are the batch sizes the caller expects to run: on CUDA
 	// the fused tiles they will run or time (by the forced tile, the rule, the
 	// tuning cache or tune's candidates) are compiled while the layer loads,
@@ -209,7 +220,8 @@ type Layer struct {
 // (synchronous copies that wait for nothing queued), compiles or looks up the
 // MoE kernels, and makes the side stream, the events and the BLAS Context.
 // Errors name the bad value: a nil device, an invalid config or weights, a
-// dtype other than F32/BF16, more than MaxExperts experts or MaxTopK experts per
+// dtype other than F32/BF16, FP8 options it cannot honour (see
+// LayerOptions.FP8), more than MaxExperts experts or MaxTopK experts per
 // token, a negative AutoThreshold, an unknown Mode, Mode FusedShared on a layer
 // whose routed experts and shared-expert chunks pass MaxExperts, or a stream of
 // another device. On error everything made so far is released. LoadLayer
@@ -243,6 +255,9 @@ func checkLayerOptions(dev *gpuctx.Device, cfg *Config, o LayerOptions) error {
 	if o.Stream != nil && o.Stream.Device() != dev {
 		return fmt.Errorf("LayerOptions.Stream belongs to another device: %w", gpuctx.ErrWrongDevice)
 	}
+	if o.FP8 {
+		return checkFP8(cfg, o)
+	}
 	return nil
 }
 
@@ -268,7 +283,7 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 	case l.small < 0:
 		l.small = 0
 	}
-	if err := l.fusedSharedLimit(); err == nil {
+	if err := l.fusedSharedLimit(); err == nil && !o.FP8 {
 		l.ns = sharedChunks(cfg, l.fusedOK)
 	} else if o.Mode == FusedShared {
 		return nil, fmt.Errorf("%s: %w", prefix, err)
@@ -280,13 +295,18 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 		}
 		l.tuner.forceTile = &t
 	}
-	l.tuner.autotune, l.tuner.noTune = !o.NoAutotune && (dev.Backend() == "cuda" || tuneAnyBackend), o.NoAutotune
+	noTune := o.NoAutotune || o.FP8 // FP8 tiles are picked by rule (fp8Tiles)
+	l.tuner.autotune, l.tuner.noTune = !noTune && (dev.Backend() == "cuda" || tuneAnyBackend), noTune
 	l.tuner.tiles, l.tuner.autoModes = map[tileKey]tilePair{}, map[int]Mode{}
-	if !o.NoAutotune && l.tuner.forceTile == nil {
+	if !noTune && l.tuner.forceTile == nil {
 		l.dt = o.DType // the key's dtype, before init sets it
 		l.tuner.cache = newTuneCache(tuneCacheDir(tuneGetenv), tuneKeyText(dev, l))
 	}
-	wait := prefetchTiles(dev, l.expectedTiles(dev.Backend(), o.Tokens))
+	tokens := o.Tokens
+	if o.FP8 {
+		tokens = nil // no bf16 tiles to compile: the FP8 tiles load in init
+	}
+	wait := prefetchTiles(dev, l.expectedTiles(dev.Backend(), tokens))
 	err := l.init(dev, cfg, o, src)
 	wait()
 	if err != nil {
@@ -298,7 +318,7 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 
 // init builds the stages and the tuner's events, and checks a forced tile.
 func (l *Layer) init(dev *gpuctx.Device, cfg *Config, o LayerOptions, src weightSource) error {
-	err := l.core.init(dev, cfg, coreSpec{dt: o.DType, stream: o.Stream, hi: cfg.NumExperts, ns: l.ns}, src)
+	err := l.core.init(dev, cfg, coreSpec{dt: o.DType, stream: o.Stream, hi: cfg.NumExperts, ns: l.ns, fp8: o.FP8}, src)
 	l.onGrow = l.gc.drop
 	if err != nil {
 		return err
@@ -328,8 +348,27 @@ func (l *Layer) MainStream() *gpuctx.Stream { return l.main }
 // it in a trace).
 func (l *Layer) SideStream() *gpuctx.Stream { return l.side }
 
-// DType returns the layer's storage dtype (gpuctx.F32 or gpuctx.BF16).
+// DType returns the layer's storage dtype (gpuctx.F32 or gpuctx.BF16); an
+// FP8 layer (FP8) is BF16 but for its routed experts' weights.
 func (l *Layer) DType() gpuctx.DType { return l.dt }
+
+// FP8 reports whether the routed experts' weights are FP8 on the device
+// (LayerOptions.FP8). Safe for concurrent use.
+func (l *Layer) FP8() bool { return l.experts.q != nil }
+
+// DeviceWeightBytes returns the bytes of device memory the layer's weights
+// take (FP8 layers: the codes and their block scales included), not counting
+// scratch buffers; 0 once the layer is closed. It touches no device and is
+// safe for concurrent use.
+func (l *Layer) DeviceWeightBytes() int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var n int64
+	for _, b := range l.weightBufs {
+		n += int64(b.Size())
+	}
+	return n
+}
 
 // Config returns a copy of the layer's configuration.
 func (l *Layer) Config() Config { return l.cfg }
@@ -337,8 +376,9 @@ func (l *Layer) Config() Config { return l.cfg }
 // WeightBytes returns the bytes of weights a batch of T tokens reads: the
 // router (and correction bias), the shared expert (and its gate), and each
 // distinct routed expert selected in idx (the T*K indices of LastRouting). With
-// idx nil it assumes min(E, T*K) distinct experts. It touches no device and is
-// safe for concurrent use.
+// idx nil it assumes min(E, T*K) distinct experts. An FP8 layer's routed
+// expert counts its codes and block scales. It touches no device and is safe
+// for concurrent use.
 func (l *Layer) WeightBytes(T int, idx []int32) int64 {
 	c := &l.cfg
 	H, E, es := int64(c.HiddenSize), int64(c.NumExperts), int64(l.es)
@@ -360,7 +400,12 @@ func (l *Layer) WeightBytes(T int, idx []int32) int64 {
 		}
 		experts = int64(len(seen))
 	}
-	return n + experts*3*H*int64(c.Intermediate)*es
+	per := 3 * H * int64(c.Intermediate) * es
+	if l.experts.q != nil { // one byte per weight, and the block scales
+		sz := fp8Sizes(c, 1)
+		per = int64(sz[0] + sz[1] + sz[2] + sz[3])
+	}
+	return n + experts*per
 }
 
 // check returns an error if the layer is closed; l.mu must be held.

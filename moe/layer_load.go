@@ -31,7 +31,13 @@ import (
 // the file's bytes are read into a host staging buffer and copied as they
 // are; otherwise each chunk is converted on the host (BF16 and F16 widen
 // exactly; F32 and F16 round to the nearest bf16, ties to even, as NewLayer
-// does). The one difference from NewLayer: a signalling-NaN bf16 weight keeps
+// does; an F8_E4M3 weight of an FP8 checkpoint, cfg.Quant, is dequantized,
+// code * scale_inv in float32). With o.FP8 the routed experts are read one
+// projection at a time instead: an FP8 weight's codes and scales as stored,
+// any other quantized in 128x128 blocks (fp8.Quantize). An FP8 weight's
+// scales are checked with the headers (present, of the shape the config's
+// blocks give, finite and positive) before anything is allocated; a NaN code
+// is an error when it is read. The one difference from NewLayer: a signalling-NaN bf16 weight keeps
 // its bits, where NewLayer's round trip through float32 quiets it.
 //
 // The chunks are read (pread) and uploaded by up to 8 goroutines (at most
@@ -221,11 +227,21 @@ func (wk *loadWorker) do(l *env, ch *loadChunk) error {
 	ses, des := sdt.Size(), ddt.Size()
 	rows, w := ch.r1-ch.r0, c.c1-c.c0
 	out := wk.stage[:rows*w*des]
-	if c.full() && sdt == ddt {
+	switch {
+	case ch.t.scales != nil: // FP8: dequantize the rows, keep columns [c0, c1)
+		raw := wk.raw[:rows*c.cols]
+		if err := ch.t.f.ReadRaw(ch.name, raw, ch.off); err != nil {
+			return err
+		}
+		r0 := ch.row0 + ch.r0
+		if err := ch.t.dequantRows(out, raw, ddt, r0, r0+rows, c.cols, c.c0, c.c1); err != nil {
+			return fmt.Errorf("tensor %s (in %s): %w", ch.name, ch.t.f.Path, err)
+		}
+	case c.full() && sdt == ddt:
 		if err := ch.t.f.ReadRaw(ch.name, out, ch.off); err != nil {
 			return err
 		}
-	} else {
+	default:
 		raw := wk.raw[:rows*c.cols*ses]
 		if err := ch.t.f.ReadRaw(ch.name, raw, ch.off); err != nil {
 			return err

@@ -48,8 +48,9 @@ type plan struct {
 	graph          bool // captured on the second forward of its key, replayed after
 	capturing      bool // a graph capture is under way (no tuning, no host waits)
 	tiles          tilePair
-	tilesKnown     bool // tiles are forced, tuned or by rule; else the forward tunes them
-	sortBM         int  // the one-launch sort's tile rows (tiles.up.BM when known)
+	tilesKnown     bool    // tiles are forced, tuned or by rule; else the forward tunes them
+	sortBM         int     // the one-launch sort's tile rows (tiles.up.BM when known)
+	fp8            fp8Pair // FP8 experts: the tiles, by rule (fp8Tiles); tiles is unused
 }
 
 // graphKey identifies a captured forward: its shape and what it computes.
@@ -60,6 +61,15 @@ type graphKey struct {
 
 func (p *plan) key() graphKey {
 	return graphKey{p.T, p.dual, p.place == sharedFused, p.routed, p.shared}
+}
+
+// rowsBM is the tile rows of the fused kernels p runs (the sort's BM): the
+// FP8 tiles' or the bf16 tiles'.
+func (p *plan) rowsBM() int {
+	if p.fp8.up.BM > 0 {
+		return p.fp8.up.BM
+	}
+	return p.tiles.up.BM
 }
 
 // fusedShared reports whether the shared expert runs inside the fused kernels.
@@ -89,7 +99,10 @@ func (l *Layer) plan(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part
 	p.staged = p.path == pathSmall || p.path == pathFused
 	p.staged = p.staged && !(aligned16(x) && aligned16(y))
 	p.graph = l.gc.use && p.path != pathGrouped
-	if p.path == pathFused {
+	if p.path == pathFused && l.experts.q != nil {
+		p.fp8, p.tilesKnown = fp8Tiles(T, p.ks, p.experts), true
+		p.sortBM = p.fp8.up.BM
+	} else if p.path == pathFused {
 		p.tiles, p.tilesKnown = l.knownTiles(p)
 		p.sortBM = p.tiles.up.BM
 		if !p.tilesKnown {

@@ -12,10 +12,12 @@ import (
 // shared-expert chunks), and its scratch (h [rows,2I], act, out [rows,H]) in
 // one of three forms: the small-batch kernels (group sizes on the device),
 // grouped GEMMs (group sizes on the host), or the fused tile kernels over the
-// aligned sort.
+// aligned sort. With FP8 experts (q set; LayerOptions.FP8) gu and down are
+// nil and the fused form runs q's tiles on q's weights.
 type expertStage struct {
 	e           *env
 	gu, down    *gpuctx.Buffer
+	q           *fp8Experts
 	lo, hi      int
 	kSwiglu     moekernels.Launcher[moekernels.Swiglu]
 	kExpertUp   moekernels.Launcher[moekernels.ExpertUp]
@@ -146,6 +148,9 @@ func (x *expertStage) fusedKernels(c moekernels.MoEGemm) (up moekernels.Launcher
 // fused queues the up and down kernels of tiles tp on the main stream over
 // p's aligned sort in d (which must have run with tp's BM).
 func (x *expertStage) fused(in *gpuctx.Buffer, d *dispatchStage, p *plan, tp tilePair) error {
+	if x.q != nil {
+		return x.fusedFP8(in, d, p)
+	}
 	kUp, _, err := x.fusedKernels(tp.up)
 	if err != nil {
 		return err

@@ -49,6 +49,7 @@ type coreSpec struct {
 	stream *gpuctx.Stream // the main stream; nil: the core makes its own
 	lo, hi int
 	ns     int
+	fp8    bool // the routed experts in FP8 (fp8Experts)
 }
 
 // init makes the streams, Contexts and events, looks up the stages' kernels
@@ -66,6 +67,12 @@ func (c *core) init(dev *gpuctx.Device, cfg *Config, sp coreSpec, src weightSour
 	if err := c.loadKernels(); err != nil {
 		return err
 	}
+	if sp.fp8 {
+		c.experts.q = &fp8Experts{}
+		if err := c.experts.q.loadKernels(dev); err != nil {
+			return err
+		}
+	}
 	c.dispatch.align3From, c.dispatch.raTokens = align3From, routeAlignTokens
 	var err error
 	if c.dispatch.countsHost, err = dev.AllocHost(4 * cfg.NumExperts); err != nil {
@@ -75,7 +82,13 @@ func (c *core) init(dev *gpuctx.Device, cfg *Config, sp coreSpec, src weightSour
 	if err != nil {
 		return err
 	}
-	return src.upload(&c.env, copies)
+	if err := src.upload(&c.env, copies); err != nil {
+		return err
+	}
+	if q := c.experts.q; q != nil {
+		return q.upload(&c.env, src, sp.lo, sp.hi)
+	}
+	return nil
 }
 
 // initStreams makes the main stream (unless given), the side stream, the

@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe/fp8"
 )
 
 // allocWeights allocates every weight buffer of the stages and returns the
@@ -19,7 +20,7 @@ func (c *core) allocWeights(ns int) ([]weightCopy, error) {
 		n   int
 		ok  bool
 	}{{&r.weight, E * H * es, true}, {&r.bias, 4 * E, true},
-		{&x.gu, (x.hi - x.lo + ns) * 2 * I * H * es, true}, {&x.down, (x.hi - x.lo + ns) * H * I * es, true},
+		{&x.gu, (x.hi - x.lo + ns) * 2 * I * H * es, x.q == nil}, {&x.down, (x.hi - x.lo + ns) * H * I * es, x.q == nil},
 		{&s.gu, 2 * Is * H * es, Is > 0}, {&s.down, H * Is * es, Is > 0},
 		{&s.gate, H * es, cfg.SharedGate}} {
 		if b.ok {
@@ -29,6 +30,11 @@ func (c *core) allocWeights(ns int) ([]weightCopy, error) {
 			}
 			c.weightBufs = append(c.weightBufs, nb)
 			*b.dst = nb
+		}
+	}
+	if x.q != nil {
+		if err := x.q.alloc(&c.env, x.hi-x.lo); err != nil {
+			return nil, err
 		}
 	}
 	if !cfg.HasBias() {
@@ -75,7 +81,7 @@ func (c *core) weightCopies(ns int) ([]weightCopy, error) {
 		d.c0, d.c1 = j*I, (j+1)*I
 		put(x.down, (E+j)*H*I, d)
 	}
-	for e := x.lo; e < x.hi; e++ {
+	for e := x.lo; e < x.hi && x.q == nil; e++ { // FP8 experts: fp8Experts.upload
 		put(x.gu, (e-x.lo)*2*I*H, whole(wGate, e, I, H))
 		put(x.gu, (e-x.lo)*2*I*H+I*H, whole(wUp, e, I, H))
 		put(x.down, (e-x.lo)*H*I, whole(wDown, e, H, I))
@@ -131,6 +137,10 @@ type weightSource interface {
 	// upload performs copies with synchronous host-to-device copies that wait
 	// for nothing queued, in any order, and returns the first error.
 	upload(e *env, copies []weightCopy) error
+	// fp8Weight returns part p (wGate, wUp or wDown) of routed expert e,
+	// rows x cols, in FP8 with 128x128 block scales: as stored, or
+	// quantized (fp8.Quantize).
+	fp8Weight(p weightPart, e, rows, cols int) (*fp8.Weight, error)
 }
 
 // memWeights is a weightSource over *Weights (checked against the config).
@@ -186,4 +196,24 @@ func (m memWeights) upload(e *env, copies []weightCopy) error {
 		}
 	}
 	return nil
+}
+
+// fp8Weight of memWeights quantizes part p (of routed expert e), rows x cols,
+// in 128x128 blocks (fp8.Quantize).
+func (m memWeights) fp8Weight(p weightPart, e, rows, cols int) (*fp8.Weight, error) {
+	w, err := fp8.Quantize(m.part(p, e), rows, cols, [2]int{fp8.BlockSize, fp8.BlockSize})
+	if err != nil {
+		return nil, fmt.Errorf("%s of expert %d: %w", p, e, err)
+	}
+	return w, nil
+}
+
+// String names a weight part in errors.
+func (p weightPart) String() string {
+	names := [...]string{"router", "correction bias", "gate_proj", "up_proj", "down_proj",
+		"shared gate_proj", "shared up_proj", "shared down_proj", "shared_expert_gate"}
+	if int(p) < len(names) {
+		return names[p]
+	}
+	return fmt.Sprintf("weightPart(%d)", p)
 }

@@ -494,8 +494,11 @@ func (c *checkpoint) info(name string, shape ...int) (*safetensors.File, safeten
 	if !slices.Equal(info.Shape, shape) {
 		return nil, info, fmt.Errorf("tensor %s has shape %v, expected %v (in %s)", name, info.Shape, shape, f.Path)
 	}
+	if info.DType == safetensors.F8E4M3 {
+		return f, info, nil // checked with its scales (fp8Scales)
+	}
 	if !info.DType.IsFloat() || info.DType == safetensors.F64 {
-		return nil, info, fmt.Errorf("tensor %s has dtype %s; want F32, BF16 or F16 (in %s)", name, info.DType, f.Path)
+		return nil, info, fmt.Errorf("tensor %s has dtype %s; want F32, BF16 or F16, or F8_E4M3 with block scales (in %s)", name, info.DType, f.Path)
 	}
 	return f, info, nil
 }
@@ -506,8 +509,10 @@ func (c *checkpoint) info(name string, shape ...int) (*safetensors.File, safeten
 // headers only), then reads and converts only this layer's tensors to float32.
 // Experts may be stored per expert (experts.<e>.gate_proj.weight, ...), fused
 // (experts.gate_up_proj [E,2I,H], experts.down_proj [E,H,I]) or, for Mixtral,
-// under block_sparse_moe with w1/w3/w2. A dense layer, a missing or misshaped
-// tensor, a missing shard or an unsupported dtype is an error naming it. It runs
+// under block_sparse_moe with w1/w3/w2. An FP8 checkpoint's F8_E4M3 weights
+// (cfg.Quant set) are dequantized (fp8.Weight.Dequantize) after their scales
+// are checked. A dense layer, a missing or misshaped tensor, a missing shard,
+// an unsupported dtype or a bad FP8 scale or code is an error naming it. It runs
 // on the calling goroutine and touches no device. To put the layer on a
 // device, LoadLayer reads the same tensors without the float32 copy.
 func LoadWeights(dir string, cfg *Config, layer int) (*Weights, error) {
@@ -537,9 +542,13 @@ type tensorSpec struct {
 }
 
 // checkedTensor is a tensor of a checkpoint whose header entry was checked.
+// An F8_E4M3 weight has its block scales (checked: finite and positive),
+// scales [ceil(rows/block[0])][ceil(cols/block[1])]; other tensors none.
 type checkedTensor struct {
-	f    *safetensors.File
-	info safetensors.TensorInfo
+	f      *safetensors.File
+	info   safetensors.TensorInfo
+	scales []float32
+	block  [2]int
 }
 
 // layerLayout is how one MoE layer's tensors are stored in a checkpoint, every
@@ -585,9 +594,30 @@ func resolveLayer(ck *checkpoint, cfg *Config, layer int) (*layerLayout, error) 
 		if err != nil {
 			return nil, err
 		}
-		ll.tensors[sp.name] = checkedTensor{f, info}
+		ct := checkedTensor{f: f, info: info}
+		if info.DType == safetensors.F8E4M3 {
+			if ct.scales, err = ck.fp8Scales(ll.prefix+sp.name, sp.shape, cfg.Quant); err != nil {
+				return nil, err
+			}
+			ct.block = cfg.Quant.Block()
+		}
+		ll.tensors[sp.name] = ct
 	}
 	return ll, nil
+}
+
+// float32s reads tensor name (of shape) as float32 values: widened, or for
+// an FP8 weight dequantized (code * scale_inv).
+func (t *checkedTensor) float32s(name string, shape []int) ([]float32, error) {
+	if t.scales == nil {
+		v, _, err := t.f.Float32(name)
+		return v, err
+	}
+	w, err := t.fp8Weight(name, 0, shape[0], shape[1])
+	if err != nil {
+		return nil, err
+	}
+	return w.Dequantize()
 }
 
 // name returns the name of part p (of routed expert e), relative to the
@@ -607,7 +637,7 @@ func loadLayer(ck *checkpoint, cfg *Config, layer int) (*Weights, error) {
 	vals := make(map[string][]float32, len(ll.specs))
 	for _, sp := range ll.specs {
 		t := ll.tensors[sp.name]
-		v, _, err := t.f.Float32(ll.prefix + sp.name)
+		v, err := t.float32s(ll.prefix+sp.name, sp.shape)
 		if err != nil {
 			return nil, err
 		}

@@ -76,6 +76,7 @@ type deviceReport struct {
 	FreeMemoryBytes   uint64        `json:"free_memory_bytes"`
 	L2Bytes           int           `json:"l2_bytes"`
 	DriverVersion     int           `json:"driver_version"`
+	FP8MMA            bool          `json:"fp8_mma"` // e4m3 tensor-core MMA: compute capability 8.9 or above
 	Checks            []checkReport `json:"checks"`
 	Error             string        `json:"error,omitempty"` // the device could not be opened
 }
@@ -116,6 +117,7 @@ func (a *app) collectInfo() (*infoReport, error) {
 		if info.ComputeMajor > 0 {
 			dr.ComputeCapability = fmt.Sprintf("%d.%d", info.ComputeMajor, info.ComputeMinor)
 		}
+		dr.FP8MMA = hasFP8MMA(info.ComputeMajor, info.ComputeMinor)
 		free, _, err := dev.MemInfo()
 		dr.FreeMemoryBytes = free
 		dr.Checks = append(dr.Checks,
@@ -252,6 +254,7 @@ func (r *infoReport) writeText(w io.Writer, verbose bool) error {
 			continue
 		}
 		fmt.Fprintf(tw, "  compute capability:\t%s\n", orDash(d.ComputeCapability))
+		fmt.Fprintf(tw, "  FP8 MMA:\t%s\n", fp8MMAText(r.Backend, d))
 		fmt.Fprintf(tw, "  SMs:\t%d\n", d.SMs)
 		fmt.Fprintf(tw, "  memory:\t%s total, %s free\n", mib(d.TotalMemoryBytes), mib(d.FreeMemoryBytes))
 		l2 := "-"
@@ -294,3 +297,22 @@ func orDash(s string) string {
 }
 
 func mib(b uint64) string { return fmt.Sprintf("%d MiB", b>>20) }
+
+// hasFP8MMA reports whether a GPU of compute capability major.minor has
+// FP8 (e4m3) tensor-core MMA: 8.9 (Ada) and above.
+func hasFP8MMA(major, minor int) bool { return major > 8 || (major == 8 && minor >= 9) }
+
+// fp8MMAText says whether d has FP8 MMA and what --dtype fp8 runs there.
+func fp8MMAText(backend string, d deviceReport) string {
+	var major, minor int
+	_, _ = fmt.Sscanf(d.ComputeCapability, "%d.%d", &major, &minor)
+	switch {
+	case d.FP8MMA:
+		return "yes (compute capability 8.9+); moe --dtype fp8 runs its w8a16 tiles"
+	case backend == "cpu":
+		return "no (CPU backend: moe --dtype fp8 runs the FP8 kernels' Go twins)"
+	case major >= 8:
+		return "no (needs compute capability 8.9); moe --dtype fp8 still runs (w8a16: bf16 MMA)"
+	}
+	return "no (needs compute capability 8.9)"
+}

@@ -65,15 +65,27 @@ func checkTileFlag(cmd *cobra.Command) {
 	}
 }
 
-// parseLayerDType maps --dtype to the layer's compute type.
+// parseLayerDType maps --dtype to the layer's compute type: fp8 is a bf16
+// layer whose routed experts are FP8 (isFP8, moe.LayerOptions.FP8).
 func parseLayerDType(s string) (gpuctx.DType, error) {
 	switch strings.ToLower(strings.TrimSpace(s)) {
 	case "f32":
 		return gpuctx.F32, nil
-	case "bf16":
+	case "bf16", "fp8":
 		return gpuctx.BF16, nil
 	}
-	return 0, fail(fmt.Sprintf("--dtype %q is not supported by the MoE layer", s), "use f32 or bf16", nil)
+	return 0, fail(fmt.Sprintf("--dtype %q is not supported by the MoE layer", s), "use f32, bf16 or fp8", nil)
+}
+
+// isFP8 reports whether --dtype s asks for FP8 routed experts.
+func isFP8(s string) bool { return strings.EqualFold(strings.TrimSpace(s), "fp8") }
+
+// layerDTypeName is the dtype a report names: fp8, or dt's name.
+func layerDTypeName(dt gpuctx.DType, fp8 bool) string {
+	if fp8 {
+		return "fp8"
+	}
+	return dt.String()
 }
 
 // parseModeFlag maps --mode to a moe.Mode.
@@ -249,20 +261,23 @@ type moeRunOpts struct {
 
 // moeRunReport is what moe run prints with --json.
 type moeRunReport struct {
-	Backend   string  `json:"backend"`
-	Device    string  `json:"device"`
-	Model     string  `json:"model"`
-	Family    string  `json:"model_type"`
-	Layer     int     `json:"layer"`
-	Input     string  `json:"input"`
-	Tensor    string  `json:"input_tensor"`
-	Output    string  `json:"output"`
-	Tokens    int     `json:"tokens"`
-	Hidden    int     `json:"hidden_size"`
-	DType     string  `json:"dtype"`
-	Mode      string  `json:"mode"`
-	LoadMS    float64 `json:"load_ms"`
-	ForwardMS float64 `json:"forward_ms"`
+	Backend string `json:"backend"`
+	Device  string `json:"device"`
+	Model   string `json:"model"`
+	Family  string `json:"model_type"`
+	Layer   int    `json:"layer"`
+	Input   string `json:"input"`
+	Tensor  string `json:"input_tensor"`
+	Output  string `json:"output"`
+	Tokens  int    `json:"tokens"`
+	Hidden  int    `json:"hidden_size"`
+	DType   string `json:"dtype"`
+	Mode    string `json:"mode"`
+	// WeightBytes is the device memory of the layer's weights (FP8: the
+	// codes and their block scales included).
+	WeightBytes int64   `json:"weight_device_bytes"`
+	LoadMS      float64 `json:"load_ms"`
+	ForwardMS   float64 `json:"forward_ms"`
 	// GPUs is the number of devices (--gpus); above 1 the layer ran expert
 	// parallel and Mode is "expert-parallel".
 	GPUs int `json:"gpus"`
@@ -317,7 +332,16 @@ above the small-batch size (16 tokens on the grouped-GEMM path).
 An explicit --gpus 1 on CUDA runs the layer the same way over a one-rank NCCL
 communicator (collective/nccl) when libnccl.so.2 loads, to exercise the NCCL
 path on one GPU; without --gpus (the default), without NCCL and with --trace it
-runs the one-device layer (its --mode and fused kernels).`,
+runs the one-device layer (its --mode and fused kernels).
+
+--dtype fp8 keeps the routed experts' weights in FP8 on the device (E4M3 codes
+with their 128x128 block scales, moe.LayerOptions.FP8), run by the weight-only
+FP8 tiles (bf16 activations) on the fused path; the router and correction bias
+stay as stored and the shared expert is bf16. An FP8 checkpoint (config.json's
+quantization_config, as DeepSeek-V3/R1 and Qwen3-FP8 ship) loads as stored; a
+bf16 or f32 one is quantized at load. With f32 or bf16, an FP8 checkpoint is
+dequantized at load. -v prints the device memory of the weights. fp8 runs on one
+device (not with --gpus above 1) and not with --mode fused.`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
   gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
   gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json
@@ -330,7 +354,7 @@ runs the one-device layer (its --mode and fused kernels).`,
 	f.IntVar(&o.layer, "layer", -1, "decoder layer to run, >= 0; -1: the first MoE layer the checkpoint holds")
 	f.StringVar(&o.input, "input", "", "safetensors file with x [tokens, hidden_size] (required)")
 	f.StringVar(&o.output, "output", "", "safetensors file to write y [tokens, hidden_size] to (required)")
-	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32 or bf16")
+	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32, bf16, or fp8 (bf16 with the routed experts' weights in FP8 on the device)")
 	f.StringVar(&o.mode, "mode", "auto", "mode: single, dual (shared expert on a side stream), fused (shared expert inside the fused kernels, bf16) or auto")
 	f.StringVar(&o.trace, "trace", "", traceHelp)
 	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, forward, write) to stderr")
@@ -352,6 +376,12 @@ func (o moeRunOpts) check() (gpuctx.DType, moe.Mode, error) {
 	}
 	if o.gpus < 1 {
 		return 0, 0, fail(fmt.Sprintf("--gpus %d", o.gpus), "pass --gpus 1 or more", nil)
+	}
+	if o.gpus > 1 && isFP8(o.dtype) {
+		return 0, 0, fail("--dtype fp8 with --gpus above 1", "the expert-parallel layer has no FP8 experts: run fp8 on one device, or use --dtype bf16", nil)
+	}
+	if isFP8(o.dtype) && mode == moe.FusedShared {
+		return 0, 0, fail("--dtype fp8 with --mode fused", "the FP8 layer keeps the shared expert in bf16 outside the routed kernels: use --mode dual, single or auto", nil)
 	}
 	if o.gpus > 1 && o.trace != "" {
 		return 0, 0, fail("--trace with --gpus above 1", "trace a one-device run (--gpus 1)", nil)
@@ -445,7 +475,8 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 		return err
 	}
 	defer rt.Close()
-	if comm, lib := pickMoeComm(rt.Backend(), o.gpus, cmd.Flags().Changed("gpus"), o.trace != "", nccl.Load); comm == commNCCL {
+	fp8 := isFP8(o.dtype) // FP8 runs the one-device layer (the NCCL path has no FP8 experts)
+	if comm, lib := pickMoeComm(rt.Backend(), o.gpus, cmd.Flags().Changed("gpus") && !fp8, o.trace != "", nccl.Load); comm == commNCCL {
 		return a.runMoeNCCL(o, moeParallelRun{rt: rt, cfg: in.cfg, layer: in.layer, x: in.x, T: in.T, name: in.name, reads: in.reads, dt: dt, start: start}, lib)
 	}
 	warmBlas(dev)
@@ -456,7 +487,7 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	// replay is one span). One forward runs eagerly anyway: graphs are
 	// captured from the second run of a shape.
 	l, err := moe.LoadLayer(dev, o.model, in.cfg, in.layer, moe.LayerOptions{DType: dt, Mode: mode, AutoThreshold: moe.DefaultAutoThreshold,
-		NoGraphs: o.trace != "", NoAutotune: !o.autotune, Tokens: []int{in.T}})
+		NoGraphs: o.trace != "", NoAutotune: !o.autotune, Tokens: []int{in.T}, FP8: fp8})
 	if err != nil {
 		return loadLayerError(o.model, in.layer, dt, err)
 	}
@@ -475,12 +506,30 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	}
 	ph.end()
 	if o.verbose {
-		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "forward": forwardNote(dev.Backend(), dt, o.autotune, l.TunedFromCache())}, dev.Backend())
+		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "forward": forwardNote(dev.Backend(), dt, o.autotune && !fp8, l.TunedFromCache())}, dev.Backend())
+		fmt.Fprintf(a.errOut, "weights on the device: %s\n", weightMemoryText(l))
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(in.cfg.Family), Layer: in.layer,
-		Input: o.input, Tensor: in.name, Output: o.output, Tokens: in.T, Hidden: in.cfg.HiddenSize, DType: dt.String(), Mode: mode.String(),
-		LoadMS: ms(ph.d["load"]), ForwardMS: ms(fwd), GPUs: 1}
+		Input: o.input, Tensor: in.name, Output: o.output, Tokens: in.T, Hidden: in.cfg.HiddenSize, DType: layerDTypeName(dt, fp8), Mode: mode.String(),
+		WeightBytes: l.DeviceWeightBytes(), LoadMS: ms(ph.d["load"]), ForwardMS: ms(fwd), GPUs: 1}
 	return a.printMoeRun(rep)
+}
+
+// weightMemoryText describes the device memory of l's weights, and for an
+// FP8 layer what the same layer takes in bf16 (its routed experts at two
+// bytes a weight instead of one, without block scales).
+func weightMemoryText(l *moe.Layer) string {
+	n := l.DeviceWeightBytes()
+	if !l.FP8() {
+		return fmt.Sprintf("%s (%s)", bytesText(float64(n)), l.DType())
+	}
+	c := l.Config()
+	H, I, E := int64(c.HiddenSize), int64(c.Intermediate), int64(c.NumExperts)
+	bh, bi := (H+127)/128, (I+127)/128
+	fp8Experts := E * (3*H*I + 3*4*bh*bi) // codes; gate, up and down scales
+	bf16 := n - fp8Experts + E*3*H*I*2
+	return fmt.Sprintf("%s (routed experts in FP8 with their block scales, the rest bf16; %.2fx the %s of the same layer in bf16)",
+		bytesText(float64(n)), float64(n)/float64(bf16), bytesText(float64(bf16)))
 }
 
 // ms is d in milliseconds, to the microsecond.

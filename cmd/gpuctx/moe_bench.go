@@ -71,12 +71,8 @@ type (
 // needs CUDA.
 var allowPeerOnCPU = false
 
-func newMoeBenchCmd(a *app) *cobra.Command {
-	o := moeBenchOpts{}
-	cmd := &cobra.Command{
-		Use:   "bench",
-		Short: "Time one MoE layer per token count against the copy-bandwidth and GEMM floor",
-		Long: `bench times one MoE layer on device 0 for each token count: seeded random
+// moeBenchLong is moe bench's help text.
+const moeBenchLong = `bench times one MoE layer on device 0 for each token count: seeded random
 weights of a preset (default deepseek-v2-lite), or layer --layer of the
 checkpoint in --model. For each token count it reports the median latency of
 each --mode (single: everything on the main stream; dual: the shared expert on
@@ -117,7 +113,19 @@ batches touched, and "vs peer" = peer best / gpuctx best of each round
 token counts. If the peer fails, its later rounds are skipped, the table is
 printed without it and the exit status is 1.
 
-Progress goes to stderr: a bar on a terminal, else one line per step.`,
+--dtype fp8 times the layer with its routed experts' weights in FP8 on the
+device (moe.LayerOptions.FP8: E4M3 codes and 128x128 block scales, the w8a16
+tiles, picked by rule, not timed), the rest bf16; its floor counts the FP8
+bytes and scales the batch touches. Run it beside --dtype bf16 to compare.
+
+Progress goes to stderr: a bar on a terminal, else one line per step.`
+
+func newMoeBenchCmd(a *app) *cobra.Command {
+	o := moeBenchOpts{}
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Time one MoE layer per token count against the copy-bandwidth and GEMM floor",
+		Long:  moeBenchLong,
 		Example: `  gpuctx moe bench
   gpuctx moe bench --preset qwen1.5-moe --tokens 1,64,1024 --plot moe.png --out moe.md
   gpuctx moe bench --model ./DeepSeek-V2-Lite --layer 1 --mode single,dual,auto --json
@@ -131,7 +139,7 @@ Progress goes to stderr: a bar on a terminal, else one line per step.`,
 	f.IntVar(&o.layer, "layer", -1, "with --model: the decoder layer; -1: the first MoE layer")
 	f.StringVar(&o.tokens, "tokens", benchTokens, "comma-separated token counts (on the CPU backend "+cpuBenchTokens+" unless set)")
 	f.StringVar(&o.modes, "mode", "single,dual", "comma-separated modes to time: single, dual, auto, fused (the shared expert inside the fused kernels)")
-	f.StringVar(&o.dtype, "dtype", "bf16", "layer compute type: bf16 or f32")
+	f.StringVar(&o.dtype, "dtype", "bf16", "layer compute type: bf16, f32, or fp8 (bf16 with the routed experts' weights in FP8 on the device; the floor counts their FP8 bytes and scales)")
 	f.IntVar(&o.iters, "iters", benchIters, fmt.Sprintf("timed forwards per measurement; the median is reported (on the CPU backend %d unless set)", cpuBenchIters))
 	f.IntVar(&o.warmup, "warmup", benchWarmup, fmt.Sprintf("untimed forwards first, at least two per weight set with --sets above 1 (on the CPU backend %d unless set)", cpuBenchWarmup))
 	f.Uint64Var(&o.seed, "seed", 1, "seed of the random weights and inputs")
@@ -273,6 +281,7 @@ func shellQuote(s string) string {
 type moeBenchPlan struct {
 	cfg   *moe.Config // the preset's (nil with --model)
 	dt    gpuctx.DType
+	fp8   bool // --dtype fp8: dt is bf16, the routed experts FP8
 	modes []moe.Mode
 	dist  moe.InitDist
 	peer  *bench.PeerSpec // nil: no --peer
@@ -317,6 +326,21 @@ func checkMoeBenchFlags(changed func(string) bool, o *moeBenchOpts) error {
 	return nil
 }
 
+// checkFP8BenchFlags refuses the flags an FP8 layer cannot honour.
+func checkFP8BenchFlags(o *moeBenchOpts, modes []moe.Mode) error {
+	switch {
+	case slices.Contains(modes, moe.FusedShared):
+		return fail("--dtype fp8 with --mode fused", "the FP8 layer keeps the shared expert in bf16 outside the routed kernels: time single, dual or auto", nil)
+	case o.tile != "":
+		return fail("--dtype fp8 with --tile", "--tile names a bf16 tile; the FP8 layer picks its tiles by rule: drop --tile", nil)
+	case o.noFused:
+		return fail("--dtype fp8 with --no-fused", "the FP8 experts run on the fused path only: drop --no-fused", nil)
+	case o.smallBatch > 0:
+		return fail(fmt.Sprintf("--dtype fp8 with --small-batch %d", o.smallBatch), "the FP8 experts have no small-batch kernels: drop --small-batch", nil)
+	}
+	return nil
+}
+
 // planMoeBench checks the flags and resolves what they name.
 func (a *app) planMoeBench(cmd *cobra.Command, o *moeBenchOpts) (*moeBenchPlan, error) {
 	if err := checkMoeBenchFlags(cmd.Flags().Changed, o); err != nil {
@@ -329,6 +353,11 @@ func (a *app) planMoeBench(cmd *cobra.Command, o *moeBenchOpts) (*moeBenchPlan, 
 	}
 	if p.modes, err = parseModes(o.modes); err != nil {
 		return nil, err
+	}
+	if p.fp8 = isFP8(o.dtype); p.fp8 {
+		if err := checkFP8BenchFlags(o, p.modes); err != nil {
+			return nil, err
+		}
 	}
 	if o.model == "" {
 		if p.cfg, err = moe.Preset(o.preset); err != nil {
@@ -405,7 +434,7 @@ func newMoeReport(cmd *cobra.Command, o *moeBenchOpts, dev *gpuctx.Device, p *mo
 			o.sets = 1
 		}
 	}
-	rep := &moeBenchReport{Backend: dev.Backend(), Device: dev.Info().Name, DType: p.dt.String(),
+	rep := &moeBenchReport{Backend: dev.Backend(), Device: dev.Info().Name, DType: layerDTypeName(p.dt, p.fp8),
 		Date: time.Now().UTC().Format("2006-01-02 15:04 UTC"), Commit: commit(), Command: commandLine(cmd),
 		Seed: o.seed, Iters: o.iters, Warmup: o.warmup, Sets: o.sets, Rounds: o.rounds, Notes: []string{}}
 	for _, m := range p.modes {
@@ -536,7 +565,7 @@ func (a *app) benchOptions(dev *gpuctx.Device, o *moeBenchOpts, p *moeBenchPlan,
 	bo := bench.MoEOptions{Config: cfg, Weights: weights, Modes: p.modes, Tokens: tokens, Iters: o.iters, Warmup: o.warmup,
 		Sets: o.sets, Seed: o.seed, CopyBytes: copyBytesCUDA, GemmN: gemmNCUDA, GemmPerRound: 5, CheckTol: bench.CheckTol(p.dt),
 		Layer: moe.LayerOptions{DType: p.dt, Mode: p.modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch,
-			NoGraphs: o.noGraphs, NoFused: o.noFused, Tile: o.tile, Tokens: tokens}}
+			NoGraphs: o.noGraphs, NoFused: o.noFused, Tile: o.tile, Tokens: tokens, FP8: p.fp8}}
 	if dev.Backend() == "cpu" {
 		bo.CopyBytes, bo.GemmN, bo.GemmPerRound = copyBytesCPU, gemmNCPU, 1
 	}

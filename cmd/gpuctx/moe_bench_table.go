@@ -104,8 +104,12 @@ func markdownHeader(b *strings.Builder, r *moeBenchReport) {
 	}
 	fmt.Fprintf(b, "- layer: %s, H=%d, E=%d, top-%d, I=%d, shared=%d; weights %s; dtype %s\n",
 		s.Family, s.Hidden, s.Experts, s.TopK, s.Intermediate, s.Shared, weights, r.DType)
+	gemmType := r.DType
+	if gemmType == "fp8" {
+		gemmType = "bf16" // the w8a16 tiles multiply in bf16
+	}
 	fmt.Fprintf(b, "- ceilings measured in this run: copy %.3g GB/s (%d MiB device-to-device, read+write), GEMM %.3g TFLOP/s (%s %d³ through a Context)\n",
-		r.CopyBW/1e9, r.CopyBytes>>20, r.GemmRate/1e12, r.DType, r.GemmN)
+		r.CopyBW/1e9, r.CopyBytes>>20, r.GemmRate/1e12, gemmType, r.GemmN)
 	warm := r.Warmup
 	if r.Sets > 1 {
 		warm = max(warm, 2*r.Sets) // two per set (bench.MoEBench)
@@ -152,7 +156,7 @@ func checkSummary(r *moeBenchReport) string {
 	if n == 0 {
 		return "none ran"
 	}
-	return fmt.Sprintf("passed, largest relative difference %.2g (tolerance %.2g)", worst, bench.CheckTol(map[string]gpuctx.DType{"bf16": gpuctx.BF16}[r.DType]))
+	return fmt.Sprintf("passed, largest relative difference %.2g (tolerance %.2g)", worst, bench.CheckTol(map[string]gpuctx.DType{"bf16": gpuctx.BF16, "fp8": gpuctx.BF16}[r.DType]))
 }
 
 // benchColumns says which optional columns the table has.

@@ -15,6 +15,7 @@ import (
 	"github.com/gpuctx/gpuctx/internal/atomicfile"
 	"github.com/gpuctx/gpuctx/internal/sysmem"
 	"github.com/gpuctx/gpuctx/moe"
+	"github.com/gpuctx/gpuctx/moe/fp8"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
 
@@ -42,14 +43,20 @@ moe run has a real model directory to read without downloading one:
 The checkpoint holds the preset's first MoE layer and the config says it has
 that many layers plus one. --small writes the shape moe bench uses on the CPU
 backend (H=256, E=16, I=64) instead of the full one. DIR is created when
-missing; files already in it are never overwritten.`,
+missing; files already in it are never overwritten.
+
+--dtype fp8 writes the checkpoint in the Hub's FP8 format (DeepSeek-V3/R1,
+Qwen3-FP8): config.json with its quantization_config (fp8, e4m3, dynamic,
+128x128 blocks), every expert and shared-expert projection as F8_E4M3 with its
+F32 weight_scale_inv, the router as BF16 and the correction bias as F32; x is
+bf16. moe run --dtype fp8 runs it as stored, --dtype bf16 or f32 dequantized.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return a.runMoeInit(o) },
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.preset, "preset", "deepseek-v2-lite", "layer shape: "+strings.Join(moe.PresetNames(), ", "))
 	f.StringVar(&o.dir, "dir", "", "directory to write config.json, model.safetensors and input.safetensors into (required)")
-	f.StringVar(&o.dtype, "dtype", "bf16", "dtype of the weights and x on disk: bf16 or f32")
+	f.StringVar(&o.dtype, "dtype", "bf16", "dtype of the weights and x on disk: bf16, f32, or fp8 (the Hub's block-scaled FP8 format; x in bf16)")
 	f.Uint64Var(&o.seed, "seed", 1, "seed of the random weights and input")
 	f.IntVar(&o.tokens, "tokens", 64, "tokens in x")
 	f.BoolVar(&o.small, "small", false, "the scaled-down shape of the CPU backend's moe bench (H=256, E=16, I=64)")
@@ -103,21 +110,25 @@ func (a *app) runMoeInit(o moeInitOpts) error {
 	}
 	for i, write := range writes {
 		if i == 1 {
-			step(fmt.Sprintf("writing model.safetensors (%s in %s)", bytesText(float64(wbytes)), dt))
+			step(fmt.Sprintf("writing model.safetensors (%s in %s)", bytesText(float64(wbytes)), o.diskName(dt)))
 		}
 		if err := write(); err != nil {
 			return fail("moe init: writing "+filepath.Join(o.dir, moeInitFiles[i]), "check the directory's space and permissions", err)
 		}
 	}
 	if a.json {
-		return a.jsonOut(moeInitReport{Dir: o.dir, Preset: o.preset, Layer: layer, DType: string(dt), Tokens: o.tokens,
+		return a.jsonOut(moeInitReport{Dir: o.dir, Preset: o.preset, Layer: layer, DType: map[bool]string{true: "fp8", false: string(dt)}[o.dtype == "fp8"], Tokens: o.tokens,
 			Files: moeInitFiles, Bytes: wbytes})
 	}
 	step("done")
 	fmt.Fprintf(a.out, "wrote %s: config.json (%s, layer %d of %d), model.safetensors (%s, %s), input.safetensors (x [%d, %d])\n",
-		o.dir, cfg.Family, layer, cfg.NumHiddenLayers, bytesText(float64(wbytes)), dt, o.tokens, cfg.HiddenSize)
-	fmt.Fprintf(a.out, "next: gpuctx moe run --model %s --input %s --output y.safetensors -v\n",
-		o.dir, filepath.Join(o.dir, "input.safetensors"))
+		o.dir, cfg.Family, layer, cfg.NumHiddenLayers, bytesText(float64(wbytes)), o.diskName(dt), o.tokens, cfg.HiddenSize)
+	next := ""
+	if o.dtype == "fp8" {
+		next = " --dtype fp8"
+	}
+	fmt.Fprintf(a.out, "next: gpuctx moe run --model %s --input %s --output y.safetensors%s -v\n",
+		o.dir, filepath.Join(o.dir, "input.safetensors"), next)
 	return nil
 }
 
@@ -134,8 +145,10 @@ func (o moeInitOpts) plan() (safetensors.DType, *moe.Config, int, []byte, error)
 		dt = safetensors.BF16
 	case "f32":
 		dt = safetensors.F32
+	case "fp8":
+		dt = safetensors.BF16 // the tensors QuantizeTensors converts, and x
 	default:
-		return "", nil, 0, nil, fail(fmt.Sprintf("moe init: --dtype %q", o.dtype), "use bf16 or f32", nil)
+		return "", nil, 0, nil, fail(fmt.Sprintf("moe init: --dtype %q", o.dtype), "use bf16, f32 or fp8", nil)
 	}
 	cfg, err := moe.Preset(o.preset)
 	if err != nil {
@@ -154,6 +167,9 @@ func (o moeInitOpts) plan() (safetensors.DType, *moe.Config, int, []byte, error)
 		return "", nil, 0, nil, fail("moe init: preset "+o.preset, "report this: every preset has an MoE layer", err)
 	}
 	cfg.NumHiddenLayers = layer + 1
+	if o.dtype == "fp8" {
+		cfg.Quant = fp8.HubQuantConfig()
+	}
 	cj, err := cfg.HFConfig()
 	if err != nil {
 		return "", nil, 0, nil, fail("moe init: writing config.json for preset "+o.preset, "report this", err)
@@ -204,6 +220,11 @@ func (o moeInitOpts) generate(cfg *moe.Config, layer int, dt safetensors.DType) 
 	if err != nil {
 		return nil, safetensors.Tensor{}, fail("moe init: encoding the weights", "report this", err)
 	}
+	if cfg.Quant != nil {
+		if ts, err = fp8.QuantizeTensors(ts, cfg.Quant); err != nil {
+			return nil, safetensors.Tensor{}, fail("moe init: quantizing the weights to FP8", "report this", err)
+		}
+	}
 	r := rand.New(rand.NewPCG(o.seed, 99))
 	x := make([]float32, o.tokens*cfg.HiddenSize)
 	for i := range x {
@@ -214,6 +235,15 @@ func (o moeInitOpts) generate(cfg *moe.Config, layer int, dt safetensors.DType) 
 		return nil, safetensors.Tensor{}, fail("moe init: encoding x", "report this", err)
 	}
 	return ts, xt, nil
+}
+
+// diskName names the weights' format on disk: dt, or for --dtype fp8 the
+// Hub's FP8 format.
+func (o moeInitOpts) diskName(dt safetensors.DType) string {
+	if o.dtype == "fp8" {
+		return "F8_E4M3 with F32 block scales"
+	}
+	return string(dt)
 }
 
 // bytesText is b in GiB, or in MiB below one GiB.

@@ -110,7 +110,7 @@ func TestMoeInitFailures(t *testing.T) {
 		{"no dir", []string{"moe", "init"}, []string{"--dir is required"}, ""},
 		{"existing checkpoint", []string{"moe", "init", "--small", "--dir", taken}, []string{"already holds config.json", "never overwrites"}, ""},
 		{"dir is a file", []string{"moe", "init", "--small", "--dir", file}, []string{"is not a directory"}, ""},
-		{"bad dtype", []string{"moe", "init", "--dtype", "f16", "--dir", t.TempDir()}, []string{`--dtype "f16"`, "bf16 or f32"}, ""},
+		{"bad dtype", []string{"moe", "init", "--dtype", "f16", "--dir", t.TempDir()}, []string{`--dtype "f16"`, "bf16, f32 or fp8"}, ""},
 		{"bad preset", []string{"moe", "init", "--preset", "gpt-5", "--dir", t.TempDir()}, []string{`--preset "gpt-5" is not a preset`, "deepseek-v2-lite"}, "deepseek-v2-lite"},
 		{"bad tokens", []string{"moe", "init", "--tokens", "0", "--dir", t.TempDir()}, []string{"--tokens 0"}, ""},
 	} {

@@ -176,7 +176,7 @@ func TestMoeRunFailures(t *testing.T) {
 		{"output is input by another path", []string{"moe", "run", "--model", fixture, "--input", inCopy,
 			"--output", filepath.Join(dir, ".", "dense", "..", "x.safetensors")}, []string{"is the --input file"}},
 		{"unknown mode", run("--mode", "triple"), []string{`--mode "triple" is not a mode`, "single, dual, auto or fused"}},
-		{"bad dtype", run("--dtype", "f16"), []string{`--dtype "f16"`, "f32 or bf16"}},
+		{"bad dtype", run("--dtype", "f16"), []string{`--dtype "f16"`, "f32, bf16 or fp8"}},
 		{"missing input", run("--input", filepath.Join(dir, "none.safetensors")), []string{"reading --input", "none.safetensors"}},
 		{"output dir missing", run("--output", filepath.Join(dir, "no", "y.safetensors")), []string{"directory does not exist"}},
 	}

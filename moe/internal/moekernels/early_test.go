@@ -73,13 +73,16 @@ func usedBefore(t *testing.T, name, code string, params []string) {
 }
 
 func TestWaitsFirst(t *testing.T) {
-	srcs := []string{RouteSource(), GemmSource(), WgmmaSource()}
+	srcs := []string{RouteSource(), GemmSource(), WgmmaSource(), FP8MMASource()}
 	names := append([]string(nil), earlyKernels...)
 	for _, c := range MoEGemms {
 		if c.HasUp() {
 			names = append(names, c.UpName())
 		}
 		names = append(names, c.DownName())
+	}
+	for _, c := range FP8Gemms {
+		names = append(names, c.UpName(), c.DownName())
 	}
 	instance := regexp.MustCompile(`^\s*(\w+)<[^;]*>\([^;]*\);\s*$`)
 	for _, name := range names {

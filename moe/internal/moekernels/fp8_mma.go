@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 
+	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/kernels"
 	"github.com/gpuctx/gpuctx/moe/fp8"
 )
@@ -139,16 +141,52 @@ func fp8MMAInstances() string {
 	return b.String()
 }
 
-// fp8UpArgs are the parameters of gpuctx_moe_fp8_up_<tag>.
-type fp8UpArgs struct {
-	X, Gu, Gus, Sorted, BlockExpert, Npost, Act Ptr
+// FP8UpArgs are the parameters of every gpuctx_moe_fp8_up_<tag>
+// (FP8Gemm.UpName).
+type FP8UpArgs[P Pointer] struct {
+	X, Gu, Gus, Sorted, BlockExpert, Npost, Act P
 	TK, K, H, I, E0, Ns                         int32
 }
 
-// fp8DownArgs are the parameters of gpuctx_moe_fp8_down_<tag>.
-type fp8DownArgs struct {
-	Act, Down, Downs, Sorted, BlockExpert, Npost, Out Ptr
+func (a FP8UpArgs[P]) args() []any {
+	return []any{a.X, a.Gu, a.Gus, a.Sorted, a.BlockExpert, a.Npost, a.Act, a.TK, a.K, a.H, a.I, a.E0, a.Ns}
+}
+
+// FP8DownArgs are the parameters of every gpuctx_moe_fp8_down_<tag>
+// (FP8Gemm.DownName).
+type FP8DownArgs[P Pointer] struct {
+	Act, Down, Downs, Sorted, BlockExpert, Npost, Out P
 	TK, H, I                                          int32
+}
+
+func (a FP8DownArgs[P]) args() []any {
+	return []any{a.Act, a.Down, a.Downs, a.Sorted, a.BlockExpert, a.Npost, a.Out, a.TK, a.H, a.I}
+}
+
+// The launch arguments (Launcher) of the FP8 tiles, and the twins'.
+type (
+	FP8Up       = FP8UpArgs[*gpuctx.Buffer]
+	FP8Down     = FP8DownArgs[*gpuctx.Buffer]
+	fp8UpArgs   = FP8UpArgs[Ptr]
+	fp8DownArgs = FP8DownArgs[Ptr]
+)
+
+// NewFP8Up looks up, on d, the up kernel of FP8 tile c (FP8Gemm.UpName),
+// compiling moe_fp8_mma.cu on first use on CUDA. A tile that is not one of
+// FP8Gemms is an error wrapping gpuctx.ErrInvalid.
+func NewFP8Up(d *gpuctx.Device, c FP8Gemm) (Launcher[FP8Up], error) {
+	if !slices.Contains(FP8Gemms, c) {
+		return Launcher[FP8Up]{}, fmt.Errorf("moekernels: NewFP8Up: tile %s is not compiled (FP8Gemms): %w", c.Tag(), gpuctx.ErrInvalid)
+	}
+	return newLauncher[FP8Up](d, c.UpName())
+}
+
+// NewFP8Down looks up, on d, the down kernel of FP8 tile c (FP8Gemm.DownName).
+func NewFP8Down(d *gpuctx.Device, c FP8Gemm) (Launcher[FP8Down], error) {
+	if !slices.Contains(FP8Gemms, c) {
+		return Launcher[FP8Down]{}, fmt.Errorf("moekernels: NewFP8Down: tile %s is not compiled (FP8Gemms): %w", c.Tag(), gpuctx.ErrInvalid)
+	}
+	return newLauncher[FP8Down](d, c.DownName())
 }
 
 func init() {

@@ -7,10 +7,11 @@ import (
 )
 
 // LaunchArgs is the set of launch argument types, one per kernel (Up and Down
-// for every GEMM tile of MoEGemms).
+// for every GEMM tile of MoEGemms, FP8Up and FP8Down for every tile of
+// FP8Gemms).
 type LaunchArgs interface {
 	Route | Plan | Gather | Swiglu | Combine | ExpertUp | ExpertDown | Align | AlignCount |
-		AlignScan | AlignScatter | RouteAlign | CombineRows | Up | Down
+		AlignScan | AlignScatter | RouteAlign | CombineRows | Up | Down | FP8Up | FP8Down
 	args() []any // the leaf fields in order (kernels.Flatten)
 }
 

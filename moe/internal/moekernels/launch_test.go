@@ -224,8 +224,8 @@ func TestLauncherBits(t *testing.T) {
 func TestLaunchArgsList(t *testing.T) {
 	d := newTestDevice(t)
 	for _, a := range []any{Route{}, Plan{}, Gather{}, Swiglu{}, Combine{}, ExpertUp{}, ExpertDown{}, Align{},
-		AlignCount{}, AlignScan{}, AlignScatter{}, RouteAlign{}, CombineRows{}, Up{}, Down{},
-		routeArgs{}, routeAlignArgs{}, upArgs{}} {
+		AlignCount{}, AlignScan{}, AlignScatter{}, RouteAlign{}, CombineRows{}, Up{}, Down{}, FP8Up{}, FP8Down{},
+		routeArgs{}, routeAlignArgs{}, upArgs{}, fp8UpArgs{}, fp8DownArgs{}} {
 		v := reflect.New(reflect.TypeOf(a)).Elem()
 		for i, f := range kernels.Leaves(v.Type()) {
 			fv := v.FieldByIndex(f.Index)

@@ -197,6 +197,9 @@ var waitsFirst = sync.OnceValue(func() map[string]bool {
 	for _, c := range MoEGemms {
 		m[c.UpName()], m[c.DownName()] = true, true
 	}
+	for _, c := range FP8Gemms { // moe_tile_begin: MOE_GRID_WAIT before the sort is read
+		m[c.UpName()], m[c.DownName()] = true, true
+	}
 	return m
 })
 

@@ -1,0 +1,606 @@
+package moe
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe/fp8"
+	"github.com/gpuctx/gpuctx/moe/safetensors"
+)
+
+// fp8Configs are small layers whose sizes are not multiples of the 128x128
+// FP8 block (partial blocks in every projection): DeepSeek-V3 routing with a
+// shared expert of the routed width, DeepSeek-V2 with one of twice it (a bf16
+// layer fuses it as two chunks, columns of its down projection), Qwen2-MoE
+// with its shared-expert gate, Qwen3-MoE without a shared expert.
+func fp8Configs() map[string]*Config {
+	v := variants()
+	out := map[string]*Config{}
+	for _, name := range []string{"deepseek_v3", "deepseek_v2_greedy", "qwen2_moe", "qwen3_moe"} {
+		c := *v[name]
+		c.HiddenSize, c.Intermediate = 144, 160
+		if c.SharedIntermediate > 0 {
+			c.SharedIntermediate = 160
+		}
+		if c.Family == DeepseekV2 {
+			c.SharedIntermediate = 320
+		}
+		out[name] = &c
+	}
+	return out
+}
+
+// writeFP8Checkpoint writes layer 1 of cfg with random weights (seed) in the
+// Hub's FP8 format into a new directory, as `moe init --dtype fp8` does
+// (fp8.WriteCheckpoint over the bf16 tensors), and returns it and the config
+// read back (its Quant set).
+func writeFP8Checkpoint(t *testing.T, cfg *Config, seed uint64) (string, *Config) {
+	t.Helper()
+	w, err := RandomWeights(cfg, seed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts, err := LayerTensors(cfg, w, 1, PerExpert, safetensors.BF16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cj, err := cfg.HFConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := fp8.WriteCheckpoint(dir, cj, ts, fp8.HubQuantConfig(), nil); err != nil {
+		t.Fatal(err)
+	}
+	got, err := LoadConfig(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Quant == nil {
+		t.Fatal("LoadConfig of an FP8 checkpoint: Config.Quant is nil")
+	}
+	return dir, got
+}
+
+// TestFP8ConfigRoundTrip checks that quantization_config is parsed into
+// Config.Quant and written back by HFConfig.
+func TestFP8ConfigRoundTrip(t *testing.T) {
+	cfg := *fp8Configs()["deepseek_v3"]
+	cfg.Quant = fp8.HubQuantConfig()
+	js, err := cfg.HFConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Contains(js, []byte(`"quantization_config"`)) {
+		t.Fatalf("HFConfig lost quantization_config:\n%s", js)
+	}
+	back, err := ParseConfig(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if back.Quant == nil || back.Quant.Block() != [2]int{128, 128} || back.Quant.QuantMethod != "fp8" {
+		t.Fatalf("ParseConfig(HFConfig()) Quant = %+v", back.Quant)
+	}
+}
+
+// fp8Buffers returns the contents of an FP8 layer's expert buffers.
+func fp8Buffers(t *testing.T, l *Layer) [4][]byte {
+	t.Helper()
+	q := l.experts.q
+	if q == nil {
+		t.Fatal("the layer has no FP8 experts")
+	}
+	var out [4][]byte
+	for i, b := range []*gpuctx.Buffer{q.gu, q.gus, q.down, q.downs} {
+		out[i] = make([]byte, b.Size())
+		if err := b.CopyToHost(out[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return out
+}
+
+// TestLayerFP8 loads an FP8 checkpoint in the Hub's format (real tensor
+// names, partial blocks) as f32, bf16 and fp8 layers and checks each forward
+// against the float64 reference on the dequantized weights (LoadWeights):
+// f32 to f32 rounding, bf16 and fp8 within 1e-2 relative (max|d|/max|ref|).
+// The FP8 layer's device buffers hold the checkpoint's codes and scales as
+// stored (fp8.ReadWeight), and the same weights quantized at load from a
+// bf16 checkpoint, or from Weights (NewLayer), give the same bytes. The
+// expert weights take under 0.55x their bf16 bytes.
+func TestLayerFP8(t *testing.T) {
+	for _, b := range layerBackends(t) {
+		for name, cfg0 := range fp8Configs() {
+			dir, cfg := writeFP8Checkpoint(t, cfg0, 41)
+			wq, err := LoadWeights(dir, cfg, 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Run(b.name+"/"+name, func(t *testing.T) {
+				layers := map[string]*Layer{}
+				for _, o := range []struct {
+					name string
+					o    LayerOptions
+				}{{"f32", LayerOptions{DType: gpuctx.F32}}, {"bf16", LayerOptions{DType: gpuctx.BF16}}, {"fp8", LayerOptions{DType: gpuctx.BF16, FP8: true}}} {
+					l, err := LoadLayer(b.dev, dir, cfg, 1, o.o)
+					if err != nil {
+						t.Fatalf("LoadLayer %s: %v", o.name, err)
+					}
+					defer l.Close()
+					layers[o.name] = l
+				}
+				for _, T := range []int{1, 7, 40} {
+					x := randomX(T, cfg.HiddenSize, uint64(T)+3)
+					want, err := Reference(cfg, wq, roundAll(x), T)
+					if err != nil {
+						t.Fatal(err)
+					}
+					for name, l := range layers {
+						xin := x
+						if name == "f32" {
+							xin = roundAll(x) // the reference's input
+						}
+						got, err := l.Forward(xin, T)
+						if err != nil {
+							t.Fatalf("%s T=%d: %v", name, T, err)
+						}
+						tol := 1e-2
+						if name == "f32" {
+							tol = 1e-5
+						}
+						rel := relErr(got, want)
+						if name == "fp8" {
+							t.Logf("fp8 T=%d: relative error %.3g", T, rel)
+						}
+						if !(rel <= tol) {
+							t.Errorf("%s T=%d: relative error %.3g against the float64 reference on the dequantized weights, want <= %g", name, T, rel, tol)
+						}
+					}
+					// bf16 with the shared expert fused (dequantized chunks).
+					if l := layers["bf16"]; l.ns > 0 {
+						got := l.decode(deviceRun(t, l, x, T, FusedShared, Whole))
+						if rel := relErr(got, want); !(rel <= 2e-2) {
+							t.Errorf("bf16 fused shared T=%d: relative error %.3g, want <= 2e-2", T, rel)
+						}
+					}
+				}
+				// Dequantizing in chunks of one row on three goroutines gives
+				// the same bytes.
+				defer func(b, w int) { loadChunkBytes, loadWorkers = b, w }(loadChunkBytes, loadWorkers)
+				loadChunkBytes, loadWorkers = 1, 3
+				for _, dt := range layerDTypes {
+					l, err := LoadLayer(b.dev, dir, cfg, 1, LayerOptions{DType: dt})
+					if err != nil {
+						t.Fatal(err)
+					}
+					sameLayers(t, layers[dt.String()], l)
+					_ = l.Close()
+				}
+				checkFP8Bytes(t, b.dev, cfg, dir, layers["fp8"], layers["bf16"])
+			})
+		}
+	}
+}
+
+// checkFP8Bytes checks the FP8 layer l (loaded from the FP8 checkpoint in
+// dir) against the checkpoint's tensors, against the same weights quantized
+// at load, and its device memory against bf16's.
+func checkFP8Bytes(t *testing.T, dev *gpuctx.Device, cfg *Config, dir string, l, bf *Layer) {
+	t.Helper()
+	got := fp8Buffers(t, l)
+	f, err := safetensors.Open(filepath.Join(dir, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	H, I := cfg.HiddenSize, cfg.Intermediate
+	for e := range cfg.NumExperts {
+		name := LayerPrefix(1, PerExpert) + tensorName(cfg.Family, PerExpert, wDown, e)
+		codes, _, err := f.Bytes(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got[2][e*H*I:(e+1)*H*I], codes) {
+			t.Errorf("expert %d: the device's down codes are not the checkpoint's", e)
+		}
+		sc, _, err := f.Bytes(fp8.ScaleName(name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := len(sc); !bytes.Equal(got[3][e*n:(e+1)*n], sc) {
+			t.Errorf("expert %d: the device's down scales are not the checkpoint's", e)
+		}
+	}
+	// The same weights in bf16, quantized at load: from a file and from Weights.
+	w, err := RandomWeights(cfg, 41)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts, err := LayerTensors(cfg, w, 1, PerExpert, safetensors.BF16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bdir := t.TempDir()
+	writeCheckpoint(t, bdir, ts, 2)
+	c := *cfg
+	c.Quant = nil
+	wb, err := LoadWeights(bdir, &c, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fromFile, err := LoadLayer(dev, bdir, &c, 1, LayerOptions{DType: gpuctx.BF16, FP8: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fromFile.Close()
+	fromMem, err := NewLayer(dev, &c, wb, LayerOptions{DType: gpuctx.BF16, FP8: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fromMem.Close()
+	for i, v := range [][4][]byte{fp8Buffers(t, fromFile), fp8Buffers(t, fromMem)} {
+		for k := range got {
+			if !bytes.Equal(v[k], got[k]) {
+				t.Errorf("quantized at load (%s): buffer %d differs from the FP8 checkpoint's", [...]string{"LoadLayer", "NewLayer"}[i], k)
+			}
+		}
+	}
+	fb, bb := l.DeviceWeightBytes(), bf.DeviceWeightBytes()
+	routed := int64(cfg.NumExperts) * 3 * int64(H) * int64(cfg.Intermediate)
+	if fp8Routed := fb - (bb - 2*routed); float64(fp8Routed) > 0.55*float64(2*routed) || fb >= bb {
+		t.Errorf("device weight bytes: fp8 %d (routed experts %d), bf16 %d (routed %d)", fb, fp8Routed, bb, 2*routed)
+	}
+}
+
+// TestLayerFP8DualBitwise checks that an FP8 layer's Dual and Auto forwards
+// are bitwise its Single forward, eagerly and replayed from a graph, and
+// that the routed and shared parts add up to the whole.
+func TestLayerFP8DualBitwise(t *testing.T) {
+	for _, b := range layerBackends(t) {
+		for name, cfg := range fp8Configs() {
+			w, err := RandomWeights(cfg, 5)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, graphs := range []bool{false, true} {
+				t.Run(b.name+"/"+name+map[bool]string{true: "/graphs", false: "/eager"}[graphs], func(t *testing.T) {
+					l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoGraphs: !graphs})
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer l.Close()
+					for _, T := range []int{1, 7, 40} {
+						x := randomX(T, cfg.HiddenSize, uint64(T))
+						single := deviceRun(t, l, x, T, Single, Whole)
+						for _, mode := range []Mode{Dual, Auto, Single, Dual} {
+							if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, single) {
+								t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(single)))
+							}
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
+// rewriteCheckpoint rewrites dir/model.safetensors through edit, which gets
+// its tensors in order and returns the new list.
+func rewriteCheckpoint(t *testing.T, dir string, edit func([]safetensors.Tensor) []safetensors.Tensor) {
+	t.Helper()
+	path := filepath.Join(dir, "model.safetensors")
+	f, err := safetensors.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ts []safetensors.Tensor
+	for _, n := range f.Header.Names() {
+		data, info, err := f.Bytes(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ts = append(ts, safetensors.Tensor{Name: n, DType: info.DType, Shape: info.Shape, Data: data})
+	}
+	_ = f.Close()
+	if err := safetensors.Write(path, edit(ts), map[string]string{"format": "pt"}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// rewriteConfig rewrites dir/config.json's quantization_config: the
+// function gets it as a map (nil: drop it).
+func rewriteConfig(t *testing.T, dir string, edit func(q map[string]any) map[string]any) {
+	t.Helper()
+	path := filepath.Join(dir, "config.json")
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(data, &m); err != nil {
+		t.Fatal(err)
+	}
+	q, _ := m["quantization_config"].(map[string]any)
+	if q = edit(q); q == nil {
+		delete(m, "quantization_config")
+	} else {
+		m["quantization_config"] = q
+	}
+	if data, err = json.Marshal(m); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// editTensor returns an edit that applies fn to the tensor named name.
+func editTensor(name string, fn func(*safetensors.Tensor)) func([]safetensors.Tensor) []safetensors.Tensor {
+	return func(ts []safetensors.Tensor) []safetensors.Tensor {
+		for i := range ts {
+			if ts[i].Name == name {
+				fn(&ts[i])
+			}
+		}
+		return ts
+	}
+}
+
+// f32Tensor returns a F32 tensor of shape filled with v.
+func f32Tensor(name string, v float32, shape ...int) safetensors.Tensor {
+	n := 1
+	for _, d := range shape {
+		n *= d
+	}
+	vals := make([]float32, n)
+	for i := range vals {
+		vals[i] = v
+	}
+	t, _ := safetensors.FromFloat32(name, safetensors.F32, shape, vals)
+	return t
+}
+
+// TestLoadFP8Errors checks every bad FP8 input: LoadConfig, LoadWeights and
+// LoadLayer (f32, bf16 and fp8) fail with one line naming the problem, and
+// nothing panics.
+func TestLoadFP8Errors(t *testing.T) {
+	cfg0 := fp8Configs()["deepseek_v3"]
+	down := LayerPrefix(1, PerExpert) + "experts.3.down_proj.weight"
+	scale := fp8.ScaleName(down)
+	H, I := cfg0.HiddenSize, cfg0.Intermediate // down is [H, I]
+	cases := []struct {
+		name    string
+		ckpt    func([]safetensors.Tensor) []safetensors.Tensor
+		config  func(map[string]any) map[string]any
+		wantErr string
+	}{
+		{"scale missing", func(ts []safetensors.Tensor) []safetensors.Tensor {
+			var out []safetensors.Tensor
+			for _, x := range ts {
+				if x.Name != scale {
+					out = append(out, x)
+				}
+			}
+			return out
+		}, nil, scale + " (F32 [2 2], the block scales of " + down + ") is missing"},
+		{"scale shape", editTensor(scale, func(x *safetensors.Tensor) { *x = f32Tensor(scale, 1, 2, 3) }), nil,
+			"tensor " + scale + " has shape [2 3]"},
+		{"other block size", editTensor(scale, func(x *safetensors.Tensor) { *x = f32Tensor(scale, 1, 3, 3) }), nil,
+			"the tensors fit [64, 64] blocks"},
+		{"scale dtype", editTensor(scale, func(x *safetensors.Tensor) {
+			x.DType, x.Data = safetensors.U8, make([]byte, 4)
+		}), nil, "block scales must be F32, BF16 or F16"},
+		{"NaN scale", editTensor(scale, func(x *safetensors.Tensor) { *x = f32Tensor(scale, float32(math.NaN()), 2, 2) }), nil,
+			"scale_inv [0][0] = NaN: block scales must be finite and positive"},
+		{"Inf scale", editTensor(scale, func(x *safetensors.Tensor) { *x = f32Tensor(scale, float32(math.Inf(1)), 2, 2) }), nil,
+			"scale_inv [0][0] = +Inf: block scales must be finite and positive"},
+		{"zero scale", editTensor(scale, func(x *safetensors.Tensor) { *x = f32Tensor(scale, 0, 2, 2) }), nil,
+			"scale_inv [0][0] = 0: block scales must be finite and positive"},
+		{"NaN code", editTensor(down, func(x *safetensors.Tensor) { x.Data[5*I+7] = fp8.NaNE4M3 }), nil,
+			"[5][7] is the E4M3 NaN code 0x7f"},
+		{"weight shape", editTensor(down, func(x *safetensors.Tensor) { x.Shape = []int{I, H} }), nil,
+			"has shape [160 144], expected [144 160]"},
+		{"no quantization_config", nil, func(map[string]any) map[string]any { return nil },
+			"is F8_E4M3, but config.json has no quantization_config"},
+		{"quant_method", nil, func(q map[string]any) map[string]any { q["quant_method"] = "gptq"; return q },
+			`quantization_config.quant_method = "gptq" is not supported`},
+		{"fmt", nil, func(q map[string]any) map[string]any { q["fmt"] = "e5m2"; return q },
+			`quantization_config.fmt = "e5m2" is not supported`},
+		{"block size in config", nil, func(q map[string]any) map[string]any { q["weight_block_size"] = []int{64, 64}; return q },
+			"quantization_config.weight_block_size = [64,64] is not supported"},
+		{"static activations", nil, func(q map[string]any) map[string]any { q["activation_scheme"] = "static"; return q },
+			`quantization_config.activation_scheme = "static" is not supported`},
+	}
+	dev := layerBackends(t)[0].dev
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			dir, _ := writeFP8Checkpoint(t, cfg0, 7)
+			if c.ckpt != nil {
+				rewriteCheckpoint(t, dir, c.ckpt)
+			}
+			if c.config != nil {
+				rewriteConfig(t, dir, c.config)
+			}
+			check := func(what string, err error) {
+				t.Helper()
+				switch {
+				case err == nil:
+					t.Errorf("%s: no error, want one containing %q", what, c.wantErr)
+				case strings.Contains(err.Error(), "\n"):
+					t.Errorf("%s: error of several lines:\n%v", what, err)
+				case !strings.Contains(err.Error(), c.wantErr):
+					t.Errorf("%s: error\n\t%v\nwant it to contain %q", what, err, c.wantErr)
+				}
+			}
+			cfg, err := LoadConfig(dir)
+			if c.config != nil && c.wantErr != "is F8_E4M3, but config.json has no quantization_config" {
+				check("LoadConfig", err)
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = LoadWeights(dir, cfg, 1)
+			check("LoadWeights", err)
+			for _, o := range []LayerOptions{{DType: gpuctx.F32}, {DType: gpuctx.BF16}, {DType: gpuctx.BF16, FP8: true}} {
+				l, err := LoadLayer(dev, dir, cfg, 1, o)
+				if err == nil {
+					_ = l.Close()
+				}
+				check(fmt.Sprintf("LoadLayer %v fp8=%v", o.DType, o.FP8), err)
+			}
+		})
+	}
+}
+
+// TestLayerFP8Options checks the options an FP8 layer refuses: one line each.
+func TestLayerFP8Options(t *testing.T) {
+	dev := layerBackends(t)[0].dev
+	cfg := fp8Configs()["deepseek_v3"]
+	w, err := RandomWeights(cfg, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	odd := *cfg
+	odd.HiddenSize = 136 // a multiple of 8, not of 16
+	wodd, err := RandomWeights(&odd, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name    string
+		cfg     *Config
+		w       *Weights
+		o       LayerOptions
+		wantErr string
+	}{
+		{"f32", cfg, w, LayerOptions{DType: gpuctx.F32, FP8: true}, "LayerOptions.FP8 needs DType bf16"},
+		{"fused shared", cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, Mode: FusedShared}, "mode FusedShared is not supported with FP8 experts"},
+		{"no fused", cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoFused: true}, "FP8 experts run on the fused path only"},
+		{"small batch", cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, SmallBatchTokens: 4}, "FP8 experts have no small-batch kernels"},
+		{"tile", cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, Tile: TileTags()[0]}, "names a bf16 tile"},
+		{"sizes", &odd, wodd, LayerOptions{DType: gpuctx.BF16, FP8: true}, "must be multiples of 16"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			l, err := NewLayer(dev, c.cfg, c.w, c.o)
+			if err == nil {
+				_ = l.Close()
+				t.Fatalf("no error, want %q", c.wantErr)
+			}
+			if !strings.Contains(err.Error(), c.wantErr) || strings.Contains(err.Error(), "\n") || !errors.Is(err, gpuctx.ErrInvalid) {
+				t.Errorf("error\n\t%v\nwant one line containing %q wrapping ErrInvalid", err, c.wantErr)
+			}
+		})
+	}
+}
+
+// TestLoadLayerFP8Layouts checks that LoadLayer quantizes at load what
+// NewLayer quantizes from LoadWeights, bit for bit, from every layout and
+// dtype a bf16/f32 checkpoint may have.
+func TestLoadLayerFP8Layouts(t *testing.T) {
+	dev := layerBackends(t)[0].dev
+	v := variants()
+	for _, c := range []loadCase{{"deepseek_v3", PerExpert, safetensors.F32, 1}, {"qwen2_moe", Fused, safetensors.BF16, 2},
+		{"mixtral", MixtralHub, safetensors.F16, 1}, {"qwen3_moe", Fused, safetensors.F32, 1}} {
+		t.Run(c.String(), func(t *testing.T) {
+			cfg := *v[c.variant]
+			cfg.HiddenSize, cfg.Intermediate = 144, 48
+			if cfg.SharedIntermediate > 0 {
+				cfg.SharedIntermediate = 96
+			}
+			dir := writeLayerCheckpoint(t, &cfg, c)
+			w, err := LoadWeights(dir, &cfg, 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			o := LayerOptions{DType: gpuctx.BF16, FP8: true}
+			want, err := NewLayer(dev, &cfg, w, o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer want.Close()
+			got, err := LoadLayer(dev, dir, &cfg, 1, o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer got.Close()
+			bw, bg := fp8Buffers(t, want), fp8Buffers(t, got)
+			for k := range bw {
+				if !bytes.Equal(bw[k], bg[k]) {
+					t.Errorf("buffer %d differs", k)
+				}
+			}
+			x := randomX(9, cfg.HiddenSize, 1)
+			if !bytes.Equal(deviceRun(t, want, x, 9, Dual, Whole), deviceRun(t, got, x, 9, Dual, Whole)) {
+				t.Error("outputs differ")
+			}
+		})
+	}
+}
+
+// TestLayerFP8Fixtures converts every HF fixture to the Hub's FP8 format and
+// runs it as an FP8 layer: within 1e-2 of the float64 reference on the
+// dequantized weights and bf16 inputs, on every backend.
+func TestLayerFP8Fixtures(t *testing.T) {
+	dirs, _ := filepath.Glob(filepath.Join("testdata", "*", "config.json"))
+	if len(dirs) == 0 {
+		t.Fatal("no fixtures in moe/testdata")
+	}
+	for _, b := range layerBackends(t) {
+		for _, cj := range dirs {
+			src := filepath.Dir(cj)
+			t.Run(b.name+"/"+filepath.Base(src), func(t *testing.T) {
+				cfg, w, cases := loadLayerFixture(t, src)
+				if err := checkFP8(cfg, LayerOptions{DType: gpuctx.BF16, FP8: true}); err != nil {
+					t.Skipf("not an FP8 shape: %v", err)
+				}
+				ts, err := LayerTensors(cfg, w, 1, PerExpert, safetensors.BF16)
+				if err != nil {
+					t.Fatal(err)
+				}
+				c := *cfg
+				c.NumHiddenLayers = 2
+				cjs, err := c.HFConfig()
+				if err != nil {
+					t.Fatal(err)
+				}
+				dir := t.TempDir()
+				if err := fp8.WriteCheckpoint(dir, cjs, ts, fp8.HubQuantConfig(), nil); err != nil {
+					t.Fatal(err)
+				}
+				qc, err := LoadConfig(dir)
+				if err != nil {
+					t.Fatal(err)
+				}
+				wq, err := LoadWeights(dir, qc, 1)
+				if err != nil {
+					t.Fatal(err)
+				}
+				l, err := LoadLayer(b.dev, dir, qc, 1, LayerOptions{DType: gpuctx.BF16, FP8: true, Mode: Dual})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				for _, fc := range cases {
+					got, err := l.Forward(fc.x, fc.T)
+					if err != nil {
+						t.Fatal(err)
+					}
+					ref, err := Reference(qc, wq, roundAll(fc.x), fc.T)
+					if err != nil {
+						t.Fatal(err)
+					}
+					checkClose(t, fc.name+" fp8 vs reference on the dequantized weights", got, ref, nil, 1e-2)
+				}
+			})
+		}
+	}
+}
