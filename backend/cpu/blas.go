@@ -85,6 +85,38 @@ func (c *callChecks) misuse(err error) error {
 // concurrent use; the caller (package gpuctx) must serialise every call.
 type guard struct{ busy atomic.Bool }
 
+// handleCore is what the BLAS and cuBLASLt handles share: the busy guard, the
+// device, the kind's name for messages and whether it is destroyed.
+type handleCore struct {
+	guard
+	dev       *device
+	kind      string // "BlasHandle" or "LtHandle"
+	destroyed bool
+}
+
+// begin enters the handle for call and checks that it is not destroyed; the
+// caller must call exit when the call is done.
+func (h *handleCore) begin(call string) (exit func(), err error) {
+	if exit, err = h.enter(&h.dev.calls, h.kind+"."+call); err != nil {
+		return nil, err
+	}
+	if h.destroyed {
+		exit()
+		return nil, fmt.Errorf("cpu: %s.%s: handle is destroyed (create a new one): %w", h.kind, call, hal.ErrClosed)
+	}
+	return exit, nil
+}
+
+// ownStream returns s as a stream of the handle's device, or an error naming
+// call.
+func (h *handleCore) ownStream(call string, s hal.Stream) (*stream, error) {
+	st, ok := s.(*stream)
+	if !ok || st == nil || st.dev != h.dev {
+		return nil, fmt.Errorf("cpu: %s.%s: stream %v does not come from this device's NewStream", h.kind, call, s)
+	}
+	return st, nil
+}
+
 // enter marks the handle busy for call and runs the Inside hook; the caller
 // must call the returned func when the call is done.
 func (g *guard) enter(c *callChecks, call string) (exit func(), err error) {
@@ -104,8 +136,7 @@ func (g *guard) leave() { g.busy.Store(false) }
 // CheckStream for a stream it is not bound to, and a GEMM after SetStream
 // dropped its workspace and before SetWorkspace set one again.
 type blasHandle struct {
-	guard
-	dev    *device
+	handleCore
 	stream *stream
 	ws     hal.Ptr
 	wsSize int
@@ -113,7 +144,6 @@ type blasHandle struct {
 	// cublasSetStream does) and SetWorkspace has not been called since.
 	wsDropped bool
 	math      hal.MathMode
-	destroyed bool
 }
 
 // NewBlasHandle creates a BLAS handle bound to no stream; call SetStream before
@@ -124,20 +154,7 @@ func (d *device) NewBlasHandle() (hal.BlasHandle, error) {
 	if d.closed {
 		return nil, d.errClosed("NewBlasHandle")
 	}
-	return &blasHandle{dev: d}, nil
-}
-
-// begin enters the handle for call and checks that it is not destroyed; the
-// caller must call exit when the call is done.
-func (h *blasHandle) begin(call string) (exit func(), err error) {
-	if exit, err = h.enter(&h.dev.calls, "BlasHandle."+call); err != nil {
-		return nil, err
-	}
-	if h.destroyed {
-		exit()
-		return nil, fmt.Errorf("cpu: BlasHandle.%s: handle is destroyed (create a new one): %w", call, hal.ErrClosed)
-	}
-	return exit, nil
+	return &blasHandle{handleCore: handleCore{dev: d, kind: "BlasHandle"}}, nil
 }
 
 // SetStream binds the handle to s: later operations queue on s. Like
@@ -149,9 +166,9 @@ func (h *blasHandle) SetStream(s hal.Stream) error {
 		return err
 	}
 	defer exit()
-	st, ok := s.(*stream)
-	if !ok || st == nil || st.dev != h.dev {
-		return fmt.Errorf("cpu: BlasHandle.SetStream: stream %v does not come from this device's NewStream", s)
+	st, err := h.ownStream("SetStream", s)
+	if err != nil {
+		return err
 	}
 	h.stream = st
 	h.wsDropped = h.wsDropped || h.ws != 0
@@ -333,10 +350,8 @@ func (h *blasHandle) Destroy() error {
 // caller bound it to (SetStream) and refuses (ErrHandleMisuse) a Matmul on any
 // other, as it refuses a call that enters it while another is inside.
 type ltHandle struct {
-	guard
-	dev       *device
-	bound     *stream // nil: not bound; Matmul takes any stream
-	destroyed bool
+	handleCore
+	bound *stream // nil: not bound; Matmul takes any stream
 }
 
 // NewLtHandle creates a cuBLASLt-style handle. Safe for concurrent use; the
@@ -347,19 +362,7 @@ func (d *device) NewLtHandle() (hal.LtHandle, error) {
 	if d.closed {
 		return nil, d.errClosed("NewLtHandle")
 	}
-	return &ltHandle{dev: d}, nil
-}
-
-// begin enters the handle for call and checks that it is not destroyed.
-func (h *ltHandle) begin(call string) (exit func(), err error) {
-	if exit, err = h.enter(&h.dev.calls, "LtHandle."+call); err != nil {
-		return nil, err
-	}
-	if h.destroyed {
-		exit()
-		return nil, fmt.Errorf("cpu: LtHandle.%s: handle is destroyed (create a new one): %w", call, hal.ErrClosed)
-	}
-	return exit, nil
+	return &ltHandle{handleCore: handleCore{dev: d, kind: "LtHandle"}}, nil
 }
 
 // SetStream records s as the stream the handle is lent for: until the next
@@ -371,9 +374,9 @@ func (h *ltHandle) SetStream(s hal.Stream) error {
 		return err
 	}
 	defer exit()
-	st, ok := s.(*stream)
-	if !ok || st == nil || st.dev != h.dev {
-		return fmt.Errorf("cpu: LtHandle.SetStream: stream %v does not come from this device's NewStream", s)
+	st, err := h.ownStream("SetStream", s)
+	if err != nil {
+		return err
 	}
 	h.bound = st
 	return nil
@@ -406,9 +409,9 @@ func (h *ltHandle) Matmul(s hal.Stream, g hal.GemmDesc, ws hal.Ptr, wsSize int) 
 		return err
 	}
 	defer exit()
-	st, ok := s.(*stream)
-	if !ok || st == nil || st.dev != h.dev {
-		return fmt.Errorf("cpu: LtHandle.Matmul: stream %v does not come from this device's NewStream", s)
+	st, err := h.ownStream("Matmul", s)
+	if err != nil {
+		return err
 	}
 	if err := h.checkBound("Matmul", s); err != nil {
 		return err
