@@ -125,6 +125,7 @@ func run(args []string, stdout, stderr io.Writer) (code int) {
 			code = 1
 		}
 	}()
+	defer releaseBlasPreload()
 	root := newRootCmd(stdout, stderr)
 	root.SetArgs(args)
 	recordArgs(root, args)
@@ -232,6 +233,7 @@ func (a *app) openRuntime() (*gpuctx.Runtime, error) {
 	if name == "" {
 		name = "auto"
 	}
+	startBlasPreload(name)
 	rt, err := gpuctx.OpenBackend(name)
 	if err != nil {
 		fix := "set " + gpuctx.BackendEnv + " or --backend to " + backendList()

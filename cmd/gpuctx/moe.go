@@ -307,7 +307,7 @@ load time is that of reading the weights onto the device (the load phase of
 --trace FILE writes a timeline of the forward's device work (one track per
 stream, one span per kernel, copy and BLAS call, arrows where the side stream
 forks and joins) as Chrome trace-event JSON for ui.perfetto.dev. -v prints
-where the wall time went (open, parse, load, compile, forward, write) to
+where the wall time went (open, parse, load, compile, blas, forward, write) to
 stderr; compiled kernels are cached on disk (GPUCTX_KERNEL_CACHE), so the
 compile phase is long only on a machine's first run.
 
@@ -357,7 +357,7 @@ device (not with --gpus above 1) and not with --mode fused.`,
 	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32, bf16, or fp8 (bf16 with the routed experts' weights in FP8 on the device)")
 	f.StringVar(&o.mode, "mode", "auto", "mode: single, dual (shared expert on a side stream), fused (shared expert inside the fused kernels, bf16) or auto")
 	f.StringVar(&o.trace, "trace", "", traceHelp)
-	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, forward, write) to stderr")
+	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, blas, forward, write) to stderr")
 	f.IntVar(&o.gpus, "gpus", 1, "devices to run the layer on, expert parallel when above 1 (the CPU backend opens one runtime per device)")
 	f.BoolVar(&o.autotune, "autotune", false, "time the fused expert GEMM tiles on the first forward (CUDA, bf16) instead of picking them by rule of thumb; same output, slower one-shot run")
 	return cmd
@@ -479,7 +479,8 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	if comm, lib := pickMoeComm(rt.Backend(), o.gpus, cmd.Flags().Changed("gpus") && !fp8, o.trace != "", nccl.Load); comm == commNCCL {
 		return a.runMoeNCCL(o, moeParallelRun{rt: rt, cfg: in.cfg, layer: in.layer, x: in.x, T: in.T, name: in.name, reads: in.reads, dt: dt, start: start}, lib)
 	}
-	warmBlas(dev)
+	waitBlas := startBlasWarmup(dev, in.cfg, in.T, dt)
+	defer waitBlas()
 	a.warnFullSize(dev, in.cfg, dt)
 	ph.begin("load")
 	k0 := dev.KernelStats()
@@ -494,6 +495,8 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	defer l.Close()
 	k1 := dev.KernelStats()
 	ph.move("load", "compile", k1.Time-k0.Time) // LoadLayer's kernel lookups
+	ph.begin("blas")
+	warm := waitBlas()
 	y, fwd, err := a.forwardMoe(cmd, o, in, dev, l, mode, &ph)
 	if err != nil {
 		return err
@@ -506,7 +509,7 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	}
 	ph.end()
 	if o.verbose {
-		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "forward": forwardNote(dev.Backend(), dt, o.autotune && !fp8, l.TunedFromCache())}, dev.Backend())
+		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "blas": blasNote(dev.Backend(), warm), "forward": forwardNote(dev.Backend(), dt, o.autotune && !fp8, l.TunedFromCache())}, dev.Backend())
 		fmt.Fprintf(a.errOut, "weights on the device: %s\n", weightMemoryText(l))
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(in.cfg.Family), Layer: in.layer,

@@ -1,12 +1,15 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe"
 )
 
 // phases accumulates the wall time of a command's phases (moe run -v). A
@@ -54,10 +57,11 @@ func (p *phases) move(from, to string, d time.Duration) {
 
 // moeRunPhases are moe run's phases in print order, with what each covers.
 var moeRunPhases = []struct{ name, what string }{
-	{"open", "backend, device 0 and the BLAS library (first handle)"},
+	{"open", "backend and device 0"},
 	{"parse", "config.json, safetensors headers, the input x"},
 	{"load", "weights read and uploaded (converted where the file's dtype is not --dtype)"},
 	{"compile", "kernel lookups and compilation"},
+	{"blas", "waiting for the BLAS warm-up (library and GEMM kernels loaded while the weights upload)"},
 	{"forward", "one forward, host in and out, kernel lookups excluded"},
 	{"trace", "reading the timing events, writing --trace"},
 	{"write", "encoding and writing --output"},
@@ -143,4 +147,88 @@ func warmBlas(dev *gpuctx.Device) {
 	}
 	_ = ctx.Blas(func(gpuctx.Blas) error { return nil })
 	_ = ctx.Close()
+}
+
+// startBlasWarmup loads the BLAS library and runs the shared expert's GEMM
+// shapes for T tokens once (on zeroed scratch, on a stream of its own
+// Context) in a goroutine, and returns a function that waits for it and
+// reports how long the warm-up took (any number of calls; the caller must
+// call it before closing dev). cuBLAS loads a GEMM's kernels at its first
+// call, which on the H200 made the first forward of moe run 120 ms slower
+// than with the shared expert fused (bench/RESULTS.md); started before the
+// weights are loaded, that cost overlaps the upload. The layer's own
+// handles then find the library and kernels loaded. A bf16 (or FP8) layer's
+// shared expert runs bf16 GEMMs on the tensor-op handles, an f32 layer's f32
+// GEMMs. Errors are left for the forward to report; a layer without a shared
+// expert warms only the library.
+func startBlasWarmup(dev *gpuctx.Device, cfg *moe.Config, T int, dt gpuctx.DType) (wait func() time.Duration) {
+	if dev.Backend() == "cpu" { // nothing to load; the GEMMs would only cost time
+		warmBlas(dev)
+		return func() time.Duration { return 0 }
+	}
+	done := make(chan time.Duration, 1)
+	go func() {
+		t0 := time.Now()
+		defer func() { done <- time.Since(t0) }()
+		if err := blasWarmup(dev, cfg, T, dt); err != nil {
+			warmBlas(dev)
+		}
+	}()
+	return sync.OnceValue(func() time.Duration { return <-done })
+}
+
+// blasWarmup is startBlasWarmup's work, on the calling goroutine: it returns
+// once the GEMMs have run (their Context's stream synchronized).
+func blasWarmup(dev *gpuctx.Device, cfg *moe.Config, T int, dt gpuctx.DType) error {
+	flav := gpuctx.Default
+	if dt != gpuctx.F32 {
+		dt, flav = gpuctx.BF16, gpuctx.TensorOp
+	}
+	H, Is := cfg.HiddenSize, cfg.SharedIntermediate
+	if Is == 0 || T <= 0 {
+		return errors.New("no shared expert")
+	}
+	ctx, err := dev.NewContext(gpuctx.ContextOptions{})
+	if err != nil {
+		return err
+	}
+	defer ctx.Close()
+	es := dt.Size()
+	var bufs []*gpuctx.Buffer
+	defer func() {
+		for _, b := range bufs {
+			_ = b.Free()
+		}
+	}()
+	alloc := func(n int) (*gpuctx.Buffer, error) {
+		b, err := dev.Alloc(n * es)
+		if err == nil {
+			bufs = append(bufs, b)
+			err = ctx.Stream().Memset(b, 0)
+		}
+		return b, err
+	}
+	x, err1 := alloc(T * H)
+	w, err2 := alloc(2 * Is * H)
+	h, err3 := alloc(T * 2 * Is)
+	y, err4 := alloc(T * H)
+	if err := errors.Join(err1, err2, err3, err4); err != nil {
+		return err
+	}
+	err = ctx.BlasFlavour(flav, func(b gpuctx.Blas) error {
+		return errors.Join(
+			b.Gemm(gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: T, N: 2 * Is, K: H, Alpha: 1, A: x, B: w, C: h, AB: dt, CType: dt}),
+			b.Gemm(gpuctx.Gemm{Layout: gpuctx.RowMajor, TransB: true, M: T, N: H, K: Is, Alpha: 1, A: h, B: w, C: y, AB: dt, CType: dt}))
+	})
+	return errors.Join(err, ctx.Stream().Synchronize())
+}
+
+// blasNote describes moe run's blas phase: the wait for startBlasWarmup
+// beyond the load it ran beside, and how long the warm-up itself took.
+func blasNote(backend string, warm time.Duration) string {
+	if backend == "cpu" {
+		return "BLAS warm-up (CPU backend: none)"
+	}
+	return fmt.Sprintf("waiting for the BLAS warm-up (cuBLAS and the shared expert's GEMM kernels loaded, %.1f ms in all, beside load and compile)",
+		float64(warm.Microseconds())/1e3)
 }
