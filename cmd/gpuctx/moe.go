@@ -441,7 +441,7 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	if err != nil {
 		return err
 	}
-	steps := 5 // parse, open, load, forward, write; compile is charged afterwards
+	steps := 6 // parse, open, load, blas, forward, write; compile is charged afterwards
 	if o.trace != "" {
 		steps++
 	}
@@ -454,20 +454,7 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 		return err
 	}
 	if o.gpus > 1 {
-		// The expert-parallel shards are built from the weights on the host.
-		ph.begin("load")
-		w, err := loadLayerWeights(o.model, in.cfg, in.layer)
-		if err != nil {
-			return err
-		}
-		ph.begin("open")
-		rt, _, err := a.openDevice()
-		if err != nil {
-			return err
-		}
-		defer rt.Close()
-		ph.end()
-		return a.runMoeParallel(o, moeParallelRun{rt: rt, cfg: in.cfg, w: w, layer: in.layer, x: in.x, T: in.T, name: in.name, reads: in.reads, dt: dt, start: start})
+		return a.runMoeShards(o, in, dt, start, &ph)
 	}
 	ph.begin("open")
 	rt, dev, err := a.openDevice()
@@ -516,6 +503,24 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 		Input: o.input, Tensor: in.name, Output: o.output, Tokens: in.T, Hidden: in.cfg.HiddenSize, DType: layerDTypeName(dt, fp8), Mode: mode.String(),
 		WeightBytes: l.DeviceWeightBytes(), LoadMS: ms(ph.d["load"]), ForwardMS: ms(fwd), GPUs: 1}
 	return a.printMoeRun(rep)
+}
+
+// runMoeShards is moe run with --gpus above 1: the expert-parallel shards
+// are built from the weights read on the host, then run by runMoeParallel.
+func (a *app) runMoeShards(o moeRunOpts, in *moeRunInput, dt gpuctx.DType, start time.Time, ph *phases) error {
+	ph.begin("load")
+	w, err := loadLayerWeights(o.model, in.cfg, in.layer)
+	if err != nil {
+		return err
+	}
+	ph.begin("open")
+	rt, _, err := a.openDevice()
+	if err != nil {
+		return err
+	}
+	defer rt.Close()
+	ph.end()
+	return a.runMoeParallel(o, moeParallelRun{rt: rt, cfg: in.cfg, w: w, layer: in.layer, x: in.x, T: in.T, name: in.name, reads: in.reads, dt: dt, start: start})
 }
 
 // weightMemoryText describes the device memory of l's weights, and for an
