@@ -25,7 +25,8 @@ type phases struct {
 func (p *phases) begin(name string) {
 	p.charge()
 	p.cur = name
-	p.prog.phase(name, phaseWhat(name))
+	label, what := progressLabel(name)
+	p.prog.phase(label, what)
 }
 
 // charge adds the current phase's time up to now to it.
@@ -65,6 +66,17 @@ var moeRunPhases = []struct{ name, what string }{
 	{"forward", "one forward, host in and out, kernel lookups excluded"},
 	{"trace", "reading the timing events, writing --trace"},
 	{"write", "encoding and writing --output"},
+}
+
+// progressLabel is how progress names phase name and what it does: the load
+// phase is reported as "load and compile", since the kernel lookups inside
+// LoadLayer (compiled on a machine's first run) are only moved to the compile
+// phase of -v's breakdown once the load has ended.
+func progressLabel(name string) (label, what string) {
+	if name == "load" {
+		return "load and compile", "weights read and uploaded, kernels looked up (compiled by NVRTC on a machine's first run)"
+	}
+	return name, phaseWhat(name)
 }
 
 // phaseWhat is what moe run's phase name covers ("" for an unknown name).

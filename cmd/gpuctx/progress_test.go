@@ -60,6 +60,31 @@ func TestProgressLines(t *testing.T) {
 	}
 }
 
+// TestPhasesProgressLabel: moe run's load phase, which includes the kernel
+// lookups (NVRTC on a first run) that -v later charges to compile, is
+// reported by progress as "load and compile", so its "done in" matches -v's
+// load plus compile.
+func TestPhasesProgressLabel(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var buf bytes.Buffer
+		var w io.Writer = &buf
+		ph := phases{prog: newProgress(&w, "moe run", 2)}
+		ph.prog.delay = 500 * time.Millisecond
+		ph.begin("load")
+		time.Sleep(2 * time.Second)
+		synctest.Wait()
+		ph.end()
+		want := "moe run: load and compile: weights read and uploaded, kernels looked up (compiled by NVRTC on a machine's first run) ...\n" +
+			"moe run: load and compile done in 2.0 s\n"
+		if got := buf.String(); got != want {
+			t.Errorf("progress wrote\n%q\nwant\n%q", got, want)
+		}
+		if _, ok := ph.d["load"]; !ok {
+			t.Errorf("phases charged %v, want the time under load", ph.d)
+		}
+	})
+}
+
 // TestNilProgress: a nil reporter (no progress wanted) is safe to use.
 func TestNilProgress(t *testing.T) {
 	var p *progress
