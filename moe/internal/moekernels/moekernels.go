@@ -200,6 +200,10 @@ var waitsFirst = sync.OnceValue(func() map[string]bool {
 	for _, c := range FP8Gemms { // moe_tile_begin: MOE_GRID_WAIT before the sort is read
 		m[c.UpName()], m[c.DownName()] = true, true
 	}
+	m[FP8QuantName] = true // MOE_GRID_WAIT first
+	for _, c := range W8A8Gemms {
+		m[c.Name()] = true
+	}
 	return m
 })
 
