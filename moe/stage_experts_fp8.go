@@ -278,7 +278,8 @@ func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) er
 		X: in, Codes: x.xq, Scales: x.xs, R: int32(p.T), K: int32(H)}); err != nil {
 		return err
 	}
-	gx, gy := w8a8Up.Grid(I, cp)
+	sms := e.dev.Info().SMCount
+	gx, gy := w8a8Up.Grid(I, cp, sms)
 	if err := q.kW8Up.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: w8a8Up.Threads(), Y: 1, Z: 1}, w8a8Up.SmemBytes(), moekernels.W8A8Up{
 		Xq: x.xq, Xs: x.xs, Gu: q.gu, Gus: q.gus, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: x.act,
 		TK: int32(TK), K: int32(K), H: int32(H), I: int32(I)}); err != nil {
@@ -288,7 +289,7 @@ func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) er
 		X: x.act, Codes: x.aq, Scales: x.as, R: int32(cp), K: int32(I)}); err != nil {
 		return err
 	}
-	gx, gy = w8a8Down.Grid(H, cp)
+	gx, gy = w8a8Down.Grid(H, cp, sms)
 	return q.kW8Down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: w8a8Down.Threads(), Y: 1, Z: 1}, w8a8Down.SmemBytes(), moekernels.W8A8Down{
 		Aq: x.aq, As: x.as, Down: q.down, Downs: q.downs, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Out: x.out,
 		TK: int32(TK), H: int32(H), I: int32(I)})

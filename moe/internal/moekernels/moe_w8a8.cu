@@ -36,7 +36,9 @@
 //   cap/BM).
 // Both: block (128 * BM/64, 1, 1), W8A8Gemm.SmemBytes() of dynamic shared
 // memory; H and I multiples of 16 of at most 128 * FP8_MAX_KB; sorted,
-// block_expert and npost from gpuctx_moe_align with the tile's BM.
+// block_expert and npost from gpuctx_moe_align with the tile's BM. The
+// persistent tiles (moe_w8p, below) take the same arguments with grid
+// (min(SMs, tiles), 1) and block (128 * BM/64 + 32 * PW, 1, 1).
 //
 // Accumulation order of every GEMM output (the Go twin, w8a8.go, repeats it):
 //   acc = 0
@@ -319,5 +321,257 @@ static __device__ __forceinline__ void moe_w8(const unsigned char* __restrict__ 
         const int r = r0 + hr * 8;
         const int dst = row_dst[r];
         if (dst >= 0) w8_store_half<BN, UP>(acc, hr, dst, UP && row_src[r] < 0, C, N, n0, lane);
+    }
+}
+
+// ---- Persistent, warp-specialised tiles (W8A8Gemm.Producers > 0).
+//
+// moe_w8p: moe_w8's kernel (same arguments, rows, padding, outputs and
+// accumulation order: the same bits but for the tensor core's order within a
+// block, which does not depend on the tile) as a persistent grid with PW
+// producer warps and BM/64 consumer warpgroups per block, on moe_wgmma.cu's
+// moe_wgp pattern: grid (min(SMs, tiles), 1), block b runs tiles t = b, b +
+// gridDim.x, ... of the ceil(N/BN) * (npost[0]/BM) tiles (column block t %
+// ceil(N/BN) of row block t / ceil(N/BN)), skipping those of no expert. Every
+// thread calls MOE_GRID_WAIT before it reads anything.
+//
+// Shared memory is a ring of STAGES stages (moe_w8's tiles, one K block of
+// 128 codes each) with two mbarriers per stage: full[s] (count 32*PW: each
+// producer thread arrives through cp.async.mbarrier.arrive.noinc when its
+// copies of the stage have landed) and empty[s] (count 4*BM/64: lane 0 of
+// every consumer warp arrives once its wgmma of the stage completed). The
+// consumer warpgroups meet at no barrier: each multiplies a stage, releases
+// it, then scales the block into its accumulators while the other
+// warpgroup's wgmma run. Every mbarrier wait gives up with __trap() after
+// 2^28 failed try_waits or about 5 seconds.
+
+static __device__ __forceinline__ void w8p_bar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+static __device__ __forceinline__ void w8p_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ void w8p_cp_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ bool w8p_try(unsigned bar, unsigned parity) {
+    unsigned ok;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+
+static __device__ __forceinline__ unsigned long long w8p_clock() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
+
+static __device__ __forceinline__ void w8p_wait(unsigned bar, unsigned parity) {
+    if (w8p_try(bar, parity)) return;
+    const unsigned long long t0 = w8p_clock();
+    for (unsigned n = 1;; ++n) {
+        if (w8p_try(bar, parity)) return;
+        if (n >= (1u << 28) || ((n & 255u) == 0 && w8p_clock() - t0 > 5000000000ull)) __trap();
+    }
+}
+
+// w8p_produce is the producers' loop of moe_w8p: lane l of the PW warps
+// (pt = l) copies 16-byte chunk pt%8 of tile rows pt/8 + RSTEP*i of every
+// stage (A rows, then B rows).
+template <int BM, int BN, int STAGES, int PW, bool UP>
+static __device__ __forceinline__ void w8p_produce(const unsigned char* __restrict__ A,
+                                                   const unsigned char* __restrict__ B,
+                                                   const int* __restrict__ sorted,
+                                                   const int* __restrict__ block_expert, int TK, int topk, int Kdim,
+                                                   int N, int ntiles, int pt, unsigned sbase, unsigned full0,
+                                                   unsigned empty0) {
+    constexpr int CH = 8;
+    constexpr int RSTEP = 32 * PW / CH;
+    constexpr int NB = UP ? 2 : 1;
+    constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NB * BN) * 128;
+    constexpr int A_PER = BM / RSTEP, B_HALF = BN / RSTEP;
+    constexpr int SW = RSTEP % 8 == 0 ? 1 : 2;  // period of a lane's swizzle over its rows
+    const int NBLK = (N + BN - 1) / BN;
+    const int KB = (Kdim + W8_BK - 1) / W8_BK;
+    const int q = pt / CH, kch = (pt % CH) * 16;  // byte column of this lane's chunk
+    unsigned so[SW];  // shared offset of row q + RSTEP*i's chunk: so[i % SW] + i*RSTEP*128
+#pragma unroll
+    for (int j = 0; j < SW; ++j) so[j] = (unsigned)(q * 128 + (((pt % CH) ^ ((q + j * RSTEP) & 7)) << 4));
+    int slot = 0, fills = 0;
+    unsigned ph = 0;
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
+        const int e = block_expert[mb];
+        if (e < 0) continue;
+        // Byte offset of row q + RSTEP*i's chunk from At, a multiple of 16;
+        // bit 0 set: a padding row (zeros). 32-bit: UP's rows are tokens (T*H
+        // bytes), DOWN's this tile's rows from At (a 64-bit offset).
+        const unsigned char* At = UP ? A : A + (long long)mb * BM * Kdim;
+        unsigned ga[A_PER];
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i) {
+            const int a = sorted[mb * BM + q + RSTEP * i];
+            const bool real = a >= 0 && a < TK;
+            ga[i] = real ? (unsigned)((UP ? a / topk : q + RSTEP * i) * Kdim + kch) : ((unsigned)kch | 1u);
+        }
+        const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
+        const unsigned char* Bt = B + (b_base + n0 + q) * Kdim + kch;
+        const int nlim = N - n0 - q;  // rows RSTEP*i' < nlim exist
+        for (int kb = 0; kb < KB; ++kb) {
+            if (fills >= STAGES) w8p_wait(empty0 + 8u * slot, ph ^ 1u);  // the slot's previous use is released
+            const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+            const int k0 = kb * W8_BK;
+            const bool kok = k0 + kch < Kdim;
+            if (kok) {
+#pragma unroll
+                for (int i = 0; i < A_PER; ++i)
+                    w8_cp16(st + so[i % SW] + i * RSTEP * 128, At + k0 + (ga[i] & ~1u), (ga[i] & 1u) ? 0 : 16);
+            } else {
+#pragma unroll
+                for (int i = 0; i < A_PER; ++i) w8_cp16(st + so[i % SW] + i * RSTEP * 128, A, 0);
+            }
+            // Opaque to the compiler, so that it walks the rows stage by stage
+            // instead of keeping every row's address in registers.
+            long long hs = (long long)N * Kdim;
+            int rs = RSTEP * Kdim;
+            asm volatile("" : "+l"(hs), "+r"(rs));
+#pragma unroll
+            for (int h = 0; h < NB; ++h) {
+                const unsigned char* src = Bt + k0 + h * hs;
+#pragma unroll
+                for (int i = h * B_HALF; i < (h + 1) * B_HALF; ++i, src += rs) {
+                    const bool ok = kok && RSTEP * (i - h * B_HALF) < nlim;
+                    w8_cp16(st + A_BYTES + so[i % SW] + i * RSTEP * 128, ok ? (const void*)src : (const void*)B, ok ? 16 : 0);
+                }
+            }
+            w8p_cp_arrive(full0 + 8u * slot);
+            ++fills;
+            if (++slot == STAGES) {
+                slot = 0;
+                ph ^= 1u;
+            }
+        }
+    }
+    // Every fill is consumed (the consumers run the same tiles), but leave no
+    // copy in flight behind the warp.
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+template <int BM, int BN, int STAGES, int PW, bool UP>
+static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__ A, const float* __restrict__ AS,
+                                               const unsigned char* __restrict__ B, const float* __restrict__ S,
+                                               const int* __restrict__ sorted, const int* __restrict__ block_expert,
+                                               const int* __restrict__ npost, unsigned short* __restrict__ C, int TK,
+                                               int topk, int Kdim, int N) {
+    constexpr int GROUPS = BM / 64;
+    constexpr int CONSUMERS = 128 * GROUPS;
+    constexpr int PT = 32 * PW;  // producer threads
+    constexpr int RSTEP = PT / 8;
+    constexpr int NB = UP ? 2 : 1;
+    constexpr int NW = NB * BN;
+    constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NW) * 128;
+    static_assert(BM % 64 == 0 && NW % 8 == 0 && NW <= 256 && W8_BK % BN == 0,
+                  "tile: BM a multiple of 64, NB*BN <= 256, BN divides 128");
+    static_assert(STAGES >= 2, "at least two stages");
+    static_assert(RSTEP % 4 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "producer rows");
+
+    __shared__ __align__(8) unsigned long long w8p_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
+
+    const int tid = threadIdx.x;
+    const unsigned full0 = w8_smem(w8p_bars), empty0 = full0 + 8u * STAGES;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            w8p_bar_init(full0 + 8u * s, PT);
+            w8p_bar_init(empty0 + 8u * s, CONSUMERS / 32);
+        }
+    }
+    __syncthreads();
+    MOE_GRID_WAIT();  // launched early: the quantizer (and the sort before it)
+    MOE_GRID_LAUNCH();
+
+    const int NBLK = (N + BN - 1) / BN;
+    const int ntiles = NBLK * (max(npost[0], 0) / BM);
+    const int KB = (Kdim + W8_BK - 1) / W8_BK;
+    const int NBR = (N + W8_BK - 1) / W8_BK;
+    const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
+    if (tid >= CONSUMERS) {
+        w8p_produce<BM, BN, STAGES, PW, UP>(A, B, sorted, block_expert, TK, topk, Kdim, N, ntiles, tid - CONSUMERS,
+                                            sbase, full0, empty0);
+        return;
+    }
+
+    // Consumers: warpgroup grp multiplies tile rows 64*grp .. 64*grp+63;
+    // this thread holds rows r0 and r0 + 8.
+    const int grp = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31;
+    const int r0 = grp * 64 + w * 16 + (lane >> 2);
+    int slot = 0;
+    unsigned ph = 0;
+    float acc[NW / 2], blk[NW / 2];
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) blk[i] = 0.0f;
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
+        const int e = block_expert[mb];
+        if (e < 0) continue;
+        int a[2];
+        const float* arow[2];  // the rows' activation scales (nullptr: padding)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = r0 + hr * 8;
+            a[hr] = sorted[mb * BM + r];
+            const bool real = a[hr] >= 0 && a[hr] < TK;
+            arow[hr] = real ? AS + (long long)(UP ? a[hr] / topk : mb * BM + r) * KB : nullptr;
+        }
+        // The weight block scales of this tile's columns: the gate's (or the
+        // down's) and the up's block row.
+        const float* sg = S + ((long long)(e * NB) * NBR + n0 / W8_BK) * KB;
+        const float* su = S + ((long long)(e * NB + NB - 1) * NBR + n0 / W8_BK) * KB;
+#pragma unroll
+        for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
+        for (int kb = 0; kb < KB; ++kb) {
+            const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
+            const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
+            const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
+            w8p_wait(full0 + 8u * slot, ph);
+            // The stage's cp.async writes went through the generic proxy;
+            // wgmma reads through the async proxy.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+            const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
+            w8_fence();
+#pragma unroll
+            for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<NW>(blk, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
+            w8_commit_mma();
+            w8_wait_mma0();
+            // This warp's wgmma of the stage is done: release it.
+            if (lane == 0) w8p_arrive(empty0 + 8u * slot);
+            if (++slot == STAGES) {
+                slot = 0;
+                ph ^= 1u;
+            }
+#pragma unroll
+            for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(blk[i])::"memory");
+            const float s[2][2] = {{__fmul_rn(sa0, sbg), __fmul_rn(sa1, sbg)}, {__fmul_rn(sa0, sbu), __fmul_rn(sa1, sbu)}};
+#pragma unroll
+            for (int i = 0; i < NW / 2; ++i) {
+                const int h = UP && (i / 4) >= BN / 8 ? 1 : 0;
+                acc[i] = __fadd_rn(acc[i], __fmul_rn(blk[i], s[h][(i >> 1) & 1]));
+            }
+        }
+        // Epilogue (moe_w8's): register 4j + 2h + v is column 8j + 2*(lane%4)
+        // + v of row half h.
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const bool real = a[hr] >= 0 && a[hr] < TK;
+            const int dst = UP ? mb * BM + r0 + hr * 8 : (real ? a[hr] : -1);
+            if (dst >= 0) w8_store_half<BN, UP>(acc, hr, dst, UP && !real, C, N, n0, lane);
+        }
     }
 }

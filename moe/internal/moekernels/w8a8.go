@@ -54,10 +54,10 @@ func FP8QuantBlocks(R, K int) int {
 //	gpuctx_moe_w8a8_up_<tag>   (xq, xs, gu, gus, sorted, blockExpert, npost, act hal.Ptr, TK, K, H, I int32)
 //	    as gpuctx_moe_fp8_up_<tag> of FP8Gemm with x quantized: xq [T, H]
 //	    codes and xs [T, ceil(H/128)] scales; no fused shared expert. Grid
-//	    (ceil(I/BN), cap/BM).
+//	    Grid(I, cap, SMs).
 //	gpuctx_moe_w8a8_down_<tag> (aq, as, down, downs, sorted, blockExpert, npost, out hal.Ptr, TK, H, I int32)
 //	    as gpuctx_moe_fp8_down_<tag> with act quantized: aq [cap, I] codes,
-//	    as [cap, ceil(I/128)] scales. Grid (ceil(H/BN), cap/BM).
+//	    as [cap, ceil(I/128)] scales. Grid Grid(H, cap, SMs).
 //
 // Both take block (Threads(), 1, 1) and SmemBytes() bytes of dynamic shared
 // memory, run on the stream they are launched on and call MOE_GRID_WAIT
@@ -67,20 +67,36 @@ func FP8QuantBlocks(R, K int) int {
 // contract; the twins, w8a8Up and w8a8Down, follow it). The tile changes no
 // result but for the tensor core's order within a block.
 type W8A8Gemm struct {
-	BM, BN int  // tile rows (64 per warpgroup) and columns (of each half for Up; BN divides 128)
-	Stages int  // cp.async pipeline depth, one 128-column K block per stage
-	Up     bool // the gate/up + SwiGLU kernel, else the down kernel
+	BM, BN int // tile rows (64 per warpgroup) and columns (of each half for Up; BN divides 128)
+	Stages int // cp.async pipeline depth, one 128-column K block per stage
+	// Producers > 0 makes the tile persistent and warp-specialised
+	// (moe_w8a8.cu's moe_w8p): one block per multiprocessor loops over the
+	// tiles, Producers warps load the stages, the consumer warpgroups
+	// multiply, synchronised by mbarriers, so that one warpgroup's scaling
+	// overlaps the other's wgmma.
+	Producers int
+	Up        bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
-// W8A8Gemms lists the compiled w8a8 tiles: one up and one down tile, both two
-// warpgroups of 64 rows with one wgmma of 128 columns.
+// W8A8Gemms lists the compiled w8a8 tiles, two warpgroups of 64 rows with
+// one wgmma of 128 columns each: an up and a down tile in moe_wg's form, and
+// the same as persistent tiles.
 var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 64, Stages: 4, Up: true},
 	{BM: 128, BN: 128, Stages: 4},
+	{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true},
+	{BM: 128, BN: 128, Stages: 6, Producers: 2},
 }
 
-// Tag is the suffix of the tile's kernel name, e.g. "m128n64s4".
-func (c W8A8Gemm) Tag() string { return fmt.Sprintf("m%dn%ds%d", c.BM, c.BN, c.Stages) }
+// Tag is the suffix of the tile's kernel name, e.g. "m128n64s4", or
+// "m128n64s6p2" for a persistent tile with two producer warps.
+func (c W8A8Gemm) Tag() string {
+	p := ""
+	if c.Producers > 0 {
+		p = fmt.Sprintf("p%d", c.Producers)
+	}
+	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
+}
 
 // Name is the tile's kernel name.
 func (c W8A8Gemm) Name() string {
@@ -90,12 +106,19 @@ func (c W8A8Gemm) Name() string {
 	return "gpuctx_moe_w8a8_down_" + c.Tag()
 }
 
-// Threads is the block size: a warpgroup per 64 rows.
-func (c W8A8Gemm) Threads() int { return 128 * (c.BM / 64) }
+// Threads is the block size: a warpgroup per 64 rows, and the producer warps.
+func (c W8A8Gemm) Threads() int { return 128*(c.BM/64) + 32*c.Producers }
 
 // Grid is the launch grid over n output columns (I for up, H for down) and
-// cap sorted rows: (ceil(n/BN), cap/BM).
-func (c W8A8Gemm) Grid(n, cap int) (x, y int) { return (n + c.BN - 1) / c.BN, cap / c.BM }
+// cap sorted rows on a device of sms multiprocessors: (ceil(n/BN), cap/BM),
+// or for a persistent tile (min(sms, ceil(n/BN)*(cap/BM)), 1).
+func (c W8A8Gemm) Grid(n, cap, sms int) (x, y int) {
+	nx, ny := (n+c.BN-1)/c.BN, cap/c.BM
+	if c.Producers > 0 {
+		return max(min(sms, nx*ny), 1), 1
+	}
+	return nx, ny
+}
 
 // width is the columns of the tile's wgmma: 2*BN for up, BN for down.
 func (c W8A8Gemm) width() int {
@@ -110,8 +133,13 @@ func (c W8A8Gemm) width() int {
 func (c W8A8Gemm) SmemBytes() int { return c.Stages*(c.BM+c.width())*fp8.BlockSize + 1024 }
 
 // staticSmem is the static shared memory: the row tables and the staged
-// weight scales.
-func (c W8A8Gemm) staticSmem() int { return 8*c.BM + 2*4*FP8MaxK/fp8.BlockSize }
+// weight scales, or a persistent tile's mbarriers.
+func (c W8A8Gemm) staticSmem() int {
+	if c.Producers > 0 {
+		return 16 * c.Stages
+	}
+	return 8*c.BM + 2*4*FP8MaxK/fp8.BlockSize
+}
 
 // Check reports why c cannot be instantiated (moe_w8a8.cu's static
 // assertions and the shared-memory limit), or nil.
@@ -123,6 +151,10 @@ func (c W8A8Gemm) Check() error {
 		return fmt.Errorf("w8a8 tile %s: BN = %d, want a divisor of 128 of at least 8 (a wgmma of %d columns at most 256)", c.Tag(), c.BN, c.width())
 	case c.Stages < 2:
 		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
+	case c.Producers != 0 && c.Producers != 1 && c.Producers != 2 && c.Producers != 4:
+		return fmt.Errorf("w8a8 tile %s: %d producer warps, want 0 (not persistent), 1, 2 or 4", c.Tag(), c.Producers)
+	case c.Producers > 0 && (c.BN%(4*c.Producers) != 0 || c.BM%(4*c.Producers) != 0):
+		return fmt.Errorf("w8a8 tile %s: BM and BN must be multiples of %d rows (four per producer warp)", c.Tag(), 4*c.Producers)
 	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
 		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
 	}
@@ -151,18 +183,21 @@ func w8a8Instances() string {
 		b.WriteString(w8MMA(n))
 	}
 	for _, c := range W8A8Gemms {
-		t := fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
+		fn, t := "moe_w8", fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
+		if c.Producers > 0 {
+			fn, t = "moe_w8p", t+fmt.Sprintf(", %d", c.Producers)
+		}
 		if c.Up {
 			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
-    moe_w8<%s, true>(xq, xs, gu, gus, sorted, block_expert, npost, act, TK, K, H, I);
+    %s<%s, true>(xq, xs, gu, gus, sorted, block_expert, npost, act, TK, K, H, I);
 }
-`, c.Threads(), c.Name(), t)
+`, c.Threads(), c.Name(), fn, t)
 			continue
 		}
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ aq, const float* __restrict__ as, const unsigned char* __restrict__ down, const float* __restrict__ downs, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
-    moe_w8<%s, false>(aq, as, down, downs, sorted, block_expert, npost, out, TK, 1, I, H);
+    %s<%s, false>(aq, as, down, downs, sorted, block_expert, npost, out, TK, 1, I, H);
 }
-`, c.Threads(), c.Name(), t)
+`, c.Threads(), c.Name(), fn, t)
 	}
 	return b.String()
 }

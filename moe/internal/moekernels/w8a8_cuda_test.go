@@ -152,19 +152,11 @@ func countDiffBytes(a, b []byte) int {
 	return n
 }
 
-// w8a8Chain returns the launch of the w8a8 form on a benchmark batch, weight
-// set set: gpuctx_moe_fp8_quant of x, the up tile, the quantizer over act's
-// cap rows, the down tile (as moe's fusedW8A8 queues them), and the four
-// launches on their own.
-func w8a8Chain(tb testing.TB, d *device, w *fp8BenchWeights, bb *fp8BenchBatch, H, I, K int) (chain func(*gpuctx.Stream, int) error, parts []func(*gpuctx.Stream, int) error) {
-	var up, down W8A8Gemm
-	for _, c := range W8A8Gemms {
-		if c.Up {
-			up = c
-		} else {
-			down = c
-		}
-	}
+// w8a8Chain returns the launch of the w8a8 form with tiles up and down on a
+// benchmark batch, weight set set: gpuctx_moe_fp8_quant of x, the up tile,
+// the quantizer over act's cap rows, the down tile (as moe's fusedW8A8
+// queues them), and the four launches on their own.
+func w8a8Chain(tb testing.TB, d *device, w *fp8BenchWeights, bb *fp8BenchBatch, H, I, K int, up, down W8A8Gemm) (chain func(*gpuctx.Stream, int) error, parts []func(*gpuctx.Stream, int) error) {
 	pl := bb.plans[up.BM]
 	kb := func(n int) int { return (n + 127) / 128 }
 	alloc := func(n int) Ptr {
@@ -176,8 +168,8 @@ func w8a8Chain(tb testing.TB, d *device, w *fp8BenchWeights, bb *fp8BenchBatch, 
 	}
 	xq, xs, aq, as := alloc(bb.T*H), alloc(4*bb.T*kb(H)), alloc(pl.cap*I), alloc(4*pl.cap*kb(I))
 	T, TK := int32(bb.T), int32(bb.TK)
-	gux, guy := up.Grid(I, pl.cap)
-	gdx, gdy := down.Grid(H, pl.cap)
+	gux, guy := up.Grid(I, pl.cap, d.dev.Info().SMCount)
+	gdx, gdy := down.Grid(H, pl.cap, d.dev.Info().SMCount)
 	for _, l := range []struct {
 		name    string
 		grid    [2]int
@@ -218,22 +210,25 @@ func TestW8A8BenchHarness(t *testing.T) {
 	w := newFP8BenchWeights(t, d, 4, 256, 128, 1)
 	bb := newFP8BenchBatch(t, d, 4, 256, 128, 2, 70)
 	tm := newFP8Timer(t, d, 1, 1, 1)
-	chain, parts := w8a8Chain(t, d, w, bb, 256, 128, 2)
-	if len(parts) != 4 {
-		t.Fatalf("%d launches in the chain, want 4", len(parts))
-	}
-	if ts := tm.perCall(t, chain); len(ts) != 1 {
-		t.Fatalf("perCall: %v", ts)
+	for _, p := range w8a8Pairs() {
+		chain, parts := w8a8Chain(t, d, w, bb, 256, 128, 2, p[0], p[1])
+		if len(parts) != 4 {
+			t.Fatalf("%d launches in the chain, want 4", len(parts))
+		}
+		if ts := tm.perCall(t, chain); len(ts) != 1 {
+			t.Fatalf("perCall: %v", ts)
+		}
 	}
 }
 
 // BenchmarkW8A8Expert times DeepSeek-V2-Lite's routed experts (H=2048,
 // I=1408, E=64, top-6) at 1024, 4096 and 8192 tokens on a GPU of compute
-// capability 9.0 (random routing, two weight sets rotating): the w8a8 chain
-// (quantize x, up tile, quantize act, down tile) against the fastest bf16
-// tile pair and the fastest w8a16 pair (BenchmarkFP8Expert's sweeps). It
-// logs each w8a8 launch's time and reports microseconds per call and
-// bf16/w8a8 (the issue asks for >= 1.5 at 4096 tokens, layer-wide).
+// capability 9.0 (random routing, two weight sets rotating): the fastest
+// w8a8 chain (quantize x, up tile, quantize act, down tile; the plain and
+// the persistent tile pairs, w8a8Pairs) against the fastest bf16 tile pair
+// and the fastest w8a16 pair (BenchmarkFP8Expert's sweeps). It logs each
+// w8a8 launch's time and reports microseconds per call and bf16/w8a8 (the
+// issue asks for >= 1.5 at 4096 tokens, layer-wide).
 func BenchmarkW8A8Expert(b *testing.B) {
 	d := cudaW8A8Device(b)
 	sh := fp8BenchShapes[0]
@@ -243,9 +238,16 @@ func BenchmarkW8A8Expert(b *testing.B) {
 		b.Run(fmt.Sprintf("%s/T=%d", sh.name, T), func(b *testing.B) {
 			bb := newFP8BenchBatch(b, d, sh.E, sh.H, sh.I, sh.K, T)
 			tm := newFP8Timer(b, d, nsets, 3, 10)
-			chain, parts := w8a8Chain(b, d, w, bb, sh.H, sh.I, sh.K)
-			ts := tm.perCall(b, parts...)
-			b.Logf("T=%d w8a8 launches: quant x %.1f us, up %.1f us, quant act %.1f us, down %.1f us", T, ts[0], ts[1], ts[2], ts[3])
+			var chain func(*gpuctx.Stream, int) error
+			best := math.Inf(1)
+			for _, p := range w8a8Pairs() { // the fastest of the pairs, by their launches' sum
+				c, parts := w8a8Chain(b, d, w, bb, sh.H, sh.I, sh.K, p[0], p[1])
+				ts := tm.perCall(b, parts...)
+				b.Logf("T=%d w8a8 %s + %s: quant x %.1f us, up %.1f us, quant act %.1f us, down %.1f us", T, p[0].Tag(), p[1].Tag(), ts[0], ts[1], ts[2], ts[3])
+				if sum := ts[0] + ts[1] + ts[2] + ts[3]; sum < best {
+					chain, best = c, sum
+				}
+			}
 			fu, fd, bu, bd := fp8BenchPairs(b, d, tm, w, bb, sh.H, sh.I, sh.K)
 			pair := func(up, down fp8Kernel) func(*gpuctx.Stream, int) error {
 				return func(s *gpuctx.Stream, set int) error {
@@ -272,4 +274,18 @@ func BenchmarkW8A8Expert(b *testing.B) {
 			b.ReportMetric(flop/w8/1e6, "w8a8-TFLOP/s")
 		})
 	}
+}
+
+// w8a8Pairs returns the up and down tiles of W8A8Gemms in pairs of the same
+// kind (plain, or persistent with the same producers).
+func w8a8Pairs() [][2]W8A8Gemm {
+	var out [][2]W8A8Gemm
+	for _, u := range W8A8Gemms {
+		for _, d := range W8A8Gemms {
+			if u.Up && !d.Up && u.Producers == d.Producers && u.BM == d.BM {
+				out = append(out, [2]W8A8Gemm{u, d})
+			}
+		}
+	}
+	return out
 }

@@ -100,14 +100,14 @@ func (c *fp8MMACase) w8a8Run(t testing.TB, d *device, wp fp8WeightPtrs, in w8a8I
 		out = upload(t, d, make([]byte, 2*n))
 		a := w8a8UpArgs{Xq: upload(t, d, in.xq), Xs: upload(t, d, asBytes(in.xs)), Gu: wp.gu, Gus: wp.gus,
 			Sorted: sp, BlockExpert: bp, Npost: np, Act: out, TK: int32(TK), K: int32(c.K), H: int32(c.H), I: int32(c.I)}
-		gx, gy := tile.Grid(c.I, cp)
+		gx, gy := tile.Grid(c.I, cp, d.dev.Info().SMCount)
 		err = fp8Launch(t, d, tile.Name(), [2]int{gx, gy}, tile.Threads(), tile.SmemBytes(), kernels.Args(&a)...)
 	} else {
 		n = TK * c.H
 		out = upload(t, d, make([]byte, 2*max(n, 1)))
 		a := w8a8DownArgs{Aq: upload(t, d, in.aq), As: upload(t, d, asBytes(in.as)), Down: wp.down, Downs: wp.downs,
 			Sorted: sp, BlockExpert: bp, Npost: np, Out: out, TK: int32(TK), H: int32(c.H), I: int32(c.I)}
-		gx, gy := tile.Grid(c.H, cp)
+		gx, gy := tile.Grid(c.H, cp, d.dev.Info().SMCount)
 		err = fp8Launch(t, d, tile.Name(), [2]int{gx, gy}, tile.Threads(), tile.SmemBytes(), kernels.Args(&a)...)
 	}
 	if err != nil {
@@ -296,8 +296,8 @@ func TestW8A8Configs(t *testing.T) {
 			t.Errorf("%s: not WaitsFirst", c.Name())
 		}
 	}
-	if ups != 1 || len(W8A8Gemms) != 2 {
-		t.Errorf("W8A8Gemms holds %d up tiles of %d, want one up and one down", ups, len(W8A8Gemms))
+	if ups != len(W8A8Gemms)/2 || len(w8a8Pairs()) != ups {
+		t.Errorf("W8A8Gemms holds %d up tiles of %d in %d pairs, want up and down tiles in pairs", ups, len(W8A8Gemms), len(w8a8Pairs()))
 	}
 	for name, n := range want {
 		if counts[name] != n || files[name] != W8A8File {
@@ -318,6 +318,8 @@ func TestW8A8Configs(t *testing.T) {
 		{BM: 128, BN: 48, Stages: 4},            // BN does not divide 128
 		{BM: 128, BN: 128, Stages: 1},           // stages
 		{BM: 128, BN: 128, Stages: 8, Up: true}, // shared memory
+		{BM: 128, BN: 64, Stages: 4, Producers: 3, Up: true},
+		{BM: 128, BN: 8, Stages: 4, Producers: 4}, // four rows per producer warp
 	} {
 		if bad.Check() == nil {
 			t.Errorf("w8a8 tile %s passes Check", bad.Tag())
