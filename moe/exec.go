@@ -364,6 +364,9 @@ func (l *Layer) ensureFused(p *plan, bm int) error {
 	sort := l.dispatch.sortNeeds(TK, p.experts, bm)
 	cp := moekernels.AlignCap(TK, p.experts, bm)
 	needs := append(sort[:3:3], l.experts.fusedNeeds(cp, TK)...)
+	if p.fp8.w8 {
+		needs = append(needs, l.experts.w8a8Needs(p.T, cp)...)
+	}
 	needs = append(needs, sort[3:]...)
 	synced := false
 	for _, nd := range needs {

@@ -173,8 +173,14 @@ type LayerOptions struct {
 	// codes with the float32 scale of every 128x128 block beside them (as
 	// DeepSeek-V3/R1 and Qwen3-FP8 ship them), never expanded to bf16, run
 	// by the weight-only FP8 tiles (w8a16: bf16 activations, the codes
-	// converted in registers) on the fused path. An FP8 checkpoint's experts
-	// load as stored; other weights are quantized at load (fp8.Quantize).
+	// converted in registers) on the fused path; on a GPU of compute
+	// capability 9.0 (and on the CPU backend) batches of at least 64 rows
+	// per touched expert on average run w8a8 tiles instead: the activations
+	// quantized to E4M3 per token per 128 columns on the device (scale =
+	// amax/448, vLLM's per_token_group_quant_fp8), FP8 x FP8 wgmma, whose
+	// results differ from the w8a16 tiles' by a few percent (E4M3's 3
+	// mantissa bits). An FP8 checkpoint's experts load as stored; other
+	// weights are quantized at load (fp8.Quantize).
 	// The router and correction bias stay as stored, the shared expert is
 	// bf16 (dequantized from an FP8 checkpoint): the routed experts are the
 	// bytes that matter. It needs DType BF16 and sizes the tiles take, and

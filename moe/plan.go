@@ -50,7 +50,7 @@ type plan struct {
 	tiles          tilePair
 	tilesKnown     bool    // tiles are forced, tuned or by rule; else the forward tunes them
 	sortBM         int     // the one-launch sort's tile rows (tiles.up.BM when known)
-	fp8            fp8Pair // FP8 experts: the tiles, by rule (fp8Tiles); tiles is unused
+	fp8            fp8Pair // FP8 experts: the tiles (w8a16 or w8a8), by rule (fp8Tiles); tiles is unused
 }
 
 // graphKey identifies a captured forward: its shape and what it computes.
@@ -66,8 +66,8 @@ func (p *plan) key() graphKey {
 // rowsBM is the tile rows of the fused kernels p runs (the sort's BM): the
 // FP8 tiles' or the bf16 tiles'.
 func (p *plan) rowsBM() int {
-	if p.fp8.up.BM > 0 {
-		return p.fp8.up.BM
+	if bm := p.fp8.bm(); bm > 0 {
+		return bm
 	}
 	return p.tiles.up.BM
 }
@@ -100,8 +100,8 @@ func (l *Layer) plan(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part
 	p.staged = p.staged && !(aligned16(x) && aligned16(y))
 	p.graph = l.gc.use && p.path != pathGrouped
 	if p.path == pathFused && l.experts.q != nil {
-		p.fp8, p.tilesKnown = fp8Tiles(T, p.ks, p.experts), true
-		p.sortBM = p.fp8.up.BM
+		p.fp8, p.tilesKnown = fp8Tiles(T, p.ks, p.experts, l.experts.q.w8), true
+		p.sortBM = p.fp8.bm()
 	} else if p.path == pathFused {
 		p.tiles, p.tilesKnown = l.knownTiles(p)
 		p.sortBM = p.tiles.up.BM

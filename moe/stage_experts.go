@@ -25,6 +25,9 @@ type expertStage struct {
 	kUp         map[moekernels.MoEGemm]moekernels.Launcher[moekernels.Up]   // fused kernels by tile
 	kDown       map[moekernels.MoEGemm]moekernels.Launcher[moekernels.Down] // (a down-only tile has no up)
 	h, act, out *gpuctx.Buffer
+	// The w8a8 form's quantized activations (fp8Experts, fusedW8A8): x's
+	// codes [T,H] and scales [T,ceil(H/128)], act's [cp,I] and [cp,ceil(I/128)].
+	xq, xs, aq, as *gpuctx.Buffer
 }
 
 // expertWarps is MOE_XW of kernels/moe.cu: output rows (warps) per block.

@@ -13,10 +13,18 @@ import (
 // fp8Experts is the FP8 form of the routed experts (LayerOptions.FP8): their
 // weights as E4M3 codes with the float32 scale_inv of every 128x128 block
 // beside them, never expanded to bf16 in device memory, and the launchers of
-// the w8a16 tiles of moe_fp8_mma.cu (moekernels.FP8Gemm) that read them. The
-// tiles run on the fused path's aligned sort, as the bf16 tiles do; the
-// activations (x, act, out) stay bf16, in the expert stage's scratch. Layout,
-// for routed experts [lo, hi) at index e-lo:
+// the tiles that read them, on the fused path's aligned sort as the bf16
+// tiles run:
+//
+//   - w8a16 (moe_fp8_mma.cu, moekernels.FP8Gemm): bf16 activations, the codes
+//     converted in registers (mma.sync); the bytes-bound batches.
+//   - w8a8 (moe_w8a8.cu, moekernels.W8A8Gemm; compute capability 9.0, and the
+//     CPU backend's twins): x and act quantized per token per 128 columns
+//     (gpuctx_moe_fp8_quant) into the expert stage's xq/xs and aq/as, E4M3 x
+//     E4M3 wgmma; the compute-bound batches (fp8Tiles).
+//
+// act and out stay bf16 in the expert stage's scratch. Layout, for routed
+// experts [lo, hi) at index e-lo:
 //
 //	gu    [E'][2I][H] codes (gate rows, then up rows)
 //	gus   [E'][2][ceil(I/128)][ceil(H/128)] f32 (the gate's, then the up's)
@@ -26,31 +34,62 @@ type fp8Experts struct {
 	gu, gus, down, downs *gpuctx.Buffer
 	kUp                  map[moekernels.FP8Gemm]moekernels.Launcher[moekernels.FP8Up]
 	kDown                map[moekernels.FP8Gemm]moekernels.Launcher[moekernels.FP8Down]
+	// w8 reports that the w8a8 kernels below are loaded: a CUDA device of
+	// compute capability 9.0, or the CPU backend (the twins).
+	w8      bool
+	kQuant  moekernels.Launcher[moekernels.FP8Quant]
+	kW8Up   moekernels.Launcher[moekernels.W8A8Up]
+	kW8Down moekernels.Launcher[moekernels.W8A8Down]
 }
 
-// fp8Pair is the FP8 tile of the up and of the down kernel of a forward (the
-// same BM: they share the sort).
-type fp8Pair struct{ up, down moekernels.FP8Gemm }
+// fp8Pair is the FP8 tiles of a forward: the w8a16 tile of the up and of the
+// down kernel (the same BM: they share the sort), or with w8 the w8a8 tiles
+// (w8a8Up, w8a8Down) and up, down unused.
+type fp8Pair struct {
+	up, down moekernels.FP8Gemm
+	w8       bool
+}
+
+// bm is the tile rows of the pair's kernels, the sort's BM.
+func (tp fp8Pair) bm() int {
+	if tp.w8 {
+		return w8a8Up.BM
+	}
+	return tp.up.BM
+}
 
 // The FP8 tiles a layer runs, by the rule of fp8Tiles.
 var (
 	fp8SmallUp   = moekernels.FP8Gemm{BM: 16, BN: 64, WarpsN: 4, Stages: 4}
 	fp8SmallDown = moekernels.FP8Gemm{BM: 16, BN: 128, WarpsN: 8, Stages: 3}
 	fp8Large     = moekernels.FP8Gemm{BM: 32, BN: 64, WarpsN: 4, Stages: 4}
+	w8a8Up       = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 4, Up: true}
+	w8a8Down     = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4}
 )
 
+// w8a8MinRows is the average rows per touched expert from which a batch runs
+// the w8a8 tiles where they are loaded (fp8Experts.w8): from there the
+// expert GEMMs are bound by the tensor cores rather than by the weight bytes,
+// and FP8 x FP8 products run at twice bf16's rate.
+const w8a8MinRows = 64
+
 // fp8Tiles picks the FP8 tiles of a batch of T tokens by a rule, with no
-// timing (there is no FP8 tuner yet): by the rows each touched expert gets
-// on average, 16-row tiles up to 16 rows (the sweep winners of
-// BenchmarkFP8Expert on the H200 at 1-64 tokens, bench/RESULTS.md), 32-row
-// tiles above, which read each expert's weights half as often. The tile
-// changes no result.
-func fp8Tiles(T, K, E int) fp8Pair {
+// timing (there is no FP8 tuner yet), by the rows each touched expert gets on
+// average: with w8 (the w8a8 tiles are loaded) the w8a8 tiles from
+// w8a8MinRows rows; else 16-row w8a16 tiles up to 16 rows (the sweep winners
+// of BenchmarkFP8Expert on the H200 at 1-64 tokens, bench/RESULTS.md), 32-row
+// tiles above, which read each expert's weights half as often. The w8a16
+// tile changes no result; the w8a8 tiles quantize the activations.
+func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
 	TK := T * K
-	if m := (TK + min(E, TK) - 1) / min(E, TK); m > 16 {
-		return fp8Pair{fp8Large, fp8Large}
+	m := (TK + min(E, TK) - 1) / min(E, TK)
+	switch {
+	case w8 && m >= w8a8MinRows:
+		return fp8Pair{w8: true}
+	case m > 16:
+		return fp8Pair{up: fp8Large, down: fp8Large}
 	}
-	return fp8Pair{fp8SmallUp, fp8SmallDown}
+	return fp8Pair{up: fp8SmallUp, down: fp8SmallDown}
 }
 
 // checkFP8 checks the options of an FP8 layer of cfg; the error has no
@@ -151,7 +190,8 @@ func copyAt(dst *gpuctx.Buffer, off int, b []byte) error {
 
 // loadKernels looks up (on CUDA: compiles moe_fp8_mma.cu) the kernels of
 // every tile fp8Tiles picks, so that a device that cannot run them fails at
-// load.
+// load; and on a CUDA device of compute capability 9.0 or the CPU backend
+// the w8a8 kernels (moe_w8a8.cu), setting q.w8.
 func (q *fp8Experts) loadKernels(dev *gpuctx.Device) error {
 	q.kUp = map[moekernels.FP8Gemm]moekernels.Launcher[moekernels.FP8Up]{}
 	q.kDown = map[moekernels.FP8Gemm]moekernels.Launcher[moekernels.FP8Down]{}
@@ -166,7 +206,29 @@ func (q *fp8Experts) loadKernels(dev *gpuctx.Device) error {
 		}
 		q.kUp[c], q.kDown[c] = up, down
 	}
+	info := dev.Info()
+	if dev.Backend() != "cpu" && (dev.Backend() != "cuda" || info.ComputeMajor != 9 || info.ComputeMinor != 0) {
+		return nil
+	}
+	var err error
+	if q.kQuant, err = moekernels.NewLauncher[moekernels.FP8Quant](dev); err != nil {
+		return fmt.Errorf("FP8 activation quantizer: %w", err)
+	}
+	if q.kW8Up, err = moekernels.NewW8A8Up(dev, w8a8Up); err != nil {
+		return fmt.Errorf("w8a8 tile %s: %w", w8a8Up.Tag(), err)
+	}
+	if q.kW8Down, err = moekernels.NewW8A8Down(dev, w8a8Down); err != nil {
+		return fmt.Errorf("w8a8 tile %s: %w", w8a8Down.Tag(), err)
+	}
+	q.w8 = true
 	return nil
+}
+
+// w8a8Needs returns the w8a8 form's scratch for T tokens and cp sorted rows:
+// x's codes and scales, act's codes and scales.
+func (x *expertStage) w8a8Needs(T, cp int) []need {
+	H, I := x.e.cfg.HiddenSize, x.e.cfg.Intermediate
+	return []need{{&x.xq, T * H}, {&x.xs, 4 * T * ceilBlocks(H)}, {&x.aq, cp * I}, {&x.as, 4 * cp * ceilBlocks(I)}}
 }
 
 // fusedFP8 queues the FP8 up kernel (gather, gate/up GEMM, SwiGLU into act)
@@ -176,6 +238,9 @@ func (q *fp8Experts) loadKernels(dev *gpuctx.Device) error {
 // tiles' BM. Nothing waits for the host.
 func (x *expertStage) fusedFP8(in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
 	e, q, tp := x.e, x.q, p.fp8
+	if tp.w8 {
+		return x.fusedW8A8(in, d, p)
+	}
 	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
 	TK := p.T * K
 	up, ok := q.kUp[tp.up]
@@ -193,5 +258,39 @@ func (x *expertStage) fusedFP8(in *gpuctx.Buffer, d *dispatchStage, p *plan) err
 	gx, gy = tp.down.Grid(H, cp)
 	return down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.down.Threads(), Y: 1, Z: 1}, tp.down.SmemBytes(false), moekernels.FP8Down{
 		Act: x.act, Down: q.down, Downs: q.downs, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Out: x.out,
+		TK: int32(TK), H: int32(H), I: int32(I)})
+}
+
+// fusedW8A8 queues the w8a8 form on the main stream over p's aligned sort in
+// d (with w8a8Up.BM rows; run, or queued just ahead): gpuctx_moe_fp8_quant of
+// x into xq/xs, the w8a8 up tile (gate/up GEMM, SwiGLU into act, bf16), the
+// quantizer of act's cp rows into aq/as (rows past the sort's npost are
+// quantized too and never read), and the w8a8 down tile into out. Each
+// kernel waits on the device for the one ahead (LaunchEarly); nothing waits
+// for the host.
+func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
+	e, q := x.e, x.q
+	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
+	TK := p.T * K
+	cp := moekernels.AlignCap(TK, p.experts, w8a8Up.BM)
+	qb := gpuctx.Dim3{X: moekernels.FP8QuantThreads, Y: 1, Z: 1}
+	if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(p.T, H), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
+		X: in, Codes: x.xq, Scales: x.xs, R: int32(p.T), K: int32(H)}); err != nil {
+		return err
+	}
+	sms := e.dev.Info().SMCount
+	gx, gy := w8a8Up.Grid(I, cp, sms)
+	if err := q.kW8Up.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: w8a8Up.Threads(), Y: 1, Z: 1}, w8a8Up.SmemBytes(), moekernels.W8A8Up{
+		Xq: x.xq, Xs: x.xs, Gu: q.gu, Gus: q.gus, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: x.act,
+		TK: int32(TK), K: int32(K), H: int32(H), I: int32(I)}); err != nil {
+		return err
+	}
+	if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(cp, I), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
+		X: x.act, Codes: x.aq, Scales: x.as, R: int32(cp), K: int32(I)}); err != nil {
+		return err
+	}
+	gx, gy = w8a8Down.Grid(H, cp, sms)
+	return q.kW8Down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: w8a8Down.Threads(), Y: 1, Z: 1}, w8a8Down.SmemBytes(), moekernels.W8A8Down{
+		Aq: x.aq, As: x.as, Down: q.down, Downs: q.downs, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Out: x.out,
 		TK: int32(TK), H: int32(H), I: int32(I)})
 }

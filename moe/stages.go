@@ -139,7 +139,7 @@ func (c *core) loadKernels() error {
 func (c *core) scratch() []**gpuctx.Buffer {
 	r, d, x, s := &c.router, &c.dispatch, &c.experts, &c.shared
 	return []**gpuctx.Buffer{&r.logits, &r.idx, &r.wts, &d.counts, &d.offsets, &d.pos,
-		&d.xp, &x.h, &x.act, &x.out, &d.sorted, &d.bexp, &d.npost, &d.ticket, &d.bcnt, &d.boff, &s.h, &s.act, &s.out, &s.g}
+		&d.xp, &x.h, &x.act, &x.out, &x.xq, &x.xs, &x.aq, &x.as, &d.sorted, &d.bexp, &d.npost, &d.ticket, &d.bcnt, &d.boff, &s.h, &s.act, &s.out, &s.g}
 }
 
 // release frees everything c holds besides extra (the owner's buffers),

@@ -307,6 +307,8 @@ func fp8MMAText(backend string, d deviceReport) string {
 	var major, minor int
 	_, _ = fmt.Sscanf(d.ComputeCapability, "%d.%d", &major, &minor)
 	switch {
+	case d.FP8MMA && major == 9 && minor == 0:
+		return "yes (compute capability 9.0); moe --dtype fp8 runs its w8a16 tiles, and w8a8 (FP8 x FP8 wgmma) tiles for large batches"
 	case d.FP8MMA:
 		return "yes (compute capability 8.9+); moe --dtype fp8 runs its w8a16 tiles"
 	case backend == "cpu":

@@ -8,10 +8,11 @@ import (
 
 // LaunchArgs is the set of launch argument types, one per kernel (Up and Down
 // for every GEMM tile of MoEGemms, FP8Up and FP8Down for every tile of
-// FP8Gemms).
+// FP8Gemms, FP8Quant, W8A8Up and W8A8Down for moe_w8a8.cu).
 type LaunchArgs interface {
 	Route | Plan | Gather | Swiglu | Combine | ExpertUp | ExpertDown | Align | AlignCount |
-		AlignScan | AlignScatter | RouteAlign | CombineRows | Up | Down | FP8Up | FP8Down
+		AlignScan | AlignScatter | RouteAlign | CombineRows | Up | Down | FP8Up | FP8Down |
+		FP8Quant | W8A8Up | W8A8Down
 	args() []any // the leaf fields in order (kernels.Flatten)
 }
 
@@ -141,6 +142,8 @@ func kernelOf[A LaunchArgs]() string {
 		return "gpuctx_moe_route_align"
 	case CombineRows:
 		return "gpuctx_moe_combine_rows"
+	case FP8Quant:
+		return FP8QuantName
 	}
 	return ""
 }

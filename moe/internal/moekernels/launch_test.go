@@ -225,7 +225,8 @@ func TestLaunchArgsList(t *testing.T) {
 	d := newTestDevice(t)
 	for _, a := range []any{Route{}, Plan{}, Gather{}, Swiglu{}, Combine{}, ExpertUp{}, ExpertDown{}, Align{},
 		AlignCount{}, AlignScan{}, AlignScatter{}, RouteAlign{}, CombineRows{}, Up{}, Down{}, FP8Up{}, FP8Down{},
-		routeArgs{}, routeAlignArgs{}, upArgs{}, fp8UpArgs{}, fp8DownArgs{}} {
+		FP8Quant{}, W8A8Up{}, W8A8Down{}, routeArgs{}, routeAlignArgs{}, upArgs{}, fp8UpArgs{}, fp8DownArgs{},
+		fp8QuantArgs{}, w8a8UpArgs{}, w8a8DownArgs{}} {
 		v := reflect.New(reflect.TypeOf(a)).Elem()
 		for i, f := range kernels.Leaves(v.Type()) {
 			fv := v.FieldByIndex(f.Index)

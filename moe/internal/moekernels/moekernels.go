@@ -1,6 +1,6 @@
 // Package moekernels registers the Mixture-of-Experts kernels that package moe
-// drives: their CUDA C sources (moe.cu, moe_gemm.cu, moe_wgmma.cu, embedded
-// here), their Go twins (the CPU backend runs them), their typed arguments (one
+// drives: their CUDA C sources (moe.cu, moe_gemm.cu, moe_wgmma.cu,
+// moe_fp8_mma.cu, moe_w8a8.cu, embedded here), their Go twins (the CPU backend runs them), their typed arguments (one
 // struct per kernel, whose fields are the launch arguments in order: args.go),
 // the typed launchers package moe queues them with (Launcher: NewLauncher,
 // NewUp, NewDown) and their limits (MaxExperts, MaxTopK: the CUDA source gets
@@ -86,6 +86,20 @@
 //	                     has_shared, has_gate, bf16 int32)
 //	    gpuctx_moe_combine with pos[t,k] = t*K+k: y[t,:] = sum_k w[t,k]*out[t*K+k,:]
 //	    + sigmoid(gate[t]) (or 1) * shared[t,:]. Any grid and block.
+//
+// The FP8 expert GEMMs run on the same aligned sort: FP8Gemm's w8a16 tiles
+// (moe_fp8_mma.cu: bf16 activations, E4M3 weights with 128x128 block
+// scales) and, on compute capability 9.0 only, W8A8Gemm's w8a8 tiles
+// (moe_w8a8.cu: wgmma e4m3 x e4m3) over activations quantized per row per
+// 128 columns by gpuctx_moe_fp8_quant (FP8QuantName): quantize x [T,H], up
+// tile into act, quantize act [cap,I], down tile into out. Every one of
+// these kernels runs on the stream it is launched on, may be launched early
+// and calls MOE_GRID_WAIT before it touches memory the kernels ahead of it
+// write (the sort, x, act); each output sums its 128-column K blocks in
+// increasing order, acc = acc + p*s with p the block's f32 tensor-core sum
+// and s its scales' product (w8a8: sa*sb; w8a16: sb), no FMA, as the twins
+// do; the tensor core's order within a block is the one part the twins
+// match only for exactly summable data (see the two .cu files' headers).
 //
 // The Go twins compute the same results with the same arithmetic (f32 math,
 // fixed summation orders, bf16 stores rounded to nearest even), up to f32
@@ -199,6 +213,10 @@ var waitsFirst = sync.OnceValue(func() map[string]bool {
 	}
 	for _, c := range FP8Gemms { // moe_tile_begin: MOE_GRID_WAIT before the sort is read
 		m[c.UpName()], m[c.DownName()] = true, true
+	}
+	m[FP8QuantName] = true // MOE_GRID_WAIT first
+	for _, c := range W8A8Gemms {
+		m[c.Name()] = true
 	}
 	return m
 })

@@ -1,0 +1,577 @@
+// FP8 x FP8 (w8a8) grouped expert GEMMs for the compute-bound batches, on
+// Hopper's warpgroup tensor-core instructions (wgmma.mma_async e4m3.e4m3,
+// sm_90a only), and the per-token-group activation quantizer they read.
+// Compiled as one unit after moe_tile.cuh and moe_fp8_mma.cu (for fp8_swiglu);
+// the extern "C" instances and the wgmma wrappers are generated from
+// moekernels.W8A8Gemms and appended when the file is loaded.
+//
+// Every kernel here may be launched early (gpuctx.Stream.LaunchEarly): each
+// calls MOE_GRID_WAIT before it reads or writes memory the kernels ahead of it
+// on its stream touch, and MOE_GRID_LAUNCH after. They run on the stream they
+// are launched on and wait for nothing else.
+//
+//   QUANT gpuctx_moe_fp8_quant (x, codes, scales, R, K): x [R, K] bf16 ->
+//   codes [R, K] E4M3 and scales [R, ceil(K/128)] f32, per row per group of
+//   128 columns (the last partial), vLLM's per_token_group_quant_fp8 rule as
+//   moe/fp8.QuantizeActivations computes it: amax = max |x| over the group,
+//   s = max(amax, 1e-10) / 448 (so a group of zeros gets codes 0 and a tiny
+//   positive scale), code = E4M3(x / s), round to nearest even, saturating
+//   (cvt.rn.satfinite; -0 and negative values rounding to zero give 0x80).
+//   A NaN is skipped by the max and gives a NaN code; an infinity gives an
+//   infinite scale (NaN and zero codes in its group). K a multiple of 4.
+//   One warp per (row, group), 4 columns a lane: grid (ceil(R*G/8), 1, 1),
+//   block (256, 1, 1), no dynamic shared memory.
+//
+//   UP gpuctx_moe_w8a8_up_<tag> (xq, xs, gu, gus, sorted, block_expert, npost,
+//   act, TK, K, H, I): A row p is token sorted[p] / K of xq [T, H] codes with
+//   xs [T, ceil(H/128)] scales (QUANT of x); gu [E][2I][H] codes and gus
+//   [E][2][ceil(I/128)][ceil(H/128)] as moe_fp8_mma.cu's up tile; act[p, n] =
+//   bf16(fp8_swiglu(bf16(g), bf16(u))), padding rows zeros, exactly the w8a16
+//   up tile's epilogue. No fused shared expert (every block waits for the
+//   sort). Grid (ceil(I/BN), cap/BM).
+//   DOWN gpuctx_moe_w8a8_down_<tag> (aq, as, down, downs, sorted,
+//   block_expert, npost, out, TK, H, I): A row p is aq[p] ([cap, I] codes, as
+//   [cap, ceil(I/128)] scales: QUANT of act); down and downs as the w8a16 down
+//   tile's; out[sorted[p], n] = bf16(acc) for real rows. Grid (ceil(H/BN),
+//   cap/BM).
+// Both: block (128 * BM/64, 1, 1), W8A8Gemm.SmemBytes() of dynamic shared
+// memory; H and I multiples of 16 of at most 128 * FP8_MAX_KB; sorted,
+// block_expert and npost from gpuctx_moe_align with the tile's BM. The
+// persistent tiles (moe_w8p, below) take the same arguments with grid
+// (min(SMs, tiles), 1) and block (128 * BM/64 + 32 * PW, 1, 1).
+//
+// Accumulation order of every GEMM output (the Go twin, w8a8.go, repeats it):
+//   acc = 0
+//   for each K block kb (128 columns, the last partial), in increasing order:
+//       p = the f32 tensor-core sum of the block's products of E4M3 values
+//           (four wgmma k32 steps, the first with scale-d = 0; zeros past K)
+//       s = sa[row][kb] * sb[n / 128][kb]          (__fmul_rn)
+//       acc = acc + p * s                           (__fmul_rn, __fadd_rn: no FMA)
+// with sa the activation row's scale and sb the weight block's scale_inv. The
+// products of two E4M3 values are exact in f32; the tensor core adds them in
+// its own order and internal precision, so p equals the twin's ascending f32
+// sum only when the block's products are exactly summable (small integer
+// multiples of a common power of two): the CUDA tests compare such data bit
+// for bit, other data within a tolerance.
+//
+// Layout and pipeline are moe_wgmma.cu's moe_wg: each warpgroup owns 64 tile
+// rows and every column (up: the gate's BN then the up's BN columns in one
+// wgmma of N = 2*BN); shared-memory tiles are K-major, 128 bytes (one K block
+// of 128 codes: one 128B-swizzle row) per tile row, chunk c of row r at chunk
+// c ^ (r & 7), 8-row atoms 1024 bytes apart, STAGES of them filled by
+// cp.async STAGES-1 ahead. Each stage is one scale block: the four wgmma of
+// the block into blk, wgmma.wait_group 0, then the scaled add into acc.
+
+#define W8_BK 128
+
+static __device__ __forceinline__ unsigned w8_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+static __device__ __forceinline__ void w8_cp16(unsigned dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+static __device__ __forceinline__ void w8_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+static __device__ __forceinline__ void w8_cpwait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle (as
+// moe_wgmma.cu's wg_desc): start address / 16, leading byte offset 16 (unused
+// by this layout), stride byte offset 1024 (between 8-row atoms), swizzle
+// mode 1 (128B).
+static __device__ __forceinline__ unsigned long long w8_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+static __device__ __forceinline__ void w8_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void w8_commit_mma() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void w8_wait_mma0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// w8_mma<N>(d, a, b, acc): d[64 x N] = (acc ? d : 0) + A[64 x 32] * B[N x
+// 32]^T, E4M3 operands, for this warpgroup (generated specialisations, one
+// per N used).
+template <int N>
+static __device__ __forceinline__ void w8_mma(float* d, unsigned long long a, unsigned long long b, int acc);
+
+// ---- The quantizer.
+
+// w8_e4m3x2 returns the E4M3 codes of lo (bits 0-7) and hi (bits 8-15).
+static __device__ __forceinline__ unsigned w8_e4m3x2(float lo, float hi) {
+    unsigned short c;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(c) : "f"(hi), "f"(lo));
+    return c;
+}
+
+extern "C" __global__ __launch_bounds__(256) void gpuctx_moe_fp8_quant(const unsigned short* __restrict__ x,
+                                                                        unsigned char* __restrict__ codes,
+                                                                        float* __restrict__ scales, int R, int K) {
+    MOE_GRID_WAIT();
+    MOE_GRID_LAUNCH();
+    const int G = (K + W8_BK - 1) / W8_BK;
+    const long long w = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (w >= (long long)R * G) return;  // whole warps leave together
+    const int r = (int)(w / G), g = (int)(w - (long long)r * G);
+    const int lane = threadIdx.x & 31;
+    const int k = g * W8_BK + 4 * lane;
+    const bool ok = k < K;
+    const long long off = (long long)r * K + k;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (ok) {
+        const uint2 h = *(const uint2*)(x + off);
+        v[0] = moe_bf2f((unsigned short)(h.x & 0xffffu));
+        v[1] = moe_bf2f((unsigned short)(h.x >> 16));
+        v[2] = moe_bf2f((unsigned short)(h.y & 0xffffu));
+        v[3] = moe_bf2f((unsigned short)(h.y >> 16));
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
+    if (ok) {
+        const unsigned c = w8_e4m3x2(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s)) |
+                           (w8_e4m3x2(__fdiv_rn(v[2], s), __fdiv_rn(v[3], s)) << 16);
+        *(unsigned*)(codes + off) = c;
+    }
+    if (lane == 0) scales[(long long)r * G + g] = s;
+}
+
+// ---- The GEMM tiles.
+
+extern __shared__ __align__(1024) unsigned char w8_dyn[];
+
+// w8_store_half stores row half hr of this thread's accumulators d to row dst
+// of C (moe_wgmma.cu's wg_store_half with the w8a16 epilogue: fp8_swiglu of
+// the bf16-rounded gate and up sums for UP, or zeros for a padding row).
+template <int BN, bool UP>
+static __device__ __forceinline__ void w8_store_half(const float* d, int hr, int dst, bool zero,
+                                                     unsigned short* __restrict__ C, int N, int n0, int lane) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const int n = n0 + j * 8 + (lane & 3) * 2;
+        if (n >= N) continue;
+        unsigned short v0, v1;
+        if (UP) {
+            const float g0 = moe_round(d[4 * j + 2 * hr]), g1 = moe_round(d[4 * j + 2 * hr + 1]);
+            const float u0 = moe_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = moe_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
+            v0 = zero ? 0 : moe_f2bf(fp8_swiglu(g0, u0));
+            v1 = zero ? 0 : moe_f2bf(fp8_swiglu(g1, u1));
+        } else {
+            v0 = moe_f2bf(d[4 * j + 2 * hr]);
+            v1 = moe_f2bf(d[4 * j + 2 * hr + 1]);
+        }
+        *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
+    }
+}
+
+// moe_w8: the up (UP) or down kernel of tile BM x BN, BM/64 warpgroups.
+// Dynamic shared memory: STAGES * (BM + NB*BN) * 128 bytes + 1024 (the tiles
+// start at a 1024-byte boundary, which the swizzle needs). A: codes of the
+// A rows (UP: token rows of xq; DOWN: rows of aq), AS their scales.
+template <int BM, int BN, int STAGES, bool UP>
+static __device__ __forceinline__ void moe_w8(const unsigned char* __restrict__ A, const float* __restrict__ AS,
+                                              const unsigned char* __restrict__ B, const float* __restrict__ S,
+                                              const int* __restrict__ sorted, const int* __restrict__ block_expert,
+                                              const int* __restrict__ npost, unsigned short* __restrict__ C, int TK,
+                                              int topk, int Kdim, int N) {
+    constexpr int CH = 8;  // 128 codes = 128 bytes = 8 chunks per tile row
+    constexpr int GROUPS = BM / 64;
+    constexpr int THREADS = 128 * GROUPS;
+    constexpr int NB = UP ? 2 : 1;
+    constexpr int NW = NB * BN;  // columns of one wgmma: gate and up, or down
+    constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NW) * 128;
+    static_assert(BM % 64 == 0 && NW % 8 == 0 && NW <= 256 && W8_BK % BN == 0,
+                  "tile: BM a multiple of 64, NB*BN <= 256, BN divides 128");
+    static_assert(STAGES >= 2, "at least two stages");
+    constexpr int A_PER = BM * CH / THREADS;
+    constexpr int B_PER = (NW * CH + THREADS - 1) / THREADS;  // the last round may be partial
+    static_assert(A_PER * THREADS == BM * CH, "A tile chunks must split evenly");
+
+    __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
+    __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
+    __shared__ float sc[NB][FP8_MAX_KB];
+
+    const int mb = blockIdx.y;
+    const int n0 = blockIdx.x * BN;
+    if (n0 >= N) return;
+    int e;
+    // ns = 0: every block waits for the kernels ahead (the quantizer, which
+    // waited for the sort) before it reads anything.
+    if (!moe_tile_begin<BM, THREADS, UP>(sorted, block_expert, npost, TK, topk, 0, 0, mb, row_src, row_dst, e))
+        return;
+    const int tid = threadIdx.x;
+    const int KB = (Kdim + W8_BK - 1) / W8_BK;
+    const int kch = (tid % CH) * 16;  // byte column of this thread's chunk
+
+    // Byte offsets from Ab (DOWN: the block's first row, a 64-bit offset) and
+    // from this expert's B.
+    const unsigned char* Ab = UP ? A : A + (long long)mb * BM * Kdim;
+    int ga[A_PER];
+    unsigned oa[A_PER];
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+        const int c = tid + i * THREADS, r = c / CH;
+        const int src = row_src[r];  // DOWN: -1 or mb*BM + r
+        ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + kch : -1;
+        oa[i] = (unsigned)(r * 128 + (((c % CH) ^ (r & 7)) << 4));
+    }
+    const unsigned char* Be = B + (long long)e * NB * N * Kdim;
+    int gb[B_PER];
+    unsigned ob[B_PER];
+#pragma unroll
+    for (int i = 0; i < B_PER; ++i) {
+        const int c = tid + i * THREADS, r = c / CH;
+        const int half = UP ? r / BN : 0;
+        const int n = n0 + (UP ? r % BN : r);
+        gb[i] = n < N ? (half * N + n) * Kdim + kch : -1;
+        ob[i] = A_BYTES + (unsigned)(r * 128 + (((c % CH) ^ (r & 7)) << 4));
+        if (c >= NW * CH) ob[i] = ~0u;  // past the tile: this thread copies nothing
+    }
+    const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
+    auto load = [&](int slot, int kb) {
+        const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+        const int k0 = kb * W8_BK;
+        const bool kok = k0 + kch < Kdim;  // Kdim is a multiple of 16: whole chunks
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i) {
+            const bool ok = kok && ga[i] >= 0;
+            w8_cp16(st + oa[i], Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < B_PER; ++i) {
+            if ((NW * CH) % THREADS != 0 && i == B_PER - 1 && ob[i] == ~0u) break;
+            const bool ok = kok && gb[i] >= 0;
+            w8_cp16(st + ob[i], Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KB) load(s, s);
+        w8_commit();
+    }
+    // The weight block scales of this tile's columns (BN divides 128: one
+    // block row), staged once the first loads are in flight; the loop's first
+    // barrier orders these stores before their reads.
+    const int NBR = (N + W8_BK - 1) / W8_BK;
+    for (int i = tid; i < NB * KB; i += THREADS) {
+        const int q = i / KB, kb = i - q * KB;
+        sc[q][kb] = S[((long long)(e * NB + q) * NBR + n0 / W8_BK) * KB + kb];
+    }
+
+    // This thread's two accumulator rows (warp w of the group: rows 16w +
+    // lane/4 and + 8) and their activation scales' rows (nullptr: padding).
+    const int grp = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
+    const int r0 = grp * 64 + w * 16 + (lane >> 2);
+    const float* arow[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int src = row_src[r0 + hr * 8];
+        arow[hr] = src >= 0 ? AS + (long long)src * KB : nullptr;
+    }
+
+    // blk is written whole by each block's first wgmma (scale-d = 0); it is
+    // zeroed once only so that no register is read undefined.
+    float acc[NW / 2], blk[NW / 2];
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) acc[i] = blk[i] = 0.0f;
+    for (int kb = 0; kb < KB; ++kb) {
+        const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
+        const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
+        w8_cpwait<STAGES - 2>();
+        // cp.async wrote through the generic proxy; wgmma reads through the
+        // async proxy.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        // Every warpgroup finished stage kb-1 (wgmma.wait_group 0 before the
+        // barrier): refill its buffer while this stage multiplies.
+        const int nk = kb + STAGES - 1;
+        if (nk < KB) load(nk % STAGES, nk);
+        w8_commit();
+        const unsigned st = sbase + (unsigned)(kb % STAGES) * ST_BYTES;
+        const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
+        w8_fence();
+#pragma unroll
+        for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<NW>(blk, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
+        w8_commit_mma();
+        w8_wait_mma0();
+#pragma unroll
+        for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(blk[i])::"memory");
+        float s[NB][2];
+#pragma unroll
+        for (int h = 0; h < NB; ++h) {
+            s[h][0] = __fmul_rn(sa0, sc[h][kb]);
+            s[h][1] = __fmul_rn(sa1, sc[h][kb]);
+        }
+        // Register 4j + 2hr + v: row half hr, column 8j + 2*(lane%4) + v (for
+        // UP, j < BN/8 the gate's columns, then the up's).
+#pragma unroll
+        for (int i = 0; i < NW / 2; ++i) {
+            const int h = UP && (i / 4) >= BN / 8 ? 1 : 0;
+            acc[i] = __fadd_rn(acc[i], __fmul_rn(blk[i], s[h][(i >> 1) & 1]));
+        }
+    }
+    w8_cpwait<0>();
+
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = r0 + hr * 8;
+        const int dst = row_dst[r];
+        if (dst >= 0) w8_store_half<BN, UP>(acc, hr, dst, UP && row_src[r] < 0, C, N, n0, lane);
+    }
+}
+
+// ---- Persistent, warp-specialised tiles (W8A8Gemm.Producers > 0).
+//
+// moe_w8p: moe_w8's kernel (same arguments, rows, padding, outputs and
+// accumulation order: the same bits but for the tensor core's order within a
+// block, which does not depend on the tile) as a persistent grid with PW
+// producer warps and BM/64 consumer warpgroups per block, on moe_wgmma.cu's
+// moe_wgp pattern: grid (min(SMs, tiles), 1), block b runs tiles t = b, b +
+// gridDim.x, ... of the ceil(N/BN) * (npost[0]/BM) tiles (column block t %
+// ceil(N/BN) of row block t / ceil(N/BN)), skipping those of no expert. Every
+// thread calls MOE_GRID_WAIT before it reads anything.
+//
+// Shared memory is a ring of STAGES stages (moe_w8's tiles, one K block of
+// 128 codes each) with two mbarriers per stage: full[s] (count 32*PW: each
+// producer thread arrives through cp.async.mbarrier.arrive.noinc when its
+// copies of the stage have landed) and empty[s] (count 4*BM/64: lane 0 of
+// every consumer warp arrives once its wgmma of the stage completed). The
+// consumer warpgroups meet at no barrier: each multiplies a stage, releases
+// it, then scales the block into its accumulators while the other
+// warpgroup's wgmma run. Every mbarrier wait gives up with __trap() after
+// 2^28 failed try_waits or about 5 seconds.
+
+static __device__ __forceinline__ void w8p_bar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+static __device__ __forceinline__ void w8p_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ void w8p_cp_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ bool w8p_try(unsigned bar, unsigned parity) {
+    unsigned ok;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+
+static __device__ __forceinline__ unsigned long long w8p_clock() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
+
+static __device__ __forceinline__ void w8p_wait(unsigned bar, unsigned parity) {
+    if (w8p_try(bar, parity)) return;
+    const unsigned long long t0 = w8p_clock();
+    for (unsigned n = 1;; ++n) {
+        if (w8p_try(bar, parity)) return;
+        if (n >= (1u << 28) || ((n & 255u) == 0 && w8p_clock() - t0 > 5000000000ull)) __trap();
+    }
+}
+
+// w8p_produce is the producers' loop of moe_w8p: lane l of the PW warps
+// (pt = l) copies 16-byte chunk pt%8 of tile rows pt/8 + RSTEP*i of every
+// stage (A rows, then B rows).
+template <int BM, int BN, int STAGES, int PW, bool UP>
+static __device__ __forceinline__ void w8p_produce(const unsigned char* __restrict__ A,
+                                                   const unsigned char* __restrict__ B,
+                                                   const int* __restrict__ sorted,
+                                                   const int* __restrict__ block_expert, int TK, int topk, int Kdim,
+                                                   int N, int ntiles, int pt, unsigned sbase, unsigned full0,
+                                                   unsigned empty0) {
+    constexpr int CH = 8;
+    constexpr int RSTEP = 32 * PW / CH;
+    constexpr int NB = UP ? 2 : 1;
+    constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NB * BN) * 128;
+    constexpr int A_PER = BM / RSTEP, B_HALF = BN / RSTEP;
+    constexpr int SW = RSTEP % 8 == 0 ? 1 : 2;  // period of a lane's swizzle over its rows
+    const int NBLK = (N + BN - 1) / BN;
+    const int KB = (Kdim + W8_BK - 1) / W8_BK;
+    const int q = pt / CH, kch = (pt % CH) * 16;  // byte column of this lane's chunk
+    unsigned so[SW];  // shared offset of row q + RSTEP*i's chunk: so[i % SW] + i*RSTEP*128
+#pragma unroll
+    for (int j = 0; j < SW; ++j) so[j] = (unsigned)(q * 128 + (((pt % CH) ^ ((q + j * RSTEP) & 7)) << 4));
+    int slot = 0, fills = 0;
+    unsigned ph = 0;
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
+        const int e = block_expert[mb];
+        if (e < 0) continue;
+        // Byte offset of row q + RSTEP*i's chunk from At, a multiple of 16;
+        // bit 0 set: a padding row (zeros). 32-bit: UP's rows are tokens (T*H
+        // bytes), DOWN's this tile's rows from At (a 64-bit offset).
+        const unsigned char* At = UP ? A : A + (long long)mb * BM * Kdim;
+        unsigned ga[A_PER];
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i) {
+            const int a = sorted[mb * BM + q + RSTEP * i];
+            const bool real = a >= 0 && a < TK;
+            ga[i] = real ? (unsigned)((UP ? a / topk : q + RSTEP * i) * Kdim + kch) : ((unsigned)kch | 1u);
+        }
+        const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
+        const unsigned char* Bt = B + (b_base + n0 + q) * Kdim + kch;
+        const int nlim = N - n0 - q;  // rows RSTEP*i' < nlim exist
+        for (int kb = 0; kb < KB; ++kb) {
+            if (fills >= STAGES) w8p_wait(empty0 + 8u * slot, ph ^ 1u);  // the slot's previous use is released
+            const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+            const int k0 = kb * W8_BK;
+            const bool kok = k0 + kch < Kdim;
+            if (kok) {
+#pragma unroll
+                for (int i = 0; i < A_PER; ++i)
+                    w8_cp16(st + so[i % SW] + i * RSTEP * 128, At + k0 + (ga[i] & ~1u), (ga[i] & 1u) ? 0 : 16);
+            } else {
+#pragma unroll
+                for (int i = 0; i < A_PER; ++i) w8_cp16(st + so[i % SW] + i * RSTEP * 128, A, 0);
+            }
+            // Opaque to the compiler, so that it walks the rows stage by stage
+            // instead of keeping every row's address in registers.
+            long long hs = (long long)N * Kdim;
+            int rs = RSTEP * Kdim;
+            asm volatile("" : "+l"(hs), "+r"(rs));
+#pragma unroll
+            for (int h = 0; h < NB; ++h) {
+                const unsigned char* src = Bt + k0 + h * hs;
+#pragma unroll
+                for (int i = h * B_HALF; i < (h + 1) * B_HALF; ++i, src += rs) {
+                    const bool ok = kok && RSTEP * (i - h * B_HALF) < nlim;
+                    w8_cp16(st + A_BYTES + so[i % SW] + i * RSTEP * 128, ok ? (const void*)src : (const void*)B, ok ? 16 : 0);
+                }
+            }
+            w8p_cp_arrive(full0 + 8u * slot);
+            ++fills;
+            if (++slot == STAGES) {
+                slot = 0;
+                ph ^= 1u;
+            }
+        }
+    }
+    // Every fill is consumed (the consumers run the same tiles), but leave no
+    // copy in flight behind the warp.
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+template <int BM, int BN, int STAGES, int PW, bool UP>
+static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__ A, const float* __restrict__ AS,
+                                               const unsigned char* __restrict__ B, const float* __restrict__ S,
+                                               const int* __restrict__ sorted, const int* __restrict__ block_expert,
+                                               const int* __restrict__ npost, unsigned short* __restrict__ C, int TK,
+                                               int topk, int Kdim, int N) {
+    constexpr int GROUPS = BM / 64;
+    constexpr int CONSUMERS = 128 * GROUPS;
+    constexpr int PT = 32 * PW;  // producer threads
+    constexpr int RSTEP = PT / 8;
+    constexpr int NB = UP ? 2 : 1;
+    constexpr int NW = NB * BN;
+    constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NW) * 128;
+    static_assert(BM % 64 == 0 && NW % 8 == 0 && NW <= 256 && W8_BK % BN == 0,
+                  "tile: BM a multiple of 64, NB*BN <= 256, BN divides 128");
+    static_assert(STAGES >= 2, "at least two stages");
+    static_assert(RSTEP % 4 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "producer rows");
+
+    __shared__ __align__(8) unsigned long long w8p_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
+
+    const int tid = threadIdx.x;
+    const unsigned full0 = w8_smem(w8p_bars), empty0 = full0 + 8u * STAGES;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            w8p_bar_init(full0 + 8u * s, PT);
+            w8p_bar_init(empty0 + 8u * s, CONSUMERS / 32);
+        }
+    }
+    __syncthreads();
+    MOE_GRID_WAIT();  // launched early: the quantizer (and the sort before it)
+    MOE_GRID_LAUNCH();
+
+    const int NBLK = (N + BN - 1) / BN;
+    const int ntiles = NBLK * (max(npost[0], 0) / BM);
+    const int KB = (Kdim + W8_BK - 1) / W8_BK;
+    const int NBR = (N + W8_BK - 1) / W8_BK;
+    const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
+    if (tid >= CONSUMERS) {
+        w8p_produce<BM, BN, STAGES, PW, UP>(A, B, sorted, block_expert, TK, topk, Kdim, N, ntiles, tid - CONSUMERS,
+                                            sbase, full0, empty0);
+        return;
+    }
+
+    // Consumers: warpgroup grp multiplies tile rows 64*grp .. 64*grp+63;
+    // this thread holds rows r0 and r0 + 8.
+    const int grp = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31;
+    const int r0 = grp * 64 + w * 16 + (lane >> 2);
+    int slot = 0;
+    unsigned ph = 0;
+    float acc[NW / 2], blk[NW / 2];
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) blk[i] = 0.0f;
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
+        const int e = block_expert[mb];
+        if (e < 0) continue;
+        int a[2];
+        const float* arow[2];  // the rows' activation scales (nullptr: padding)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = r0 + hr * 8;
+            a[hr] = sorted[mb * BM + r];
+            const bool real = a[hr] >= 0 && a[hr] < TK;
+            arow[hr] = real ? AS + (long long)(UP ? a[hr] / topk : mb * BM + r) * KB : nullptr;
+        }
+        // The weight block scales of this tile's columns: the gate's (or the
+        // down's) and the up's block row.
+        const float* sg = S + ((long long)(e * NB) * NBR + n0 / W8_BK) * KB;
+        const float* su = S + ((long long)(e * NB + NB - 1) * NBR + n0 / W8_BK) * KB;
+#pragma unroll
+        for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
+        for (int kb = 0; kb < KB; ++kb) {
+            const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
+            const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
+            const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
+            w8p_wait(full0 + 8u * slot, ph);
+            // The stage's cp.async writes went through the generic proxy;
+            // wgmma reads through the async proxy.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+            const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
+            w8_fence();
+#pragma unroll
+            for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<NW>(blk, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
+            w8_commit_mma();
+            w8_wait_mma0();
+            // This warp's wgmma of the stage is done: release it.
+            if (lane == 0) w8p_arrive(empty0 + 8u * slot);
+            if (++slot == STAGES) {
+                slot = 0;
+                ph ^= 1u;
+            }
+#pragma unroll
+            for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(blk[i])::"memory");
+            const float s[2][2] = {{__fmul_rn(sa0, sbg), __fmul_rn(sa1, sbg)}, {__fmul_rn(sa0, sbu), __fmul_rn(sa1, sbu)}};
+#pragma unroll
+            for (int i = 0; i < NW / 2; ++i) {
+                const int h = UP && (i / 4) >= BN / 8 ? 1 : 0;
+                acc[i] = __fadd_rn(acc[i], __fmul_rn(blk[i], s[h][(i >> 1) & 1]));
+            }
+        }
+        // Epilogue (moe_w8's): register 4j + 2h + v is column 8j + 2*(lane%4)
+        // + v of row half h.
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const bool real = a[hr] >= 0 && a[hr] < TK;
+            const int dst = UP ? mb * BM + r0 + hr * 8 : (real ? a[hr] : -1);
+            if (dst >= 0) w8_store_half<BN, UP>(acc, hr, dst, UP && !real, C, N, n0, lane);
+        }
+    }
+}
