@@ -2,6 +2,9 @@ package moe
 
 import (
 	"fmt"
+	"math"
+	"slices"
+	"time"
 	"unsafe"
 
 	"github.com/gpuctx/gpuctx"
@@ -99,16 +102,21 @@ func (l *Layer) ForwardDevice(x, y *gpuctx.Buffer, T int, mode Mode, part Part) 
 	return l.forward("Layer.ForwardDevice", x, y, T, mode, part)
 }
 
-// forward is ForwardDevice with l.mu held: it plans the forward, sizes the
-// stages' scratch, and runs the plan (eagerly, staged, or as a graph).
+// forward is ForwardDevice with l.mu held: it checks the arguments, settles
+// Auto's mode, plans the forward, sizes the stages' scratch, and runs the
+// plan: as a captured graph where it can, else eagerly (staged or not).
 func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
 	if err := l.check(op); err != nil {
 		return err
 	}
-	p, err := l.plan(op, x, y, T, mode, part)
+	if err := l.checkForward(op, x, y, T, mode, part); err != nil {
+		return err
+	}
+	mode, err := l.autoMode(op, x, y, T, mode, part)
 	if err != nil {
 		return err
 	}
+	p := l.plan(x, y, T, mode, part)
 	if l.hook != nil {
 		l.hook(p)
 	}
@@ -124,6 +132,113 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 		l.last = lastRouting{T: T, ks: p.ks}
 	}
 	return err
+}
+
+// checkForward checks ForwardDevice's arguments; the error names the bad one.
+func (l *Layer) checkForward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
+	c := &l.cfg
+	H, E, K, I, Is := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate, c.SharedIntermediate
+	switch {
+	case T <= 0:
+		return fmt.Errorf("moe: %s: T = %d tokens: must be > 0: %w", op, T, gpuctx.ErrInvalid)
+	case int64(T)*int64(K) > math.MaxInt32 || int64(T)*int64(max(H, 2*I, 2*Is, E)) > math.MaxInt32:
+		return fmt.Errorf("moe: %s: T = %d tokens is too many for 32-bit kernel arguments; split the batch: %w", op, T, gpuctx.ErrInvalid)
+	case mode < Single || mode > FusedShared:
+		return fmt.Errorf("moe: %s: unknown mode %v; use Single, Dual, Auto or FusedShared: %w", op, mode, gpuctx.ErrInvalid)
+	case part < Whole || part > RoutedOnly:
+		return fmt.Errorf("moe: %s: unknown part %v; use Whole, SharedOnly or RoutedOnly: %w", op, part, gpuctx.ErrInvalid)
+	case part == SharedOnly && l.shared.gu == nil:
+		return fmt.Errorf("moe: %s: part SharedOnly, but this %s layer has no shared expert: %w", op, c.Family, gpuctx.ErrInvalid)
+	}
+	if mode == FusedShared {
+		if err := l.fusedSharedLimit(); err != nil {
+			return fmt.Errorf("moe: %s: %w", op, err)
+		}
+	}
+	if l.fused(T) {
+		// The fused kernels' sorted rows stay 32-bit: the slots and experts
+		// of FusedShared where the mode may run it.
+		ks, ne := K, E
+		if mode == FusedShared || mode == Auto {
+			ks, ne = K+l.ns, E+l.ns
+		}
+		if err := moekernels.CheckLimits(T, ks, ne, H, I); err != nil {
+			return fmt.Errorf("moe: %s: %v: %w", op, err, gpuctx.ErrInvalid)
+		}
+	}
+	n := T * H * l.es
+	for _, b := range []struct {
+		name string
+		buf  *gpuctx.Buffer
+	}{{"x", x}, {"y", y}} {
+		if b.buf == nil {
+			return fmt.Errorf("moe: %s: %s is nil: %w", op, b.name, gpuctx.ErrInvalid)
+		}
+		if b.buf.Device() != l.dev {
+			return fmt.Errorf("moe: %s: %s belongs to another device than the layer: %w", op, b.name, gpuctx.ErrWrongDevice)
+		}
+		if b.buf.Size() < n {
+			return fmt.Errorf("moe: %s: %s holds %d bytes; T*H = %d*%d %v elements need %d: %w", op, b.name, b.buf.Size(), T, H, l.dt, n, gpuctx.ErrSize)
+		}
+	}
+	return nil
+}
+
+// autoMode returns the mode a forward of mode runs (resolveMode). Auto on
+// the fused path with a fusable shared expert runs the tuner's choice for T's
+// bucket (tuner.knownMode); where there is none yet, this forward measures it
+// on x and y: Dual and FusedShared each run twice (eagerly, which tunes the
+// tiles, then the capture) and then three times timed (timeForward), waiting
+// for the main stream, and the tuner keeps the faster (tuner.keepMode).
+func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) (Mode, error) {
+	m, timed := l.resolveMode(T, mode, part)
+	if !timed {
+		return m, nil
+	}
+	if m, ok := l.tuner.knownMode(T); ok {
+		return m, nil
+	}
+	var medians [len(autoCandidates)]time.Duration
+	for i, m := range autoCandidates {
+		for range 2 { // eager (tunes the tiles), then the capture
+			if err := l.forward(op, x, y, T, m, part); err != nil {
+				return 0, err
+			}
+		}
+		var ds []time.Duration
+		for range 3 {
+			d, err := l.timeForward(op, x, y, T, m, part)
+			if err != nil {
+				return 0, err
+			}
+			ds = append(ds, d)
+		}
+		slices.Sort(ds)
+		medians[i] = ds[1]
+	}
+	return l.tuner.keepMode(T, medians), nil
+}
+
+// timeForward times one forward between the tuning events on the main stream
+// and waits for it.
+func (l *Layer) timeForward(op string, x, y *gpuctx.Buffer, T int, m Mode, part Part) (time.Duration, error) {
+	if timingHook != nil {
+		timingHook()
+	}
+	start, stop := l.tuner.evTune[0], l.tuner.evTune[1]
+	if err := start.Record(l.main); err != nil {
+		return 0, err
+	}
+	if err := l.forward(op, x, y, T, m, part); err != nil {
+		return 0, err
+	}
+	if err := stop.Record(l.main); err != nil {
+		return 0, err
+	}
+	if err := stop.Synchronize(); err != nil {
+		return 0, err
+	}
+	return stop.Elapsed(start)
 }
 
 // runEager queues p eagerly: on x and y, or through the staging buffers.
