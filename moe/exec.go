@@ -123,15 +123,21 @@ func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part P
 	if err := l.ensure(p); err != nil {
 		return err
 	}
+	ran := false
 	if p.graph {
-		err = l.forwardGraph(p, x, y)
-	} else {
-		err = l.runEager(p, x, y)
+		if ran, err = l.forwardGraph(p, x, y); err != nil {
+			return err
+		}
 	}
-	if err == nil && p.routed {
+	if !ran {
+		if err := l.runEager(p, x, y); err != nil {
+			return err
+		}
+	}
+	if p.routed {
 		l.last = lastRouting{T: T, ks: p.ks}
 	}
-	return err
+	return nil
 }
 
 // checkForward checks ForwardDevice's arguments; the error names the bad one.
