@@ -6,121 +6,67 @@ import (
 )
 
 // enqueue is the executor: it queues the stages of p over xv into yv (both
-// exactly T*H elements) on the main stream, and the shared expert on the side
-// stream when p.dual. Routing: router (or nothing on the one-launch path),
-// dispatch (plan and gather, or the aligned sort), the routed experts, with
-// the shared expert where p.place says, then the combine after the side
-// stream is joined back. On the fused path nothing waits for the host and the
-// side stream forks before the router (evFork), so the shared expert overlaps
-// the routing kernels too, which leave DRAM idle; on the others it forks at
-// the counts (evCounts), so it never competes with the router chain the host
-// is waiting for.
+// exactly T*H elements), the same steps in the same order on every path, each
+// stage queueing what p asks of it there (or nothing):
+//
+//	shared.fork           evFork on the main stream: x is ready, the side
+//	                      stream may start the shared expert (fused path,
+//	                      shared expert alone)
+//	routeAndDispatch      router and dispatch on the main stream: plan and
+//	                      gather (evCounts after them), or the aligned sort
+//	shared.beforeExperts  the shared expert forked at evCounts (small-batch
+//	                      and grouped paths), or on the main stream (grouped:
+//	                      it runs while the host waits for the counts)
+//	experts.forPlan       the routed experts on the main stream (the grouped
+//	                      GEMMs after the host waits for the counts)
+//	shared.afterExperts   the shared expert on the main stream (small-batch,
+//	                      fused, alone) or forked at evFork (fused, alone)
+//	shared.join           the main stream waits for the side stream (evJoin)
+//	combineInto           the combine on the main stream
+//
+// On the fused path nothing waits for the host and the side stream forks
+// before the router (evFork), so the shared expert overlaps the routing
+// kernels too, which leave DRAM idle; on the others it forks at the counts
+// (evCounts), so it never competes with the router chain the host is waiting
+// for.
 func (l *Layer) enqueue(p *plan, xv, yv *gpuctx.Buffer) error {
-	var err error
-	switch p.path {
-	case pathNone:
-		err = l.sharedAlone(p, xv)
-	case pathFused:
-		err = l.routedFused(p, xv)
-	default:
-		err = l.routedPlanned(p, xv)
-	}
-	if err != nil {
+	if err := l.shared.fork(p); err != nil {
 		return err
 	}
-	if p.dual { // join
-		if err := l.main.Wait(l.evJoin); err != nil {
-			return err
-		}
+	if err := l.routeAndDispatch(p, xv); err != nil {
+		return err
+	}
+	if err := l.shared.beforeExperts(p, xv); err != nil {
+		return err
+	}
+	if err := l.experts.forPlan(p, xv, &l.dispatch); err != nil {
+		return err
+	}
+	if err := l.shared.afterExperts(p, xv); err != nil {
+		return err
+	}
+	if err := l.shared.join(p); err != nil {
+		return err
 	}
 	return l.combineInto(p, yv)
 }
 
-// sharedAlone queues the shared expert alone (SharedOnly), on the side stream
-// forked once x is ready on the main stream (Dual) or on the main stream.
-func (l *Layer) sharedAlone(p *plan, xv *gpuctx.Buffer) error {
-	if !p.shared {
+// routeAndDispatch queues the routing and the dispatch of p over xv on the
+// main stream: the fused path's routing and aligned sort (sortFused); on the
+// small-batch and grouped-GEMM paths the router GEMM and route, then plan and
+// gather (the counts copied to the host on the grouped path, then evCounts);
+// nothing for the shared expert alone.
+func (l *Layer) routeAndDispatch(p *plan, xv *gpuctx.Buffer) error {
+	switch p.path {
+	case pathNone:
 		return nil
+	case pathFused:
+		return l.sortFused(p, xv)
 	}
-	if !p.dual {
-		return l.shared.onMain(xv, p.T)
-	}
-	if err := l.evFork.Record(l.main); err != nil {
+	if err := l.router.route(xv, p.T, p.ks, true); err != nil {
 		return err
 	}
-	return l.shared.onSide(l.evFork, xv, p.T)
-}
-
-// routedPlanned queues the small-batch or grouped-GEMM path: router GEMM and
-// route, plan and gather (the counts copied to the host on the grouped path),
-// the shared expert forked at evCounts (Dual), the experts, with the shared
-// expert on the main stream before the host waits for the counts (grouped) or
-// after the expert kernels (small).
-func (l *Layer) routedPlanned(p *plan, xv *gpuctx.Buffer) error {
-	T, small := p.T, p.path == pathSmall
-	if err := l.router.route(xv, T, p.ks, true); err != nil {
-		return err
-	}
-	if err := l.dispatch.planGather(xv, l.router.idx, T, !small); err != nil {
-		return err
-	}
-	if p.place == sharedSide {
-		if err := l.shared.onSide(l.evCounts, xv, T); err != nil {
-			return err
-		}
-	}
-	if small {
-		if err := l.experts.small(&l.dispatch); err != nil {
-			return err
-		}
-		return l.sharedAfter(p, xv)
-	}
-	if err := l.sharedAfter(p, xv); err != nil {
-		return err
-	}
-	counts, err := l.dispatch.hostCounts()
-	if err != nil {
-		return err
-	}
-	groups, err := groupsOf(counts, T*l.cfg.TopK)
-	if err != nil {
-		return err
-	}
-	return l.experts.grouped(l.dispatch.xp, groups, T*l.cfg.TopK)
-}
-
-// sharedAfter queues the shared expert on the main stream when p places it
-// there (after the routed kernels queued so far).
-func (l *Layer) sharedAfter(p *plan, xv *gpuctx.Buffer) error {
-	if p.place != sharedMain {
-		return nil
-	}
-	return l.shared.onMain(xv, p.T)
-}
-
-// routedFused queues the fused path: evFork (Dual), the routing and the
-// aligned sort (one launch, or router GEMM, route and align), the tiles'
-// choice where it is not known yet (tune), the fused expert kernels, then the
-// shared expert on the side stream from evFork or on the main stream. The
-// routed kernels are queued before the side stream's shared expert: an eager
-// forward would otherwise leave the main stream idle while the host queues
-// the shared expert's BLAS calls.
-func (l *Layer) routedFused(p *plan, xv *gpuctx.Buffer) error {
-	if p.place == sharedSide {
-		if err := l.evFork.Record(l.main); err != nil { // x is ready: the shared expert may start
-			return err
-		}
-	}
-	if err := l.sortFused(p, xv); err != nil {
-		return err
-	}
-	if err := l.experts.fused(xv, &l.dispatch, p, p.tiles); err != nil {
-		return err
-	}
-	if p.place == sharedSide {
-		return l.shared.onSide(l.evFork, xv, p.T)
-	}
-	return l.sharedAfter(p, xv)
+	return l.dispatch.planGather(xv, l.router.idx, p.T, p.path == pathGrouped)
 }
 
 // sortFused queues the fused path's routing and aligned sort with p's tiles'

@@ -16,12 +16,12 @@ const (
 	pathFused                    // route, aligned sort, the fused tile kernels (bf16)
 )
 
-// sharedPlace is where a routed forward queues the shared expert.
+// sharedPlace is where a forward queues the shared expert.
 type sharedPlace uint8
 
 const (
 	sharedNone  sharedPlace = iota
-	sharedMain              // on the main stream, after the counts copy: it runs while the host waits
+	sharedMain              // on the main stream
 	sharedSide              // on the side stream, forked (evFork or evCounts), joined by evJoin
 	sharedFused             // inside the fused routed kernels, as experts E.. (FusedShared)
 )
@@ -72,6 +72,23 @@ func (p *plan) rowsBM() int {
 
 // fusedShared reports whether the shared expert runs inside the fused kernels.
 func (p *plan) fusedShared() bool { return p.place == sharedFused }
+
+// sharedFirst reports whether p queues the shared expert (main or side) right
+// after the dispatch, before the routed experts: on the small-batch and
+// grouped-GEMM paths the side stream forks there, at the counts, and on the
+// grouped path the main stream runs it there too, while the host waits for
+// the counts. Elsewhere it comes after the routed experts: on the small-batch
+// path's main stream after the expert kernels, and on the fused path on
+// either stream, since an eager forward would otherwise leave the main stream
+// idle while the host queues the shared expert's BLAS calls.
+func (p *plan) sharedFirst() bool {
+	return p.path == pathGrouped || p.path == pathSmall && p.place == sharedSide
+}
+
+// forksAtCounts reports whether p's side stream forks at the counts (evCounts,
+// the small-batch and grouped-GEMM paths) instead of from x itself (evFork,
+// recorded first: the fused path, the shared expert alone).
+func (p *plan) forksAtCounts() bool { return p.path == pathSmall || p.path == pathGrouped }
 
 // plan returns the plan of a forward whose arguments are checked
 // (checkForward) and whose mode is settled (autoMode: never Auto). x and y
@@ -126,7 +143,7 @@ func (l *Layer) placeShared(p *plan, fusedShared bool) {
 		p.path = pathGrouped
 	}
 	switch {
-	case !p.routed || !p.shared:
+	case !p.shared:
 	case fusedShared:
 		p.place, p.ks, p.experts = sharedFused, c.TopK+l.ns, c.NumExperts+l.ns
 	case p.dual:
