@@ -2,6 +2,9 @@ package moe
 
 import (
 	"fmt"
+	"math"
+	"slices"
+	"time"
 	"unsafe"
 
 	"github.com/gpuctx/gpuctx"
@@ -99,31 +102,149 @@ func (l *Layer) ForwardDevice(x, y *gpuctx.Buffer, T int, mode Mode, part Part) 
 	return l.forward("Layer.ForwardDevice", x, y, T, mode, part)
 }
 
-// forward is ForwardDevice with l.mu held: it plans the forward, sizes the
-// stages' scratch, and runs the plan (eagerly, staged, or as a graph).
+// forward is ForwardDevice with l.mu held: it checks the arguments, settles
+// Auto's mode, plans the forward, sizes the stages' scratch, and runs the
+// plan: as a captured graph where it can, else eagerly (staged or not).
 func (l *Layer) forward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
 	if err := l.check(op); err != nil {
 		return err
 	}
-	p, err := l.plan(op, x, y, T, mode, part)
+	if err := l.checkForward(op, x, y, T, mode, part); err != nil {
+		return err
+	}
+	mode, err := l.autoMode(op, x, y, T, mode, part)
 	if err != nil {
 		return err
 	}
+	p := l.plan(x, y, T, mode, part)
 	if l.hook != nil {
 		l.hook(p)
 	}
 	if err := l.ensure(p); err != nil {
 		return err
 	}
+	ran := false
 	if p.graph {
-		err = l.forwardGraph(p, x, y)
-	} else {
-		err = l.runEager(p, x, y)
+		if ran, err = l.forwardGraph(p, x, y); err != nil {
+			return err
+		}
 	}
-	if err == nil && p.routed {
+	if !ran {
+		if err := l.runEager(p, x, y); err != nil {
+			return err
+		}
+	}
+	if p.routed {
 		l.last = lastRouting{T: T, ks: p.ks}
 	}
-	return err
+	return nil
+}
+
+// checkForward checks ForwardDevice's arguments; the error names the bad one.
+func (l *Layer) checkForward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
+	c := &l.cfg
+	H, E, K, I, Is := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate, c.SharedIntermediate
+	switch {
+	case T <= 0:
+		return fmt.Errorf("moe: %s: T = %d tokens: must be > 0: %w", op, T, gpuctx.ErrInvalid)
+	case int64(T)*int64(K) > math.MaxInt32 || int64(T)*int64(max(H, 2*I, 2*Is, E)) > math.MaxInt32:
+		return fmt.Errorf("moe: %s: T = %d tokens is too many for 32-bit kernel arguments; split the batch: %w", op, T, gpuctx.ErrInvalid)
+	case mode < Single || mode > FusedShared:
+		return fmt.Errorf("moe: %s: unknown mode %v; use Single, Dual, Auto or FusedShared: %w", op, mode, gpuctx.ErrInvalid)
+	case part < Whole || part > RoutedOnly:
+		return fmt.Errorf("moe: %s: unknown part %v; use Whole, SharedOnly or RoutedOnly: %w", op, part, gpuctx.ErrInvalid)
+	case part == SharedOnly && l.shared.gu == nil:
+		return fmt.Errorf("moe: %s: part SharedOnly, but this %s layer has no shared expert: %w", op, c.Family, gpuctx.ErrInvalid)
+	}
+	if mode == FusedShared {
+		if err := l.fusedSharedLimit(); err != nil {
+			return fmt.Errorf("moe: %s: %w", op, err)
+		}
+	}
+	if l.fused(T) {
+		// The fused kernels' sorted rows stay 32-bit: the slots and experts
+		// of FusedShared where the mode may run it.
+		ks, ne := K, E
+		if mode == FusedShared || mode == Auto {
+			ks, ne = K+l.ns, E+l.ns
+		}
+		if err := moekernels.CheckLimits(T, ks, ne, H, I); err != nil {
+			return fmt.Errorf("moe: %s: %v: %w", op, err, gpuctx.ErrInvalid)
+		}
+	}
+	n := T * H * l.es
+	for _, b := range []struct {
+		name string
+		buf  *gpuctx.Buffer
+	}{{"x", x}, {"y", y}} {
+		if b.buf == nil {
+			return fmt.Errorf("moe: %s: %s is nil: %w", op, b.name, gpuctx.ErrInvalid)
+		}
+		if b.buf.Device() != l.dev {
+			return fmt.Errorf("moe: %s: %s belongs to another device than the layer: %w", op, b.name, gpuctx.ErrWrongDevice)
+		}
+		if b.buf.Size() < n {
+			return fmt.Errorf("moe: %s: %s holds %d bytes; T*H = %d*%d %v elements need %d: %w", op, b.name, b.buf.Size(), T, H, l.dt, n, gpuctx.ErrSize)
+		}
+	}
+	return nil
+}
+
+// autoMode returns the mode a forward of mode runs (resolveMode). Auto on
+// the fused path with a fusable shared expert runs the tuner's choice for T's
+// bucket (tuner.knownMode); where there is none yet, this forward measures it
+// on x and y: Dual and FusedShared each run twice (eagerly, which tunes the
+// tiles, then the capture) and then three times timed (timeForward), waiting
+// for the main stream, and the tuner keeps the faster (tuner.keepMode).
+func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) (Mode, error) {
+	m, timed := l.resolveMode(T, mode, part)
+	if !timed {
+		return m, nil
+	}
+	if m, ok := l.tuner.knownMode(T); ok {
+		return m, nil
+	}
+	var medians [len(autoCandidates)]time.Duration
+	for i, m := range autoCandidates {
+		for range 2 { // eager (tunes the tiles), then the capture
+			if err := l.forward(op, x, y, T, m, part); err != nil {
+				return 0, err
+			}
+		}
+		var ds []time.Duration
+		for range 3 {
+			d, err := l.timeForward(op, x, y, T, m, part)
+			if err != nil {
+				return 0, err
+			}
+			ds = append(ds, d)
+		}
+		slices.Sort(ds)
+		medians[i] = ds[1]
+	}
+	return l.tuner.keepMode(T, medians), nil
+}
+
+// timeForward times one forward between the tuning events on the main stream
+// and waits for it.
+func (l *Layer) timeForward(op string, x, y *gpuctx.Buffer, T int, m Mode, part Part) (time.Duration, error) {
+	if timingHook != nil {
+		timingHook()
+	}
+	start, stop := l.tuner.evTune[0], l.tuner.evTune[1]
+	if err := start.Record(l.main); err != nil {
+		return 0, err
+	}
+	if err := l.forward(op, x, y, T, m, part); err != nil {
+		return 0, err
+	}
+	if err := stop.Record(l.main); err != nil {
+		return 0, err
+	}
+	if err := stop.Synchronize(); err != nil {
+		return 0, err
+	}
+	return stop.Elapsed(start)
 }
 
 // runEager queues p eagerly: on x and y, or through the staging buffers.
@@ -160,221 +281,6 @@ func (l *Layer) eager(p *plan, x, y *gpuctx.Buffer) error {
 		return err
 	}
 	return l.enqueue(p, xv, yv)
-}
-
-// enqueue is the executor: it queues the stages of p over xv into yv (both
-// exactly T*H elements) on the main stream, and the shared expert on the side
-// stream when p.dual. Routing: router (or nothing on the one-launch path),
-// dispatch (plan and gather, or the aligned sort), the routed experts, with
-// the shared expert where p.place says, then the combine after the side
-// stream is joined back. On the fused path nothing waits for the host and the
-// side stream forks before the router (evFork), so the shared expert overlaps
-// the routing kernels too, which leave DRAM idle; on the others it forks at
-// the counts (evCounts), so it never competes with the router chain the host
-// is waiting for.
-func (l *Layer) enqueue(p *plan, xv, yv *gpuctx.Buffer) error {
-	var err error
-	switch p.path {
-	case pathNone:
-		err = l.sharedAlone(p, xv)
-	case pathFused:
-		err = l.routedFused(p, xv)
-	default:
-		err = l.routedPlanned(p, xv)
-	}
-	if err != nil {
-		return err
-	}
-	if p.dual { // join
-		if err := l.main.Wait(l.evJoin); err != nil {
-			return err
-		}
-	}
-	return l.combineInto(p, yv)
-}
-
-// sharedAlone queues the shared expert alone (SharedOnly), on the side stream
-// forked once x is ready on the main stream (Dual) or on the main stream.
-func (l *Layer) sharedAlone(p *plan, xv *gpuctx.Buffer) error {
-	if !p.shared {
-		return nil
-	}
-	if !p.dual {
-		return l.shared.onMain(xv, p.T)
-	}
-	if err := l.evFork.Record(l.main); err != nil {
-		return err
-	}
-	return l.shared.onSide(l.evFork, xv, p.T)
-}
-
-// routedPlanned queues the small-batch or grouped-GEMM path: router GEMM and
-// route, plan and gather (the counts copied to the host on the grouped path),
-// the shared expert forked at evCounts (Dual), the experts, with the shared
-// expert on the main stream before the host waits for the counts (grouped) or
-// after the expert kernels (small).
-func (l *Layer) routedPlanned(p *plan, xv *gpuctx.Buffer) error {
-	T, small := p.T, p.path == pathSmall
-	if err := l.router.route(xv, T, p.ks, true); err != nil {
-		return err
-	}
-	if err := l.dispatch.planGather(xv, l.router.idx, T, !small); err != nil {
-		return err
-	}
-	if p.place == sharedSide {
-		if err := l.shared.onSide(l.evCounts, xv, T); err != nil {
-			return err
-		}
-	}
-	if small {
-		if err := l.experts.small(&l.dispatch); err != nil {
-			return err
-		}
-		return l.sharedAfter(p, xv)
-	}
-	if err := l.sharedAfter(p, xv); err != nil {
-		return err
-	}
-	counts, err := l.dispatch.hostCounts()
-	if err != nil {
-		return err
-	}
-	groups, err := groupsOf(counts, T*l.cfg.TopK)
-	if err != nil {
-		return err
-	}
-	return l.experts.grouped(l.dispatch.xp, groups, T*l.cfg.TopK)
-}
-
-// sharedAfter queues the shared expert on the main stream when p places it
-// there (after the routed kernels queued so far).
-func (l *Layer) sharedAfter(p *plan, xv *gpuctx.Buffer) error {
-	if p.place != sharedMain {
-		return nil
-	}
-	return l.shared.onMain(xv, p.T)
-}
-
-// routedFused queues the fused path: evFork (Dual), the routing and the
-// aligned sort (one launch, or router GEMM, route and align), the tiles'
-// choice where it is not known yet (tune), the fused expert kernels, then the
-// shared expert on the side stream from evFork or on the main stream. The
-// routed kernels are queued before the side stream's shared expert: an eager
-// forward would otherwise leave the main stream idle while the host queues
-// the shared expert's BLAS calls.
-func (l *Layer) routedFused(p *plan, xv *gpuctx.Buffer) error {
-	if p.place == sharedSide {
-		if err := l.evFork.Record(l.main); err != nil { // x is ready: the shared expert may start
-			return err
-		}
-	}
-	if err := l.sortFused(p, xv); err != nil {
-		return err
-	}
-	if err := l.experts.fused(xv, &l.dispatch, p, p.tiles); err != nil {
-		return err
-	}
-	if p.place == sharedSide {
-		return l.shared.onSide(l.evFork, xv, p.T)
-	}
-	return l.sharedAfter(p, xv)
-}
-
-// sortFused queues the fused path's routing and aligned sort with p's tiles'
-// rows, settling p.tiles first where they are not known: the one-launch path
-// routes and sorts with the rule's rows, tunes on that routing, and sorts
-// again; the other routes, tunes, and sorts. Every forward of a one-launch
-// batch computes the router logits the same way (in that kernel, never in a
-// GEMM), so results do not depend on whether the tiles were tuned yet.
-func (l *Layer) sortFused(p *plan, xv *gpuctx.Buffer) error {
-	if p.oneLaunch {
-		if err := l.ensureFused(p, p.sortBM); err != nil {
-			return err
-		}
-		if err := l.dispatch.routeAlign(xv, &l.router, p, p.sortBM); err != nil {
-			return err
-		}
-	} else if err := l.router.route(xv, p.T, p.ks, true); err != nil {
-		return err
-	}
-	if p.oneLaunch && p.tilesKnown {
-		return nil
-	}
-	if !p.tilesKnown {
-		tp, err := l.tilesFor(p, xv)
-		if err != nil {
-			return err
-		}
-		p.tiles = tp
-	}
-	if err := l.ensureFused(p, p.rowsBM()); err != nil {
-		return err
-	}
-	return l.dispatch.align(l.router.idx, p, p.rowsBM())
-}
-
-// combineInto queues the combine of p into yv.
-func (l *Layer) combineInto(p *plan, yv *gpuctx.Buffer) error {
-	in := combineIn{ks: l.cfg.TopK, routed: p.routed, shared: p.shared}
-	if p.routed {
-		in.out, in.pos, in.w = l.experts.out, l.dispatch.pos, l.router.wts
-	}
-	if p.shared {
-		in.sout = l.shared.out
-		if l.shared.gate != nil {
-			in.sg = l.shared.g
-		}
-	}
-	if p.path != pathFused {
-		in.gated = in.shared && l.shared.gate != nil
-		return l.combine.tokens(in, l.router.bias, yv, p.T)
-	}
-	// Routed rows are in assignment order; the fused shared expert's chunks
-	// are rows K.. of each token, not a separate output.
-	in.pos = nil
-	if p.fusedShared() {
-		in.ks, in.shared = p.ks, false
-	}
-	in.gated = in.shared && l.shared.gate != nil
-	return l.combine.rows(in, l.router.bias, yv, p.T)
-}
-
-// ensure grows the scratch buffers a forward of p needs (the fused path's
-// sort is sized by ensureFused, once its tile rows are known).
-func (l *Layer) ensure(p *plan) error {
-	var needs []need
-	if p.routed {
-		TKS := p.T * (l.cfg.TopK + l.ns) // room for the fused shared expert's slots
-		needs = append(needs, l.router.needs(p.T, TKS/p.T)...)
-		if p.path != pathFused {
-			TK := p.T * l.cfg.TopK
-			needs = append(needs, l.dispatch.planNeeds(TK)...)
-			needs = append(needs, l.experts.needs(TK)...)
-		}
-	}
-	if p.shared {
-		needs = append(needs, l.shared.needs(p.T)...)
-	}
-	return l.growAll(needs...)
-}
-
-// ensureFused grows the fused path's scratch for p with tile rows bm.
-func (l *Layer) ensureFused(p *plan, bm int) error {
-	TK := p.T * p.ks
-	sort := l.dispatch.sortNeeds(TK, p.experts, bm)
-	cp := moekernels.AlignCap(TK, p.experts, bm)
-	needs := append(sort[:3:3], l.experts.fusedNeeds(cp, TK)...)
-	if p.fp8.w8 {
-		needs = append(needs, l.experts.w8a8Needs(p.T, cp)...)
-	}
-	needs = append(needs, sort[3:]...)
-	synced := false
-	for _, nd := range needs {
-		if err := l.grow(nd.b, nd.n, &synced); err != nil {
-			return err
-		}
-	}
-	return l.dispatch.resetTicket(&synced)
 }
 
 // lastRouting is where LastRouting finds the last routed forward's routing:

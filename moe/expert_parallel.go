@@ -229,7 +229,7 @@ func (s *ExpertShard) routeLocal(c *epCall) error {
 		if err := s.evFork.Record(s.main); err != nil {
 			return err
 		}
-		if err := s.shared.onSide(s.evFork, c.xv, c.T); err != nil {
+		if err := s.shared.onStream(s.evFork, c.xv, c.T); err != nil {
 			return err
 		}
 	}

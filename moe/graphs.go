@@ -89,59 +89,60 @@ func (l *Layer) capture(p *plan, xv, yv *gpuctx.Buffer) (g *gpuctx.Graph, unavai
 }
 
 // forwardGraph runs a forward that needs no host wait (the small-batch or
-// fused path, or the shared expert alone) as a captured graph: x is copied
-// into the layer's staging input, the graph runs, and the staging output is
-// copied to y, all on the main stream. The first forward of each shape runs
-// eagerly, so that library handles, workspaces and heuristics are set up
-// outside any capture; the second captures the graph; later ones only launch
-// it. Graphs are dropped when scratch buffers grow (their pointers are baked
-// in). A backend that cannot capture runs every forward eagerly.
-func (l *Layer) forwardGraph(p *plan, x, y *gpuctx.Buffer) error {
+// fused path, or the shared expert alone) as a captured graph, and reports
+// whether it did: x is copied into the layer's staging input, the graph
+// runs, and the staging output is copied to y, all on the main stream. The
+// first forward of each shape is left to run eagerly (ran false), so that
+// library handles, workspaces and heuristics are set up outside any capture;
+// the second captures the graph; later ones only launch it. Graphs are
+// dropped when scratch buffers grow (their pointers are baked in). A backend
+// that cannot capture leaves every forward to run eagerly.
+func (l *Layer) forwardGraph(p *plan, x, y *gpuctx.Buffer) (ran bool, err error) {
 	gc, key, n := &l.gc, p.key(), p.n
 	if gc.seen[key] == 0 {
 		gc.seen[key]++
-		return l.runEager(p, x, y)
+		return false, nil
 	}
 	// The same x and y again: a graph captured on them needs no staging copies
 	// (if they are aligned for the kernels' 16-byte accesses).
 	dk := directKey{key, x, y}
 	if g := gc.direct[dk]; !p.staged && (g != nil || gc.directSeen[dk]) {
-		return l.forwardDirect(p, x, y, dk)
+		return true, l.forwardDirect(p, x, y, dk)
 	}
 	if len(gc.directSeen) >= maxDirectGraphs {
 		clear(gc.directSeen)
 	}
 	gc.directSeen[dk] = true
 	if err := gc.staging(&l.env, n); err != nil {
-		return err
+		return false, err
 	}
 	gx, err := gc.gx.Slice(0, n)
 	if err != nil {
-		return err
+		return false, err
 	}
 	gy, err := gc.gy.Slice(0, n)
 	if err != nil {
-		return err
+		return false, err
 	}
 	g := gc.graphs[key]
 	if g == nil {
 		var unavailable bool
 		if g, unavailable, err = l.capture(p, gx, gy); unavailable { // this backend cannot capture: stay eager
 			gc.use = false
-			return l.runEager(p, x, y)
+			return false, nil
 		}
 		if err != nil {
-			return err
+			return false, err
 		}
 		gc.graphs[key] = g
 	}
 	if err := l.main.CopyDtoD(gx, 0, x, 0, n); err != nil {
-		return err
+		return true, err
 	}
 	if err := g.Launch(l.main); err != nil {
-		return err
+		return true, err
 	}
-	return l.main.CopyDtoD(y, 0, gy, 0, n)
+	return true, l.main.CopyDtoD(y, 0, gy, 0, n)
 }
 
 // forwardDirect replays (capturing it first if needed) the forward of p

@@ -2,10 +2,8 @@ package moe
 
 import (
 	"fmt"
-	"math"
 
 	"github.com/gpuctx/gpuctx"
-	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 )
 
 // routePath is how a forward computes the routed experts.
@@ -18,12 +16,12 @@ const (
 	pathFused                    // route, aligned sort, the fused tile kernels (bf16)
 )
 
-// sharedPlace is where a routed forward queues the shared expert.
+// sharedPlace is where a forward queues the shared expert.
 type sharedPlace uint8
 
 const (
 	sharedNone  sharedPlace = iota
-	sharedMain              // on the main stream, after the counts copy: it runs while the host waits
+	sharedMain              // on the main stream
 	sharedSide              // on the side stream, forked (evFork or evCounts), joined by evJoin
 	sharedFused             // inside the fused routed kernels, as experts E.. (FusedShared)
 )
@@ -75,19 +73,30 @@ func (p *plan) rowsBM() int {
 // fusedShared reports whether the shared expert runs inside the fused kernels.
 func (p *plan) fusedShared() bool { return p.place == sharedFused }
 
-// plan checks a forward's arguments and returns its plan. With mode Auto on a
-// fused-path batch whose shared expert can be fused, the first forward of a
-// token bucket times Dual against FusedShared (autoMode) before planning.
-func (l *Layer) plan(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) (*plan, error) {
-	if err := l.checkForward(op, x, y, T, mode, part); err != nil {
-		return nil, err
-	}
+// sharedFirst reports whether p queues the shared expert (main or side) right
+// after the dispatch, before the routed experts: on the small-batch and
+// grouped-GEMM paths the side stream forks there, at the counts, and on the
+// grouped path the main stream runs it there too, while the host waits for
+// the counts. Elsewhere it comes after the routed experts: on the small-batch
+// path's main stream after the expert kernels, and on the fused path on
+// either stream, since an eager forward would otherwise leave the main stream
+// idle while the host queues the shared expert's BLAS calls.
+func (p *plan) sharedFirst() bool {
+	return p.path == pathGrouped || p.path == pathSmall && p.place == sharedSide
+}
+
+// forksAtCounts reports whether p's side stream forks at the counts (evCounts,
+// the small-batch and grouped-GEMM paths) instead of from x itself (evFork,
+// recorded first: the fused path, the shared expert alone).
+func (p *plan) forksAtCounts() bool { return p.path == pathSmall || p.path == pathGrouped }
+
+// plan returns the plan of a forward whose arguments are checked
+// (checkForward) and whose mode is settled (autoMode: never Auto). x and y
+// are read for their alignment only: whether the forward is staged.
+func (l *Layer) plan(x, y *gpuctx.Buffer, T int, mode Mode, part Part) *plan {
 	c := &l.cfg
-	p := &plan{T: T, n: T * c.HiddenSize * l.es, routed: part != SharedOnly, shared: l.shared.gu != nil && part != RoutedOnly}
-	mode, err := l.resolveMode(op, x, y, p, mode, part)
-	if err != nil {
-		return nil, err
-	}
+	p := &plan{T: T, n: T * c.HiddenSize * l.es}
+	p.routed, p.shared = l.computes(part)
 	fusedShared := mode == FusedShared && p.routed && p.shared && l.ns > 0 && l.fused(T)
 	if mode == FusedShared && !fusedShared {
 		mode = Dual
@@ -109,7 +118,13 @@ func (l *Layer) plan(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part
 			p.sortBM = ruleTile(T, p.ks, p.experts).BM
 		}
 	}
-	return p, nil
+	return p
+}
+
+// computes reports what a forward of part computes: the routed experts, the
+// shared expert (where the layer has one).
+func (l *Layer) computes(part Part) (routed, shared bool) {
+	return part != SharedOnly, l.shared.gu != nil && part != RoutedOnly
 }
 
 // placeShared sets p's routed path, where the shared expert runs, and the
@@ -128,7 +143,7 @@ func (l *Layer) placeShared(p *plan, fusedShared bool) {
 		p.path = pathGrouped
 	}
 	switch {
-	case !p.routed || !p.shared:
+	case !p.shared:
 	case fusedShared:
 		p.place, p.ks, p.experts = sharedFused, c.TopK+l.ns, c.NumExperts+l.ns
 	case p.dual:
@@ -138,75 +153,27 @@ func (l *Layer) placeShared(p *plan, fusedShared bool) {
 	}
 }
 
-// checkForward checks ForwardDevice's arguments; the error names the bad one.
-func (l *Layer) checkForward(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) error {
-	c := &l.cfg
-	H, E, K, I, Is := c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate, c.SharedIntermediate
-	switch {
-	case T <= 0:
-		return fmt.Errorf("moe: %s: T = %d tokens: must be > 0: %w", op, T, gpuctx.ErrInvalid)
-	case int64(T)*int64(K) > math.MaxInt32 || int64(T)*int64(max(H, 2*I, 2*Is, E)) > math.MaxInt32:
-		return fmt.Errorf("moe: %s: T = %d tokens is too many for 32-bit kernel arguments; split the batch: %w", op, T, gpuctx.ErrInvalid)
-	case mode < Single || mode > FusedShared:
-		return fmt.Errorf("moe: %s: unknown mode %v; use Single, Dual, Auto or FusedShared: %w", op, mode, gpuctx.ErrInvalid)
-	case part < Whole || part > RoutedOnly:
-		return fmt.Errorf("moe: %s: unknown part %v; use Whole, SharedOnly or RoutedOnly: %w", op, part, gpuctx.ErrInvalid)
-	case part == SharedOnly && l.shared.gu == nil:
-		return fmt.Errorf("moe: %s: part SharedOnly, but this %s layer has no shared expert: %w", op, c.Family, gpuctx.ErrInvalid)
-	}
-	if mode == FusedShared {
-		if err := l.fusedSharedLimit(); err != nil {
-			return fmt.Errorf("moe: %s: %w", op, err)
-		}
-	}
-	if l.fused(T) {
-		// The fused kernels' sorted rows stay 32-bit: the slots and experts
-		// of FusedShared where the mode may run it.
-		ks, ne := K, E
-		if mode == FusedShared || mode == Auto {
-			ks, ne = K+l.ns, E+l.ns
-		}
-		if err := moekernels.CheckLimits(T, ks, ne, H, I); err != nil {
-			return fmt.Errorf("moe: %s: %v: %w", op, err, gpuctx.ErrInvalid)
-		}
-	}
-	n := T * H * l.es
-	for _, b := range []struct {
-		name string
-		buf  *gpuctx.Buffer
-	}{{"x", x}, {"y", y}} {
-		if b.buf == nil {
-			return fmt.Errorf("moe: %s: %s is nil: %w", op, b.name, gpuctx.ErrInvalid)
-		}
-		if b.buf.Device() != l.dev {
-			return fmt.Errorf("moe: %s: %s belongs to another device than the layer: %w", op, b.name, gpuctx.ErrWrongDevice)
-		}
-		if b.buf.Size() < n {
-			return fmt.Errorf("moe: %s: %s holds %d bytes; T*H = %d*%d %v elements need %d: %w", op, b.name, b.buf.Size(), T, H, l.dt, n, gpuctx.ErrSize)
-		}
-	}
-	return nil
-}
-
-// resolveMode returns the mode a forward of p runs: mode itself, or for Auto,
-// Dual or FusedShared (autoMode) on the fused path with a fusable shared
-// expert, Dual on the fused path otherwise, and elsewhere Dual for the
-// small-batch path and batches of at least AutoThreshold tokens, else Single.
-func (l *Layer) resolveMode(op string, x, y *gpuctx.Buffer, p *plan, mode Mode, part Part) (Mode, error) {
+// resolveMode returns the mode a forward of mode runs: mode itself, or for
+// Auto, Dual on the fused path with a shared expert that cannot be fused, and
+// elsewhere Dual for the small-batch path and batches of at least
+// AutoThreshold tokens, else Single. On the fused path with a fusable shared
+// expert Auto runs Dual or FusedShared, whichever is faster: timed reports
+// that the caller settles it (Layer.autoMode), and m is Auto.
+func (l *Layer) resolveMode(T int, mode Mode, part Part) (m Mode, timed bool) {
 	if mode != Auto {
-		return mode, nil
+		return mode, false
 	}
-	T := p.T
-	both := p.routed && p.shared && l.fused(T)
+	routed, shared := l.computes(part)
+	both := routed && shared && l.fused(T)
 	switch {
 	case both && l.ns > 0:
-		return l.autoMode(op, x, y, T, part)
+		return Auto, true
 	case both:
-		return Dual, nil
-	case (part != SharedOnly && l.smallBatch(T)) || T >= l.thresh:
-		return Dual, nil
+		return Dual, false
+	case (routed && l.smallBatch(T)) || T >= l.thresh:
+		return Dual, false
 	}
-	return Single, nil
+	return Single, false
 }
 
 // sharedChunks returns the chunks of the routed width the shared expert

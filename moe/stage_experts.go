@@ -62,6 +62,32 @@ func (x *expertStage) small(d *dispatchStage) error {
 		Act: x.act, Down: x.down, Counts: d.counts, Offsets: d.offsets, Out: x.out, E: int32(E), H: int32(H), I: int32(I), BF16: e.bf16()})
 }
 
+// forPlan queues the routed experts of p on the main stream in the form its
+// path takes: the small-batch kernels over the rows d gathered (sizes on the
+// device), the grouped GEMMs over them (the host first waits for d's
+// per-expert counts: hostCounts), or the fused tile kernels of p.tiles over
+// in and d's aligned sort; nothing for the shared expert alone.
+func (x *expertStage) forPlan(p *plan, in *gpuctx.Buffer, d *dispatchStage) error {
+	switch p.path {
+	case pathSmall:
+		return x.small(d)
+	case pathGrouped:
+		counts, err := d.hostCounts()
+		if err != nil {
+			return err
+		}
+		TK := p.T * x.e.cfg.TopK
+		groups, err := groupsOf(counts, TK)
+		if err != nil {
+			return err
+		}
+		return x.grouped(d.xp, groups, TK)
+	case pathFused:
+		return x.fused(in, d, p, p.tiles)
+	}
+	return nil
+}
+
 // group is one GEMM group of grouped: n rows from row off of the input, with
 // the weights of expert index w (e-lo).
 type group struct{ w, off, n int }

@@ -59,19 +59,79 @@ func (s *sharedStage) run(ctx *gpuctx.Context, st *gpuctx.Stream, x *gpuctx.Buff
 	return nil
 }
 
-// onMain queues the shared expert on the main stream.
-func (s *sharedStage) onMain(x *gpuctx.Buffer, T int) error { return s.run(s.e.ctx, s.e.main, x, T) }
-
-// onSide forks the shared expert onto the side stream after fork (an event
-// recorded on the main stream) and records evJoin after it; the caller makes
-// the main stream wait on evJoin before the combine.
-func (s *sharedStage) onSide(fork *gpuctx.Event, x *gpuctx.Buffer, T int) error {
+// onStream queues the shared expert over T tokens of x: on the main stream
+// through its Context when fork is nil; else on the side stream through sctx
+// once fork (an event recorded on the main stream) has passed, recording
+// evJoin after it. The caller makes the main stream wait on evJoin before the
+// combine (join).
+func (s *sharedStage) onStream(fork *gpuctx.Event, x *gpuctx.Buffer, T int) error {
 	e := s.e
-	if err := e.side.Wait(fork); err != nil {
+	ctx, st := e.ctx, e.main
+	if fork != nil {
+		if err := e.side.Wait(fork); err != nil {
+			return err
+		}
+		ctx, st = e.sctx, e.side
+	}
+	if err := s.run(ctx, st, x, T); err != nil {
 		return err
 	}
-	if err := s.run(e.sctx, e.side, x, T); err != nil {
-		return err
+	if fork == nil {
+		return nil
 	}
 	return e.evJoin.Record(e.side)
+}
+
+// fork records evFork on the main stream at the start of a forward whose
+// shared expert the side stream runs from x itself (the fused path, the
+// shared expert alone): x is ready, the shared expert may start. The other
+// paths fork at the counts (evCounts, which the dispatch records).
+func (s *sharedStage) fork(p *plan) error {
+	if p.place != sharedSide || p.forksAtCounts() {
+		return nil
+	}
+	return s.e.evFork.Record(s.e.main)
+}
+
+// beforeExperts queues the shared expert over p's x where p queues it right
+// after the dispatch, before the routed experts (plan.sharedFirst).
+func (s *sharedStage) beforeExperts(p *plan, x *gpuctx.Buffer) error {
+	if !p.sharedFirst() {
+		return nil
+	}
+	return s.placed(p, x)
+}
+
+// afterExperts queues the shared expert over p's x where p queues it after
+// the routed experts (or alone), not before them (plan.sharedFirst).
+func (s *sharedStage) afterExperts(p *plan, x *gpuctx.Buffer) error {
+	if p.sharedFirst() {
+		return nil
+	}
+	return s.placed(p, x)
+}
+
+// placed queues the shared expert over p's x where p.place says: on the main
+// stream, or forked onto the side stream at evCounts (plan.forksAtCounts) or
+// evFork; nothing where p has none or fuses it.
+func (s *sharedStage) placed(p *plan, x *gpuctx.Buffer) error {
+	var fork *gpuctx.Event // nil: the main stream
+	switch {
+	case p.place == sharedSide && p.forksAtCounts():
+		fork = s.e.evCounts
+	case p.place == sharedSide:
+		fork = s.e.evFork
+	case p.place != sharedMain:
+		return nil
+	}
+	return s.onStream(fork, x, p.T)
+}
+
+// join makes the main stream wait for the side stream's shared expert
+// (evJoin, recorded by onStream) where p runs it there, before the combine.
+func (s *sharedStage) join(p *plan) error {
+	if p.place != sharedSide {
+		return nil
+	}
+	return s.e.main.Wait(s.e.evJoin)
 }

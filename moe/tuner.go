@@ -322,18 +322,20 @@ func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 // bench/RESULTS.md).
 const autoRuleTokens = 16
 
-// autoMode returns the mode Auto runs for a fused-path batch of T tokens whose
-// shared expert can be fused: Dual or FusedShared, whichever replayed faster
-// on the first Auto forward of T's bucket (each mode's graph captured, then
-// timed over three replays with events on the main stream; that first forward
-// waits for the main stream). The choice is kept per bucket and listed by
-// TileChoices. With LayerOptions.NoAutotune it times nothing: FusedShared up
-// to autoRuleTokens tokens, Dual above.
-func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, part Part) (Mode, error) {
-	tu := &l.tuner
+// autoCandidates are the modes Auto times against each other (Layer.autoMode),
+// in the order they run; on a tie the first wins.
+var autoCandidates = [...]Mode{Dual, FusedShared}
+
+// knownMode returns the mode Auto runs for a fused-path batch of T tokens whose
+// shared expert can be fused, where nothing needs timing: the choice kept for
+// T's bucket, the rule under LayerOptions.NoAutotune (FusedShared up to
+// autoRuleTokens tokens, Dual above), or the tuning cache's. ok is false when
+// the first Auto forward of the bucket is to time the modes (Layer.autoMode).
+// The choices are kept per bucket and listed by TileChoices.
+func (tu *tuner) knownMode(T int) (m Mode, ok bool) {
 	b := tileBucket(T)
 	if m, ok := tu.autoModes[b]; ok {
-		return m, nil
+		return m, true
 	}
 	if tu.noTune {
 		m := Dual
@@ -342,61 +344,33 @@ func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, part Part) (Mode
 		}
 		tu.autoModes[b] = m
 		tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d): auto runs %v (rule, NoAutotune: fused up to %d tokens)", T, b, m, autoRuleTokens))
-		return m, nil
+		return m, true
 	}
 	if m, ok := tu.cache.mode(b); ok {
 		tu.autoModes[b] = m
 		tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d): auto runs %v%s", T, b, m, fromCacheNote))
-		return m, nil
+		return m, true
 	}
+	return 0, false
+}
+
+// keepMode keeps for T's bucket the faster of autoCandidates, each timed by
+// the median of its replays (medians, in autoCandidates' order), in memory
+// and in the tuning cache, logs the timings, and returns it.
+func (tu *tuner) keepMode(T int, medians [len(autoCandidates)]time.Duration) Mode {
+	b := tileBucket(T)
 	best, bestD := Dual, time.Duration(-1)
 	var log []string
-	for _, m := range []Mode{Dual, FusedShared} {
-		for range 2 { // eager (tunes the tiles), then the capture
-			if err := l.forward(op, x, y, T, m, part); err != nil {
-				return 0, err
-			}
-		}
-		var ds []time.Duration
-		for range 3 {
-			d, err := l.timeForward(op, x, y, T, m, part)
-			if err != nil {
-				return 0, err
-			}
-			ds = append(ds, d)
-		}
-		slices.Sort(ds)
-		log = append(log, fmt.Sprintf("%v %.1f us", m, us(ds[1])))
-		if bestD < 0 || ds[1] < bestD {
-			best, bestD = m, ds[1]
+	for i, m := range autoCandidates {
+		log = append(log, fmt.Sprintf("%v %.1f us", m, us(medians[i])))
+		if bestD < 0 || medians[i] < bestD {
+			best, bestD = m, medians[i]
 		}
 	}
 	tu.autoModes[b] = best
 	_ = tu.cache.storeMode(b, best) // a cache that cannot be written only costs a tuning later
 	tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d): auto runs %v (%s)", T, b, best, strings.Join(log, ", ")))
-	return best, nil
-}
-
-// timeForward times one forward between the tuning events on the main stream
-// and waits for it.
-func (l *Layer) timeForward(op string, x, y *gpuctx.Buffer, T int, m Mode, part Part) (time.Duration, error) {
-	if timingHook != nil {
-		timingHook()
-	}
-	start, stop := l.tuner.evTune[0], l.tuner.evTune[1]
-	if err := start.Record(l.main); err != nil {
-		return 0, err
-	}
-	if err := l.forward(op, x, y, T, m, part); err != nil {
-		return 0, err
-	}
-	if err := stop.Record(l.main); err != nil {
-		return 0, err
-	}
-	if err := stop.Synchronize(); err != nil {
-		return 0, err
-	}
-	return stop.Elapsed(start)
+	return best
 }
 
 // TileChoices returns one line per token bucket that the autotuner timed: the
