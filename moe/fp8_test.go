@@ -605,13 +605,26 @@ func TestLayerFP8Fixtures(t *testing.T) {
 	}
 }
 
+// w8a8DeviceTol bounds how far a device's w8a8 layer may be from
+// referenceW8A8 and from the CPU backend's twins (max|d|/max|ref|). The
+// H200's FP8 wgmma sums each 128-column block with limited internal
+// precision (DeepSeek-V3's report puts it near 14 bits; that is why the
+// tiles, like DeepGEMM, scale and add every block in f32): on random data
+// one tile differs from its twin by 0.3-0.75% (moekernels' TestW8A8CUDA,
+// which is bitwise on exactly summable data, so the indexing is exact), and
+// a layer, whose act is quantized again between the two GEMMs, by 1.1-1.7%
+// (H200, 2026-12-02, bench/RESULTS.md). A wrong row, stride or scale moves
+// the result by far more (the shifted-rows experiment of
+// TestLayerSharedRowsEarly: 1.05-1.5).
+const w8a8DeviceTol = 2.5e-2
+
 // TestLayerFP8W8A8 runs FP8 layers at batches that take the w8a8 tiles
 // (w8a8MinRows rows per touched expert and more: fp8Tiles) on every backend
 // that has them (the CPU backend's twins; a CUDA device of compute
 // capability 9.0), and checks them against two float64 references on the
 // dequantized weights: referenceW8A8, which quantizes the routed experts'
-// activations as the tiles do, within 1e-2 (max|d|/max|ref|; 0.4-0.6% on the CPU backend), and Reference
-// within 8e-2: the E4M3 activations' 3 mantissa bits cost about 2.5% RMS per
+// activations as the tiles do, within 1e-2 on the CPU backend (max|d|/max|ref|; 0.4-0.6% there) and
+// w8a8DeviceTol on a device, and Reference within 8e-2: the E4M3 activations' 3 mantissa bits cost about 2.5% RMS per
 // quantized GEMM input (x, then act, after SwiGLU multiplied two
 // quantized sums), and max|d|/max|ref| comes to 2.5-5.6% on these random
 // layers, so the 3e-2 asked for is not reachable by this quantization; the
@@ -652,8 +665,12 @@ func TestLayerFP8W8A8(t *testing.T) {
 					got := l.decode(single)
 					rel, relQ := relErr(got, want), relErr(got, referenceW8A8(cfg, wq, roundAll(x), T))
 					t.Logf("w8a8 T=%d: relative error %.3g (%.3g against the reference quantizing the activations)", T, rel, relQ)
-					if !(relQ <= 1e-2) {
-						t.Errorf("T=%d: relative error %.3g against the float64 reference quantizing the activations as the tiles do, want <= 1e-2", T, relQ)
+					tolQ := 1e-2 // the CPU backend's twins: f32 block sums
+					if b.dev.Backend() != "cpu" {
+						tolQ = w8a8DeviceTol
+					}
+					if !(relQ <= tolQ) {
+						t.Errorf("T=%d: relative error %.3g against the float64 reference quantizing the activations as the tiles do, want <= %g", T, relQ, tolQ)
 					}
 					if !(rel <= 8e-2) {
 						t.Errorf("T=%d: relative error %.3g against the float64 reference on the dequantized weights, want <= 8e-2", T, rel)
