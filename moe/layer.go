@@ -289,7 +289,7 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 	case l.small < 0:
 		l.small = 0
 	}
-	if err := l.fusedSharedLimit(); err == nil && !o.FP8 {
+	if err := l.fusedSharedLimit(); err == nil {
 		l.ns = sharedChunks(cfg, l.fusedOK)
 	} else if o.Mode == FusedShared {
 		return nil, fmt.Errorf("%s: %w", prefix, err)
