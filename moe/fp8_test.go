@@ -111,7 +111,9 @@ func fp8Buffers(t *testing.T, l *Layer) [4][]byte {
 // TestLayerFP8 loads an FP8 checkpoint in the Hub's format (real tensor
 // names, partial blocks) as f32, bf16 and fp8 layers and checks each forward
 // against the float64 reference on the dequantized weights (LoadWeights):
-// f32 to f32 rounding, bf16 and fp8 within 1e-2 relative (max|d|/max|ref|).
+// f32 to f32 rounding, bf16 and fp8 within 1e-2 relative (max|d|/max|ref|);
+// fp8's FusedShared within 1e-2 of the reference whose shared expert is the
+// checkpoint's, cut into the chunks the layer runs (fp8SharedChunked).
 // The FP8 layer's device buffers hold the checkpoint's codes and scales as
 // stored (fp8.ReadWeight), and the same weights quantized at load from a
 // bf16 checkpoint, or from Weights (NewLayer), give the same bytes. The
@@ -124,6 +126,7 @@ func TestLayerFP8(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			wqFused := fp8CheckpointFused(t, dir, cfg, wq)
 			t.Run(b.name+"/"+name, func(t *testing.T) {
 				layers := map[string]*Layer{}
 				for _, o := range []struct {
@@ -171,6 +174,17 @@ func TestLayerFP8(t *testing.T) {
 							t.Errorf("bf16 fused shared T=%d: relative error %.3g, want <= 2e-2", T, rel)
 						}
 					}
+					// fp8 with the shared expert fused (FP8 chunks).
+					if l := layers["fp8"]; l.ns > 0 {
+						wantFused, err := Reference(cfg, wqFused, roundAll(x), T)
+						if err != nil {
+							t.Fatal(err)
+						}
+						got := l.decode(deviceRun(t, l, x, T, FusedShared, Whole))
+						if rel := relErr(got, wantFused); !(rel <= 1e-2) {
+							t.Errorf("fp8 fused shared T=%d: relative error %.3g, want <= 1e-2", T, rel)
+						}
+					}
 				}
 				// Dequantizing in chunks of one row on three goroutines gives
 				// the same bytes.
@@ -188,6 +202,37 @@ func TestLayerFP8(t *testing.T) {
 			})
 		}
 	}
+}
+
+// fp8CheckpointFused returns wq (the layer's weights dequantized from the
+// FP8 checkpoint in dir) with the shared expert an FP8 layer's FusedShared
+// computes with: the checkpoint's codes and scales cut into chunks
+// (fp8SharedChunked); wq itself where cfg fuses no shared expert.
+func fp8CheckpointFused(t *testing.T, dir string, cfg *Config, wq *Weights) *Weights {
+	t.Helper()
+	ns := cfg.fusedSharedChunks()
+	if ns == 0 {
+		return wq
+	}
+	f, err := safetensors.Open(filepath.Join(dir, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	H, Is := cfg.HiddenSize, cfg.SharedIntermediate
+	var ws [3]*fp8.Weight
+	for i, p := range []weightPart{wSharedGateProj, wSharedUpProj, wSharedDownProj} {
+		rows, cols := Is, H
+		if p == wSharedDownProj {
+			rows, cols = H, Is
+		}
+		if ws[i], err = fp8.ReadWeight(f, LayerPrefix(1, PerExpert)+tensorName(cfg.Family, PerExpert, p, 0), rows, cols, cfg.Quant); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := *wq
+	out.Shared = fp8SharedChunked(t, cfg, ns, ws[0], ws[1], ws[2])
+	return &out
 }
 
 // checkFP8Bytes checks the FP8 layer l (loaded from the FP8 checkpoint in
@@ -254,7 +299,8 @@ func checkFP8Bytes(t *testing.T, dev *gpuctx.Device, cfg *Config, dir string, l,
 		}
 	}
 	fb, bb := l.DeviceWeightBytes(), bf.DeviceWeightBytes()
-	routed := int64(cfg.NumExperts) * 3 * int64(H) * int64(cfg.Intermediate)
+	// The routed experts and the fused shared expert's chunks (in both).
+	routed := int64(cfg.NumExperts+l.ns) * 3 * int64(H) * int64(cfg.Intermediate)
 	if fp8Routed := fb - (bb - 2*routed); float64(fp8Routed) > 0.55*float64(2*routed) || fb >= bb {
 		t.Errorf("device weight bytes: fp8 %d (routed experts %d), bf16 %d (routed %d)", fb, fp8Routed, bb, 2*routed)
 	}
