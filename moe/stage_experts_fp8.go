@@ -321,7 +321,11 @@ func (x *expertStage) w8a8Needs(T, cp int) []need {
 // and the FP8 down kernel (into out, in assignment order) of p's tiles on
 // the main stream over p's aligned sort in d, which must have run (or be
 // queued just ahead: the kernels wait on the device, LaunchEarly) with the
-// tiles' BM. Nothing waits for the host.
+// tiles' BM. With the shared expert fused (FusedShared: p.early chunks,
+// experts E .. E+p.early-1 of q, sorted first) the up kernel's blocks of its
+// rows start without waiting for the sort (moe_shared_rows) and the down
+// kernel reads them like any other; such a plan has w8a16 tiles, never the
+// w8a8 ones. Nothing waits for the host.
 func (x *expertStage) fusedFP8(in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
 	e, q, tp := x.e, x.q, p.fp8
 	if tp.w8 {
