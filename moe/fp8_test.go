@@ -113,14 +113,15 @@ func fp8Buffers(t *testing.T, l *Layer) [4][]byte {
 // against the float64 reference on the dequantized weights (LoadWeights):
 // f32 to f32 rounding, bf16 and fp8 within 1e-2 relative (max|d|/max|ref|);
 // fp8's FusedShared within 1e-2 of the reference whose shared expert is the
-// checkpoint's, cut into the chunks the layer runs (fp8SharedChunked).
+// checkpoint's, cut into the chunks the layer runs (fp8SharedChunked), for
+// fp8FusedConfigs (chunks cut on block edges, and requantized).
 // The FP8 layer's device buffers hold the checkpoint's codes and scales as
 // stored (fp8.ReadWeight), and the same weights quantized at load from a
 // bf16 checkpoint, or from Weights (NewLayer), give the same bytes. The
 // expert weights take under 0.55x their bf16 bytes.
 func TestLayerFP8(t *testing.T) {
 	for _, b := range layerBackends(t) {
-		for name, cfg0 := range fp8Configs() {
+		for name, cfg0 := range fp8FusedConfigs() {
 			dir, cfg := writeFP8Checkpoint(t, cfg0, 41)
 			wq, err := LoadWeights(dir, cfg, 1)
 			if err != nil {
@@ -262,6 +263,18 @@ func checkFP8Bytes(t *testing.T, dev *gpuctx.Device, cfg *Config, dir string, l,
 		}
 		if n := len(sc); !bytes.Equal(got[3][e*n:(e+1)*n], sc) {
 			t.Errorf("expert %d: the device's down scales are not the checkpoint's", e)
+		}
+	}
+	// Chunks cut on block edges keep the checkpoint's shared gate codes.
+	if E := cfg.NumExperts; l.ns > 0 && cfg.Intermediate%fp8.BlockSize == 0 {
+		codes, _, err := f.Bytes(LayerPrefix(1, PerExpert) + tensorName(cfg.Family, PerExpert, wSharedGateProj, 0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for j := range l.ns {
+			if !bytes.Equal(got[0][(E+j)*2*I*H:][:I*H], codes[j*I*H:][:I*H]) {
+				t.Errorf("shared chunk %d: the device's gate codes are not the checkpoint's", j)
+			}
 		}
 	}
 	// The same weights in bf16, quantized at load: from a file and from Weights.
