@@ -22,7 +22,8 @@
 // f32 and bf16 layers, or with LayerOptions.FP8 keep the routed experts' E4M3
 // codes and 128x128 block scales on the device, run by weight-only FP8 tiles
 // (w8a16), or for large batches on compute capability 9.0 by FP8 x FP8 tiles
-// (w8a8) over activations quantized on the device.
+// (w8a8) over activations quantized on the device; FusedShared then runs
+// the shared expert's chunks in FP8 too, in the w8a16 tiles.
 //
 // Everything else in this package runs on the host, on the calling goroutine
 // (some functions fan out over worker goroutines and wait for them). Config and Weights are plain data: once built

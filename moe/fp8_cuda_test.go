@@ -64,8 +64,9 @@ func fp8Dequantized(t *testing.T, cfg *Config, w *Weights) *Weights {
 // reference on the dequantized weights, both within 1e-2 relative, at 1 to
 // 300 tokens (16- and 32-row tiles, partial blocks; at 300 tokens of 8
 // experts the w8a8 tiles on compute capability 9.0, with the tolerances of
-// TestLayerFP8W8A8); and checks that Dual, Auto and graph replays are
-// bitwise the GPU's Single.
+// TestLayerFP8W8A8); checks that Dual, Auto and graph replays are bitwise
+// the GPU's Single (Auto up to autoRuleTokens: FusedShared's); and runs
+// FusedShared where the shared expert can be fused (checkFP8FusedCUDA).
 func TestLayerFP8CUDA(t *testing.T) {
 	gpu := fp8CUDADevice(t)
 	cpu := layerBackends(t)[0].dev
@@ -80,6 +81,7 @@ func TestLayerFP8CUDA(t *testing.T) {
 				t.Fatal(err)
 			}
 			wq := fp8Dequantized(t, cfg, w)
+			var wqf *Weights // FusedShared's weights, once the layer says its chunks
 			o := LayerOptions{DType: gpuctx.BF16, FP8: true}
 			lg, err := NewLayer(gpu, cfg, w, o)
 			if err != nil {
@@ -121,12 +123,43 @@ func TestLayerFP8CUDA(t *testing.T) {
 				if rel := relErr(yg, want); !(rel <= tolRef) {
 					t.Errorf("T=%d: the GPU differs from the float64 reference on the dequantized weights by %.3g relative, want <= %g", T, rel, tolRef)
 				}
-				for _, mode := range []Mode{Dual, Auto, Single, Dual} { // the repeats replay graphs
-					if got := deviceRun(t, lg, x, T, mode, Whole); !bytes.Equal(got, single) {
+				for _, mode := range []Mode{Dual, Auto, Single, Dual, Auto} { // the repeats replay graphs
+					if got := deviceRun(t, lg, x, T, mode, Whole); !bytes.Equal(got, fp8AutoWant(t, lg, x, T, mode, single)) {
 						t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(lg.decode(got), yg))
 					}
 				}
+				if lg.ns > 0 {
+					if wqf == nil {
+						wqf = fp8DequantizedFused(t, cfg, w, lg.ns)
+					}
+					checkFP8FusedCUDA(t, lg, lc, cfg, wqf, x, T)
+				}
 			}
 		})
+	}
+}
+
+// checkFP8FusedCUDA checks FusedShared of FP8 layer lg (on the GPU) on T
+// tokens x: within 1e-2 relative of the same layer on the CPU backend (lc)
+// and of the float64 reference on the weights it holds (wqf:
+// fp8DequantizedFused), and its graph replays bitwise the first forward.
+func checkFP8FusedCUDA(t *testing.T, lg, lc *Layer, cfg *Config, wqf *Weights, x []float32, T int) {
+	t.Helper()
+	want, err := Reference(cfg, wqf, roundAll(x), T)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fused := deviceRun(t, lg, x, T, FusedShared, Whole)
+	y := lg.decode(fused)
+	if rel := relErr(y, lc.decode(deviceRun(t, lc, x, T, FusedShared, Whole))); !(rel <= 1e-2) {
+		t.Errorf("T=%d: FusedShared on the GPU differs from the CPU backend by %.3g relative, want <= 1e-2", T, rel)
+	}
+	if rel := relErr(y, want); !(rel <= 1e-2) {
+		t.Errorf("T=%d: FusedShared on the GPU differs from the float64 reference on its weights by %.3g relative, want <= 1e-2", T, rel)
+	}
+	for run := range 2 { // the capture, then a replay
+		if again := deviceRun(t, lg, x, T, FusedShared, Whole); !bytes.Equal(again, fused) {
+			t.Errorf("T=%d run %d: FusedShared on the GPU is not reproducible (relative %.3g)", T, run, relErr(lg.decode(again), y))
+		}
 	}
 }

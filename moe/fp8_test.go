@@ -111,19 +111,23 @@ func fp8Buffers(t *testing.T, l *Layer) [4][]byte {
 // TestLayerFP8 loads an FP8 checkpoint in the Hub's format (real tensor
 // names, partial blocks) as f32, bf16 and fp8 layers and checks each forward
 // against the float64 reference on the dequantized weights (LoadWeights):
-// f32 to f32 rounding, bf16 and fp8 within 1e-2 relative (max|d|/max|ref|).
+// f32 to f32 rounding, bf16 and fp8 within 1e-2 relative (max|d|/max|ref|);
+// fp8's FusedShared within 1e-2 of the reference whose shared expert is the
+// checkpoint's, cut into the chunks the layer runs (fp8SharedChunked), for
+// fp8FusedConfigs (chunks cut on block edges, and requantized).
 // The FP8 layer's device buffers hold the checkpoint's codes and scales as
 // stored (fp8.ReadWeight), and the same weights quantized at load from a
 // bf16 checkpoint, or from Weights (NewLayer), give the same bytes. The
 // expert weights take under 0.55x their bf16 bytes.
 func TestLayerFP8(t *testing.T) {
 	for _, b := range layerBackends(t) {
-		for name, cfg0 := range fp8Configs() {
+		for name, cfg0 := range fp8FusedConfigs() {
 			dir, cfg := writeFP8Checkpoint(t, cfg0, 41)
 			wq, err := LoadWeights(dir, cfg, 1)
 			if err != nil {
 				t.Fatal(err)
 			}
+			wqFused := fp8CheckpointFused(t, dir, cfg, wq)
 			t.Run(b.name+"/"+name, func(t *testing.T) {
 				layers := map[string]*Layer{}
 				for _, o := range []struct {
@@ -171,6 +175,17 @@ func TestLayerFP8(t *testing.T) {
 							t.Errorf("bf16 fused shared T=%d: relative error %.3g, want <= 2e-2", T, rel)
 						}
 					}
+					// fp8 with the shared expert fused (FP8 chunks).
+					if l := layers["fp8"]; l.ns > 0 {
+						wantFused, err := Reference(cfg, wqFused, roundAll(x), T)
+						if err != nil {
+							t.Fatal(err)
+						}
+						got := l.decode(deviceRun(t, l, x, T, FusedShared, Whole))
+						if rel := relErr(got, wantFused); !(rel <= 1e-2) {
+							t.Errorf("fp8 fused shared T=%d: relative error %.3g, want <= 1e-2", T, rel)
+						}
+					}
 				}
 				// Dequantizing in chunks of one row on three goroutines gives
 				// the same bytes.
@@ -188,6 +203,37 @@ func TestLayerFP8(t *testing.T) {
 			})
 		}
 	}
+}
+
+// fp8CheckpointFused returns wq (the layer's weights dequantized from the
+// FP8 checkpoint in dir) with the shared expert an FP8 layer's FusedShared
+// computes with: the checkpoint's codes and scales cut into chunks
+// (fp8SharedChunked); wq itself where cfg fuses no shared expert.
+func fp8CheckpointFused(t *testing.T, dir string, cfg *Config, wq *Weights) *Weights {
+	t.Helper()
+	ns := cfg.fusedSharedChunks()
+	if ns == 0 {
+		return wq
+	}
+	f, err := safetensors.Open(filepath.Join(dir, "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	H, Is := cfg.HiddenSize, cfg.SharedIntermediate
+	var ws [3]*fp8.Weight
+	for i, p := range []weightPart{wSharedGateProj, wSharedUpProj, wSharedDownProj} {
+		rows, cols := Is, H
+		if p == wSharedDownProj {
+			rows, cols = H, Is
+		}
+		if ws[i], err = fp8.ReadWeight(f, LayerPrefix(1, PerExpert)+tensorName(cfg.Family, PerExpert, p, 0), rows, cols, cfg.Quant); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := *wq
+	out.Shared = fp8SharedChunked(t, cfg, ns, ws[0], ws[1], ws[2])
+	return &out
 }
 
 // checkFP8Bytes checks the FP8 layer l (loaded from the FP8 checkpoint in
@@ -217,6 +263,18 @@ func checkFP8Bytes(t *testing.T, dev *gpuctx.Device, cfg *Config, dir string, l,
 		}
 		if n := len(sc); !bytes.Equal(got[3][e*n:(e+1)*n], sc) {
 			t.Errorf("expert %d: the device's down scales are not the checkpoint's", e)
+		}
+	}
+	// Chunks cut on block edges keep the checkpoint's shared gate codes.
+	if E := cfg.NumExperts; l.ns > 0 && cfg.Intermediate%fp8.BlockSize == 0 {
+		codes, _, err := f.Bytes(LayerPrefix(1, PerExpert) + tensorName(cfg.Family, PerExpert, wSharedGateProj, 0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for j := range l.ns {
+			if !bytes.Equal(got[0][(E+j)*2*I*H:][:I*H], codes[j*I*H:][:I*H]) {
+				t.Errorf("shared chunk %d: the device's gate codes are not the checkpoint's", j)
+			}
 		}
 	}
 	// The same weights in bf16, quantized at load: from a file and from Weights.
@@ -254,15 +312,17 @@ func checkFP8Bytes(t *testing.T, dev *gpuctx.Device, cfg *Config, dir string, l,
 		}
 	}
 	fb, bb := l.DeviceWeightBytes(), bf.DeviceWeightBytes()
-	routed := int64(cfg.NumExperts) * 3 * int64(H) * int64(cfg.Intermediate)
+	// The routed experts and the fused shared expert's chunks (in both).
+	routed := int64(cfg.NumExperts+l.ns) * 3 * int64(H) * int64(cfg.Intermediate)
 	if fp8Routed := fb - (bb - 2*routed); float64(fp8Routed) > 0.55*float64(2*routed) || fb >= bb {
 		t.Errorf("device weight bytes: fp8 %d (routed experts %d), bf16 %d (routed %d)", fb, fp8Routed, bb, 2*routed)
 	}
 }
 
 // TestLayerFP8DualBitwise checks that an FP8 layer's Dual and Auto forwards
-// are bitwise its Single forward, eagerly and replayed from a graph, and
-// that the routed and shared parts add up to the whole.
+// are bitwise its Single forward, eagerly and replayed from a graph (Auto
+// where it runs FusedShared, up to autoRuleTokens tokens with a fusable
+// shared expert: bitwise FusedShared, fp8AutoWant).
 func TestLayerFP8DualBitwise(t *testing.T) {
 	for _, b := range layerBackends(t) {
 		for name, cfg := range fp8Configs() {
@@ -280,9 +340,10 @@ func TestLayerFP8DualBitwise(t *testing.T) {
 					for _, T := range []int{1, 7, 40} {
 						x := randomX(T, cfg.HiddenSize, uint64(T))
 						single := deviceRun(t, l, x, T, Single, Whole)
-						for _, mode := range []Mode{Dual, Auto, Single, Dual} {
-							if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, single) {
-								t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(single)))
+						for _, mode := range []Mode{Dual, Auto, Single, Dual, Auto} {
+							want := fp8AutoWant(t, l, x, T, mode, single)
+							if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, want) {
+								t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(want)))
 							}
 						}
 					}
@@ -290,6 +351,18 @@ func TestLayerFP8DualBitwise(t *testing.T) {
 			}
 		}
 	}
+}
+
+// fp8AutoWant returns the bits a forward of mode should give on FP8 layer
+// l: single (l's Single forward of x), or for Auto where it runs
+// FusedShared (the rule: a fusable shared expert, at most autoRuleTokens
+// tokens) that mode's forward.
+func fp8AutoWant(t *testing.T, l *Layer, x []float32, T int, mode Mode, single []byte) []byte {
+	t.Helper()
+	if mode != Auto || l.ns == 0 || T > autoRuleTokens {
+		return single
+	}
+	return deviceRun(t, l, x, T, FusedShared, Whole)
 }
 
 // rewriteCheckpoint rewrites dir/model.safetensors through edit, which gets
@@ -483,7 +556,6 @@ func TestLayerFP8Options(t *testing.T) {
 		wantErr string
 	}{
 		{"f32", cfg, w, LayerOptions{DType: gpuctx.F32, FP8: true}, "LayerOptions.FP8 needs DType bf16"},
-		{"fused shared", cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, Mode: FusedShared}, "mode FusedShared is not supported with FP8 experts"},
 		{"no fused", cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoFused: true}, "FP8 experts run on the fused path only"},
 		{"small batch", cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, SmallBatchTokens: 4}, "FP8 experts have no small-batch kernels"},
 		{"tile", cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, Tile: TileTags()[0]}, "names a bf16 tile"},
@@ -675,8 +747,8 @@ func TestLayerFP8W8A8(t *testing.T) {
 					if !(rel <= 8e-2) {
 						t.Errorf("T=%d: relative error %.3g against the float64 reference on the dequantized weights, want <= 8e-2", T, rel)
 					}
-					for _, mode := range []Mode{Dual, Auto, Single, Dual} { // the repeats replay graphs
-						if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, single) {
+					for _, mode := range []Mode{Dual, Auto, Single, Dual, Auto} { // the repeats replay graphs
+						if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, fp8AutoWant(t, l, x, T, mode, single)) {
 							t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(single)))
 						}
 					}

@@ -23,7 +23,8 @@ const (
 	// Auto picks per batch. On the fused routed path (bf16) with a shared
 	// expert it can fuse, it runs Dual or FusedShared, whichever replayed
 	// faster when Auto first ran a batch of that token bucket (measured then,
-	// kept after); with a shared expert it cannot fuse, Dual. Elsewhere it is
+	// kept after; by the token count under NoAutotune and with FP8, which
+	// never time); with a shared expert it cannot fuse, Dual. Elsewhere it is
 	// Dual for batches that take the small-batch path and for batches of at
 	// least the layer's AutoThreshold tokens, Single otherwise.
 	Auto
@@ -36,7 +37,9 @@ const (
 	// a batch above SmallBatchTokens), a shared expert whose width is a multiple
 	// of the routed width, and no Qwen2-MoE shared-expert gate; elsewhere it
 	// runs as Dual. Its result equals Dual's to bf16 rounding (the shared
-	// expert's output is rounded per chunk), not bitwise.
+	// expert's output is rounded per chunk), not bitwise. With FP8 the chunks
+	// are FP8 too (LayerOptions.FP8), run by the w8a16 tiles, and the result
+	// also differs from Dual's by the shared expert's FP8 rounding.
 	FusedShared
 )
 
@@ -182,9 +185,15 @@ type LayerOptions struct {
 	// mantissa bits). An FP8 checkpoint's experts load as stored; other
 	// weights are quantized at load (fp8.Quantize).
 	// The router and correction bias stay as stored, the shared expert is
-	// bf16 (dequantized from an FP8 checkpoint): the routed experts are the
-	// bytes that matter. It needs DType BF16 and sizes the tiles take, and
-	// refuses FusedShared, NoFused, SmallBatchTokens > 0 and Tile (checkFP8).
+	// bf16 (dequantized from an FP8 checkpoint) for Single and Dual: the
+	// routed experts are the bytes that matter. Where the shared expert can
+	// be fused it is also held in FP8 as FusedShared's chunks (as stored, or
+	// quantized at load; a chunk whose cut is not on a 128 block edge is
+	// requantized), about ns*3*H*I more bytes; FusedShared runs them in the
+	// w8a16 tiles at every batch size (never the w8a8 ones), and Auto picks
+	// it up to 16 tokens (autoRuleTokens) as under NoAutotune. It needs DType
+	// BF16 and sizes the tiles take, and refuses NoFused, SmallBatchTokens > 0
+	// and Tile (checkFP8).
 	FP8 bool
 	// Tokens, if set, are the batch sizes the caller expects to run: on CUDA
 	// the fused tiles they will run or time (by the forced tile, the rule, the
@@ -289,7 +298,7 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 	case l.small < 0:
 		l.small = 0
 	}
-	if err := l.fusedSharedLimit(); err == nil && !o.FP8 {
+	if err := l.fusedSharedLimit(); err == nil {
 		l.ns = sharedChunks(cfg, l.fusedOK)
 	} else if o.Mode == FusedShared {
 		return nil, fmt.Errorf("%s: %w", prefix, err)
@@ -362,8 +371,16 @@ func (l *Layer) DType() gpuctx.DType { return l.dt }
 // (LayerOptions.FP8). Safe for concurrent use.
 func (l *Layer) FP8() bool { return l.experts.q != nil }
 
+// FusedSharedChunks returns the chunks of the routed width that the shared
+// expert runs as in FusedShared (experts E .. E+n-1 of the fused kernels,
+// held beside the routed experts' weights: bf16, or FP8 in an FP8 layer), or
+// 0 where the layer cannot fuse it. Fixed when the layer is built; safe for
+// concurrent use.
+func (l *Layer) FusedSharedChunks() int { return l.ns }
+
 // DeviceWeightBytes returns the bytes of device memory the layer's weights
-// take (FP8 layers: the codes and their block scales included), not counting
+// take (FP8 layers: the codes and their block scales included, and the FP8
+// chunks of a fusable shared expert beside its bf16 copy), not counting
 // scratch buffers; 0 once the layer is closed. It touches no device and is
 // safe for concurrent use.
 func (l *Layer) DeviceWeightBytes() int64 {

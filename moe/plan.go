@@ -109,7 +109,13 @@ func (l *Layer) plan(x, y *gpuctx.Buffer, T int, mode Mode, part Part) *plan {
 	p.staged = p.staged && !(aligned16(x) && aligned16(y))
 	p.graph = l.gc.use && p.path != pathGrouped
 	if p.path == pathFused && l.experts.q != nil {
-		p.fp8, p.tilesKnown = fp8Tiles(T, p.ks, p.experts, l.experts.q.w8), true
+		// The fused shared expert's chunks run in the w8a16 tiles only, whose
+		// up kernel starts their blocks before the sort ends (p.early; the
+		// w8a8 tiles take no E0/ns): FusedShared takes them at every batch
+		// size. Auto picks it up to autoRuleTokens tokens, where the rule
+		// picks w8a16 tiles anyway.
+		w8 := l.experts.q.w8 && p.place != sharedFused
+		p.fp8, p.tilesKnown = fp8Tiles(T, p.ks, p.experts, w8), true
 		p.sortBM = p.fp8.bm()
 	} else if p.path == pathFused {
 		p.tiles, p.tilesKnown = l.knownTiles(p)

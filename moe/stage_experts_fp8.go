@@ -24,7 +24,9 @@ import (
 //     E4M3 wgmma; the compute-bound batches (fp8Tiles).
 //
 // act and out stay bf16 in the expert stage's scratch. Layout, for routed
-// experts [lo, hi) at index e-lo:
+// experts [lo, hi) at index e-lo, and after them the ns chunks of the shared
+// expert that FusedShared runs as experts hi-lo .. hi-lo+ns-1
+// (uploadShared), E' = hi-lo+ns:
 //
 //	gu    [E'][2I][H] codes (gate rows, then up rows)
 //	gus   [E'][2][ceil(I/128)][ceil(H/128)] f32 (the gate's, then the up's)
@@ -96,10 +98,10 @@ func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
 }
 
 // checkFP8 checks the options of an FP8 layer of cfg; the error has no
-// prefix. The FP8 tiles run on the fused path only (bf16 activations), need
-// H and I multiples of 16 of at most moekernels.FP8MaxK, and do not hold the
-// fused shared expert (its chunks would need quantizing): FusedShared, a
-// forced bf16 tile, NoFused and a small-batch path are refused.
+// prefix. The FP8 tiles run on the fused path only (bf16 activations) and
+// need H and I multiples of 16 of at most moekernels.FP8MaxK: a forced bf16
+// tile, NoFused and a small-batch path are refused. FusedShared runs the
+// shared expert's chunks in FP8 in the w8a16 tiles (uploadShared).
 func checkFP8(cfg *Config, o LayerOptions) error {
 	H, I := cfg.HiddenSize, cfg.Intermediate
 	switch {
@@ -107,8 +109,6 @@ func checkFP8(cfg *Config, o LayerOptions) error {
 		return fmt.Errorf("LayerOptions.FP8 needs DType bf16 (the activations and the other weights), not %v: %w", o.DType, gpuctx.ErrInvalid)
 	case H%16 != 0 || I%16 != 0 || H > moekernels.FP8MaxK || I > moekernels.FP8MaxK:
 		return fmt.Errorf("FP8 experts: hidden_size %d and moe_intermediate_size %d must be multiples of 16 of at most %d (the FP8 tiles): %w", H, I, moekernels.FP8MaxK, gpuctx.ErrInvalid)
-	case o.Mode == FusedShared:
-		return fmt.Errorf("mode FusedShared is not supported with FP8 experts (the shared expert stays bf16); use Dual: %w", gpuctx.ErrInvalid)
 	case o.NoFused:
 		return fmt.Errorf("LayerOptions.NoFused: FP8 experts run on the fused path only: %w", gpuctx.ErrInvalid)
 	case o.SmallBatchTokens > 0:
@@ -182,6 +182,89 @@ func (q *fp8Experts) upload(e *env, src weightSource, lo, hi int) error {
 	return g.Wait()
 }
 
+// uploadShared fills experts n0 .. n0+ns-1 of q (after the n0 routed ones;
+// E0 of the w8a16 up kernel) with the ns chunks of the routed width I that
+// the shared expert runs as in FusedShared, where the bf16 layer puts them
+// (core.weightCopies): chunk j is rows j*I .. (j+1)*I-1 of gate_proj and
+// up_proj and columns j*I .. (j+1)*I-1 of down_proj, cut by fp8Chunk from
+// the shared expert in FP8 (src.fp8Weight: the checkpoint's codes and
+// scales, or quantized in 128x128 blocks). Synchronous copies that wait for
+// nothing queued on any stream, on the calling goroutine.
+func (q *fp8Experts) uploadShared(e *env, src weightSource, n0, ns int) error {
+	if ns == 0 {
+		return nil
+	}
+	H, I, Is := e.cfg.HiddenSize, e.cfg.Intermediate, e.cfg.SharedIntermediate
+	bh, bi := ceilBlocks(H), ceilBlocks(I)
+	for _, pc := range []struct {
+		part         weightPart
+		rows, cols   int
+		codes, scale *gpuctx.Buffer
+		coff, soff   int // bytes, of chunk 0
+		cstep, sstep int // bytes from one chunk to the next
+	}{
+		{wSharedGateProj, Is, H, q.gu, q.gus, n0 * 2 * I * H, n0 * 2 * bi * bh * 4, 2 * I * H, 2 * bi * bh * 4},
+		{wSharedUpProj, Is, H, q.gu, q.gus, (n0*2 + 1) * I * H, (n0*2 + 1) * bi * bh * 4, 2 * I * H, 2 * bi * bh * 4},
+		{wSharedDownProj, H, Is, q.down, q.downs, n0 * H * I, n0 * bh * bi * 4, H * I, bh * bi * 4},
+	} {
+		w, err := src.fp8Weight(pc.part, 0, pc.rows, pc.cols)
+		if err != nil {
+			return err
+		}
+		for j := range ns {
+			r0, r1, c0, c1 := j*I, (j+1)*I, 0, H
+			if pc.part == wSharedDownProj {
+				r0, r1, c0, c1 = 0, H, j*I, (j+1)*I
+			}
+			c, err := fp8Chunk(w, r0, r1, c0, c1)
+			if err != nil {
+				return fmt.Errorf("%s, chunk %d of the fused shared expert: %w", pc.part, j, err)
+			}
+			if err := copyAt(pc.codes, pc.coff+j*pc.cstep, c.Codes); err != nil {
+				return err
+			}
+			if err := copyAt(pc.scale, pc.soff+j*pc.sstep, f32Bytes(c.Scales)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// fp8Chunk returns rows [r0, r1) and columns [c0, c1) of w as a Weight in
+// w's blocks. Where r0 and c0 are multiples of the block (always when the
+// routed width I is a multiple of 128; chunk 0 always) every block of the
+// chunk lies inside one block of w, and the chunk keeps w's codes and
+// scales as they are: the same real weights. Elsewhere (I not a multiple of
+// 128: DeepSeek-V2-style widths) a block of the chunk would straddle two of
+// w's blocks, which have their own scales, so the chunk is requantized:
+// dequantized (code * scale_inv in float32, as fp8.Weight.Dequantize) and
+// quantized again per 128x128 block of the chunk (fp8.Quantize), one more
+// E4M3 rounding of those weights (from a bf16 or f32 source the weights are
+// then rounded twice: quantized whole, then per chunk).
+func fp8Chunk(w *fp8.Weight, r0, r1, c0, c1 int) (*fp8.Weight, error) {
+	br, bc := w.Block[0], w.Block[1]
+	sc := (w.Cols + bc - 1) / bc
+	rows, cols := r1-r0, c1-c0
+	if r0%br == 0 && c0%bc == 0 {
+		out := &fp8.Weight{Rows: rows, Cols: cols, Block: w.Block, Codes: make([]uint8, 0, rows*cols)}
+		for r := r0; r < r1; r++ {
+			out.Codes = append(out.Codes, w.Codes[r*w.Cols+c0:r*w.Cols+c1]...)
+		}
+		for b := r0 / br; b < (r1+br-1)/br; b++ {
+			out.Scales = append(out.Scales, w.Scales[b*sc+c0/bc:b*sc+(c1+bc-1)/bc]...)
+		}
+		return out, out.Check()
+	}
+	v := make([]float32, 0, rows*cols)
+	for r := r0; r < r1; r++ {
+		for j := c0; j < c1; j++ {
+			v = append(v, fp8.FromE4M3(w.Codes[r*w.Cols+j])*w.Scales[(r/br)*sc+j/bc])
+		}
+	}
+	return fp8.Quantize(v, rows, cols, w.Block)
+}
+
 // copyAt copies b to dst at byte offset off (synchronous).
 func copyAt(dst *gpuctx.Buffer, off int, b []byte) error {
 	v, err := dst.Slice(off, len(b))
@@ -238,7 +321,11 @@ func (x *expertStage) w8a8Needs(T, cp int) []need {
 // and the FP8 down kernel (into out, in assignment order) of p's tiles on
 // the main stream over p's aligned sort in d, which must have run (or be
 // queued just ahead: the kernels wait on the device, LaunchEarly) with the
-// tiles' BM. Nothing waits for the host.
+// tiles' BM. With the shared expert fused (FusedShared: p.early chunks,
+// experts E .. E+p.early-1 of q, sorted first) the up kernel's blocks of its
+// rows start without waiting for the sort (moe_shared_rows) and the down
+// kernel reads them like any other; such a plan has w8a16 tiles, never the
+// w8a8 ones. Nothing waits for the host.
 func (x *expertStage) fusedFP8(in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
 	e, q, tp := x.e, x.q, p.fp8
 	if tp.w8 {

@@ -86,7 +86,10 @@ func (c *core) init(dev *gpuctx.Device, cfg *Config, sp coreSpec, src weightSour
 		return err
 	}
 	if q := c.experts.q; q != nil {
-		return q.upload(&c.env, src, sp.lo, sp.hi)
+		if err := q.upload(&c.env, src, sp.lo, sp.hi); err != nil {
+			return err
+		}
+		return q.uploadShared(&c.env, src, sp.hi-sp.lo, sp.ns)
 	}
 	return nil
 }

@@ -32,8 +32,8 @@ func (c *core) allocWeights(ns int) ([]weightCopy, error) {
 			*b.dst = nb
 		}
 	}
-	if x.q != nil {
-		if err := x.q.alloc(&c.env, x.hi-x.lo); err != nil {
+	if x.q != nil { // FP8: the shared expert's chunks too (fp8Experts.uploadShared)
+		if err := x.q.alloc(&c.env, x.hi-x.lo+ns); err != nil {
 			return nil, err
 		}
 	}
@@ -71,7 +71,7 @@ func (c *core) weightCopies(ns int) ([]weightCopy, error) {
 		b.f32 = true
 		put(r.bias, 0, b)
 	}
-	for j := 0; j < ns; j++ {
+	for j := 0; j < ns && x.q == nil; j++ { // FP8 experts: fp8Experts.uploadShared
 		g, u := whole(wSharedGateProj, 0, (j+1)*I, H), whole(wSharedUpProj, 0, (j+1)*I, H)
 		g.r0, u.r0 = j*I, j*I
 		put(x.gu, (E+j)*2*I*H, g)
@@ -137,9 +137,10 @@ type weightSource interface {
 	// upload performs copies with synchronous host-to-device copies that wait
 	// for nothing queued, in any order, and returns the first error.
 	upload(e *env, copies []weightCopy) error
-	// fp8Weight returns part p (wGate, wUp or wDown) of routed expert e,
-	// rows x cols, in FP8 with 128x128 block scales: as stored, or
-	// quantized (fp8.Quantize).
+	// fp8Weight returns part p (wGate, wUp or wDown) of routed expert e, or
+	// the shared expert's wSharedGateProj, wSharedUpProj or wSharedDownProj
+	// (e unused), rows x cols, in FP8 with 128x128 block scales: as stored,
+	// or quantized (fp8.Quantize).
 	fp8Weight(p weightPart, e, rows, cols int) (*fp8.Weight, error)
 }
 
@@ -202,7 +203,9 @@ func (m memWeights) upload(e *env, copies []weightCopy) error {
 // in 128x128 blocks (fp8.Quantize).
 func (m memWeights) fp8Weight(p weightPart, e, rows, cols int) (*fp8.Weight, error) {
 	w, err := fp8.Quantize(m.part(p, e), rows, cols, [2]int{fp8.BlockSize, fp8.BlockSize})
-	if err != nil {
+	if err != nil && p >= wSharedGateProj {
+		return nil, fmt.Errorf("%s: %w", p, err)
+	} else if err != nil {
 		return nil, fmt.Errorf("%s of expert %d: %w", p, e, err)
 	}
 	return w, nil

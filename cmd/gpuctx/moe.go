@@ -337,11 +337,12 @@ runs the one-device layer (its --mode and fused kernels).
 --dtype fp8 keeps the routed experts' weights in FP8 on the device (E4M3 codes
 with their 128x128 block scales, moe.LayerOptions.FP8), run by the weight-only
 FP8 tiles (bf16 activations) on the fused path; the router and correction bias
-stay as stored and the shared expert is bf16. An FP8 checkpoint (config.json's
-quantization_config, as DeepSeek-V3/R1 and Qwen3-FP8 ship) loads as stored; a
-bf16 or f32 one is quantized at load. With f32 or bf16, an FP8 checkpoint is
-dequantized at load. -v prints the device memory of the weights. fp8 runs on one
-device (not with --gpus above 1) and not with --mode fused.`,
+stay as stored, the shared expert is bf16 (single, dual) and FP8 chunks inside
+the FP8 tiles (--mode fused: auto's choice up to 16 tokens). An FP8 checkpoint
+(config.json's quantization_config, as DeepSeek-V3/R1 and Qwen3-FP8 ship) loads
+as stored; a bf16 or f32 one is quantized at load. With f32 or bf16, an FP8
+checkpoint is dequantized at load. -v prints the device memory of the weights.
+fp8 runs on one device (not with --gpus above 1).`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
   gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
   gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json
@@ -355,7 +356,7 @@ device (not with --gpus above 1) and not with --mode fused.`,
 	f.StringVar(&o.input, "input", "", "safetensors file with x [tokens, hidden_size] (required)")
 	f.StringVar(&o.output, "output", "", "safetensors file to write y [tokens, hidden_size] to (required)")
 	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32, bf16, or fp8 (bf16 with the routed experts' weights in FP8 on the device)")
-	f.StringVar(&o.mode, "mode", "auto", "mode: single, dual (shared expert on a side stream), fused (shared expert inside the fused kernels, bf16) or auto")
+	f.StringVar(&o.mode, "mode", "auto", "mode: single, dual (shared expert on a side stream), fused (shared expert inside the fused kernels, bf16 or fp8) or auto")
 	f.StringVar(&o.trace, "trace", "", traceHelp)
 	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, blas, forward, write) to stderr")
 	f.IntVar(&o.gpus, "gpus", 1, "devices to run the layer on, expert parallel when above 1 (the CPU backend opens one runtime per device)")
@@ -379,9 +380,6 @@ func (o moeRunOpts) check() (gpuctx.DType, moe.Mode, error) {
 	}
 	if o.gpus > 1 && isFP8(o.dtype) {
 		return 0, 0, fail("--dtype fp8 with --gpus above 1", "the expert-parallel layer has no FP8 experts: run fp8 on one device, or use --dtype bf16", nil)
-	}
-	if isFP8(o.dtype) && mode == moe.FusedShared {
-		return 0, 0, fail("--dtype fp8 with --mode fused", "the FP8 layer keeps the shared expert in bf16 outside the routed kernels: use --mode dual, single or auto", nil)
 	}
 	if o.gpus > 1 && o.trace != "" {
 		return 0, 0, fail("--trace with --gpus above 1", "trace a one-device run (--gpus 1)", nil)
@@ -524,20 +522,25 @@ func (a *app) runMoeShards(o moeRunOpts, in *moeRunInput, dt gpuctx.DType, start
 }
 
 // weightMemoryText describes the device memory of l's weights, and for an
-// FP8 layer what the same layer takes in bf16 (its routed experts at two
-// bytes a weight instead of one, without block scales).
+// FP8 layer what the same layer takes in bf16 (its routed experts, and the
+// fused shared expert's chunks that both hold beside the shared expert, at
+// two bytes a weight instead of one, without block scales).
 func weightMemoryText(l *moe.Layer) string {
 	n := l.DeviceWeightBytes()
 	if !l.FP8() {
 		return fmt.Sprintf("%s (%s)", bytesText(float64(n)), l.DType())
 	}
 	c := l.Config()
-	H, I, E := int64(c.HiddenSize), int64(c.Intermediate), int64(c.NumExperts)
+	H, I, E := int64(c.HiddenSize), int64(c.Intermediate), int64(c.NumExperts+l.FusedSharedChunks())
 	bh, bi := (H+127)/128, (I+127)/128
 	fp8Experts := E * (3*H*I + 3*4*bh*bi) // codes; gate, up and down scales
 	bf16 := n - fp8Experts + E*3*H*I*2
-	return fmt.Sprintf("%s (routed experts in FP8 with their block scales, the rest bf16; %.2fx the %s of the same layer in bf16)",
-		bytesText(float64(n)), float64(n)/float64(bf16), bytesText(float64(bf16)))
+	chunks := ""
+	if l.FusedSharedChunks() > 0 {
+		chunks = ", and the shared expert's fused chunks,"
+	}
+	return fmt.Sprintf("%s (routed experts in FP8%s with their block scales, the rest bf16; %.2fx the %s of the same layer in bf16)",
+		bytesText(float64(n)), chunks, float64(n)/float64(bf16), bytesText(float64(bf16)))
 }
 
 // ms is d in milliseconds, to the microsecond.

@@ -118,7 +118,10 @@ device (moe.LayerOptions.FP8: E4M3 codes and 128x128 block scales, the w8a16
 tiles, or on compute capability 9.0 from 64 rows per touched expert the w8a8
 tiles over activations quantized to E4M3 on the device; picked by rule, not
 timed), the rest bf16; its floor counts the FP8 bytes and scales the batch
-touches. Run it beside --dtype bf16 to compare.
+touches (and the shared expert's bf16 bytes, in every mode). Mode fused (and
+auto up to 16 tokens) runs the shared expert's FP8 chunks inside the FP8
+tiles, so its output check against single allows 1e-1 instead of 2e-2. Run
+it beside --dtype bf16 to compare.
 
 Progress goes to stderr: a bar on a terminal, else one line per step.`
 
@@ -328,11 +331,26 @@ func checkMoeBenchFlags(changed func(string) bool, o *moeBenchOpts) error {
 	return nil
 }
 
+// fp8FusedCheckTol is moe bench's output check tolerance for --dtype fp8:
+// the fused mode (and auto, which runs it up to 16 tokens) computes the
+// shared expert from its FP8 chunks, single and dual from its bf16 copy, so
+// they differ by the shared expert's E4M3 rounding (3 mantissa bits in each
+// of its three projections; 3.8-4.4% relative, Frobenius, on the small
+// DeepSeek-V3 preset), not only by bf16's.
+const fp8FusedCheckTol = 1e-1
+
+// benchCheckTol is the output check tolerance of a layer of dt (fp8: FP8
+// routed experts): bench.CheckTol, or fp8FusedCheckTol.
+func benchCheckTol(dt gpuctx.DType, fp8 bool) float64 {
+	if fp8 {
+		return fp8FusedCheckTol
+	}
+	return bench.CheckTol(dt)
+}
+
 // checkFP8BenchFlags refuses the flags an FP8 layer cannot honour.
-func checkFP8BenchFlags(o *moeBenchOpts, modes []moe.Mode) error {
+func checkFP8BenchFlags(o *moeBenchOpts) error {
 	switch {
-	case slices.Contains(modes, moe.FusedShared):
-		return fail("--dtype fp8 with --mode fused", "the FP8 layer keeps the shared expert in bf16 outside the routed kernels: time single, dual or auto", nil)
 	case o.tile != "":
 		return fail("--dtype fp8 with --tile", "--tile names a bf16 tile; the FP8 layer picks its tiles by rule: drop --tile", nil)
 	case o.noFused:
@@ -357,7 +375,7 @@ func (a *app) planMoeBench(cmd *cobra.Command, o *moeBenchOpts) (*moeBenchPlan, 
 		return nil, err
 	}
 	if p.fp8 = isFP8(o.dtype); p.fp8 {
-		if err := checkFP8BenchFlags(o, p.modes); err != nil {
+		if err := checkFP8BenchFlags(o); err != nil {
 			return nil, err
 		}
 	}
@@ -565,7 +583,7 @@ func (a *app) benchOptions(dev *gpuctx.Device, o *moeBenchOpts, p *moeBenchPlan,
 	rep.Shape = benchShape{Family: string(cfg.Family), Hidden: cfg.HiddenSize, Experts: cfg.NumExperts, TopK: cfg.TopK,
 		Intermediate: cfg.Intermediate, Shared: cfg.SharedIntermediate}
 	bo := bench.MoEOptions{Config: cfg, Weights: weights, Modes: p.modes, Tokens: tokens, Iters: o.iters, Warmup: o.warmup,
-		Sets: o.sets, Seed: o.seed, CopyBytes: copyBytesCUDA, GemmN: gemmNCUDA, GemmPerRound: 5, CheckTol: bench.CheckTol(p.dt),
+		Sets: o.sets, Seed: o.seed, CopyBytes: copyBytesCUDA, GemmN: gemmNCUDA, GemmPerRound: 5, CheckTol: benchCheckTol(p.dt, p.fp8),
 		Layer: moe.LayerOptions{DType: p.dt, Mode: p.modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch,
 			NoGraphs: o.noGraphs, NoFused: o.noFused, Tile: o.tile, Tokens: tokens, FP8: p.fp8}}
 	if dev.Backend() == "cpu" {

@@ -156,7 +156,7 @@ func checkSummary(r *moeBenchReport) string {
 	if n == 0 {
 		return "none ran"
 	}
-	return fmt.Sprintf("passed, largest relative difference %.2g (tolerance %.2g)", worst, bench.CheckTol(map[string]gpuctx.DType{"bf16": gpuctx.BF16, "fp8": gpuctx.BF16}[r.DType]))
+	return fmt.Sprintf("passed, largest relative difference %.2g (tolerance %.2g)", worst, benchCheckTol(map[string]gpuctx.DType{"bf16": gpuctx.BF16, "fp8": gpuctx.BF16}[r.DType], r.DType == "fp8"))
 }
 
 // benchColumns says which optional columns the table has.
