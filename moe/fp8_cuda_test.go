@@ -34,9 +34,10 @@ func fp8CUDADevice(t *testing.T) *gpuctx.Device {
 	return dev
 }
 
-// fp8Dequantized returns w with every routed expert's projections quantized
-// in 128x128 blocks and dequantized again, and the other matrices rounded to
-// bf16: the weights an FP8 layer built from w computes with.
+// fp8Dequantized returns w with every routed and shared expert's
+// projections quantized in 128x128 blocks and dequantized again, and the
+// other matrices rounded to bf16: the weights an FP8 layer built from w
+// computes with (sharedStage.uploadFP8).
 func fp8Dequantized(t *testing.T, cfg *Config, w *Weights) *Weights {
 	t.Helper()
 	out := *roundWeights(w)
@@ -55,6 +56,9 @@ func fp8Dequantized(t *testing.T, cfg *Config, w *Weights) *Weights {
 	}
 	for e, x := range w.Experts {
 		out.Experts[e] = Expert{Gate: rt(x.Gate, I, H), Up: rt(x.Up, I, H), Down: rt(x.Down, H, I)}
+	}
+	if Is := cfg.SharedIntermediate; Is > 0 { // an FP8 layer quantizes the shared expert too
+		out.Shared = &Expert{Gate: rt(w.Shared.Gate, Is, H), Up: rt(w.Shared.Up, Is, H), Down: rt(w.Shared.Down, H, Is)}
 	}
 	return &out
 }

@@ -231,6 +231,44 @@ func (q *fp8Experts) uploadShared(e *env, src weightSource, n0, ns int) error {
 	return nil
 }
 
+// uploadFP8 fills the shared expert's dense weights of an FP8 layer (Single
+// and Dual run them with BLAS) with the values of its FP8 weights, in the
+// layer's dtype: an FP8 checkpoint's codes times their block scales, or a
+// bf16/f32 source quantized in 128x128 blocks (fp8.Quantize) and
+// dequantized. So every mode computes with the same shared-expert weights as
+// the FusedShared chunks, which hold those codes (requantized only where a
+// chunk's cut is not on a block edge: fp8Chunk). Synchronous copies, as
+// weightSource.upload's.
+func (s *sharedStage) uploadFP8(e *env, src weightSource) error {
+	H, Is := e.cfg.HiddenSize, e.cfg.SharedIntermediate
+	if Is == 0 {
+		return nil
+	}
+	for _, pc := range []struct {
+		part       weightPart
+		rows, cols int
+		dst        *gpuctx.Buffer
+		off        int // elements
+	}{
+		{wSharedGateProj, Is, H, s.gu, 0},
+		{wSharedUpProj, Is, H, s.gu, Is * H},
+		{wSharedDownProj, H, Is, s.down, 0},
+	} {
+		w, err := src.fp8Weight(pc.part, 0, pc.rows, pc.cols)
+		if err != nil {
+			return err
+		}
+		v, err := w.Dequantize()
+		if err != nil {
+			return fmt.Errorf("%s: %w", pc.part, err)
+		}
+		if err := copyAt(pc.dst, pc.off*e.es, e.encode(v)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // fp8Chunk returns rows [r0, r1) and columns [c0, c1) of w as a Weight in
 // w's blocks. Where r0 and c0 are multiples of the block (always when the
 // routed width I is a multiple of 128; chunk 0 always) every block of the

@@ -89,6 +89,9 @@ func (c *core) init(dev *gpuctx.Device, cfg *Config, sp coreSpec, src weightSour
 		if err := q.upload(&c.env, src, sp.lo, sp.hi); err != nil {
 			return err
 		}
+		if err := c.shared.uploadFP8(&c.env, src); err != nil {
+			return err
+		}
 		return q.uploadShared(&c.env, src, sp.hi-sp.lo, sp.ns)
 	}
 	return nil

@@ -86,7 +86,7 @@ func (c *core) weightCopies(ns int) ([]weightCopy, error) {
 		put(x.gu, (e-x.lo)*2*I*H+I*H, whole(wUp, e, I, H))
 		put(x.down, (e-x.lo)*H*I, whole(wDown, e, H, I))
 	}
-	if Is > 0 {
+	if Is > 0 && x.q == nil { // FP8 experts: sharedStage.uploadFP8
 		put(s.gu, 0, whole(wSharedGateProj, 0, Is, H))
 		put(s.gu, Is*H, whole(wSharedUpProj, 0, Is, H))
 		put(s.down, 0, whole(wSharedDownProj, 0, H, Is))
