@@ -46,6 +46,7 @@ func sameBits(t *testing.T, what string, got, want []float32) {
 // SmallBatchTokens, or the small-batch path off), for N = 2 and 3 with E
 // divisible by N or not, and within 2e-2 in bf16 (against Layer's fused path).
 func TestExpertParallelMatchesLayer(t *testing.T) {
+	parallelHeavy(t)
 	presets := scaledPresets()
 	names := make([]string, 0, len(presets))
 	for name := range presets {

@@ -146,6 +146,7 @@ func TestFP8Chunk(t *testing.T) {
 // Elsewhere (a shared gate, no shared expert) FusedShared is Dual, bit for
 // bit.
 func TestLayerFP8FusedShared(t *testing.T) {
+	parallelHeavy(t)
 	for _, b := range layerBackends(t) {
 		for name, cfg := range fp8FusedConfigs() {
 			w, err := RandomWeights(cfg, 13)

@@ -324,6 +324,7 @@ func checkFP8Bytes(t *testing.T, dev *gpuctx.Device, cfg *Config, dir string, l,
 // where it runs FusedShared, up to autoRuleTokens tokens with a fusable
 // shared expert: bitwise FusedShared, fp8AutoWant).
 func TestLayerFP8DualBitwise(t *testing.T) {
+	parallelHeavy(t)
 	for _, b := range layerBackends(t) {
 		for name, cfg := range fp8Configs() {
 			w, err := RandomWeights(cfg, 5)
@@ -703,6 +704,7 @@ const w8a8DeviceTol = 2.5e-2
 // test logs it. It also checks that Dual, Auto and graph replays are bitwise
 // Single. Partial 128-blocks in every projection.
 func TestLayerFP8W8A8(t *testing.T) {
+	parallelHeavy(t)
 	for _, b := range layerBackends(t) {
 		for name, cfg := range fp8Configs() {
 			w, err := RandomWeights(cfg, 13)

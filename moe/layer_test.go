@@ -276,6 +276,7 @@ func scaledPresets() map[string]*Config {
 // TestLayerRandomPresets compares Forward with Reference on scaled-down
 // presets with random weights, and the routing with Route.
 func TestLayerRandomPresets(t *testing.T) {
+	parallelHeavy(t)
 	for _, b := range layerBackends(t) {
 		for name, cfg := range scaledPresets() {
 			w, err := RandomWeights(cfg, 11)
@@ -358,6 +359,7 @@ func deviceRun(t *testing.T, l *Layer, x []float32, T int, mode Mode, part Part)
 // bitwise the same y as Single, for every family, on every backend, in f32
 // and bf16, with T = 1, an odd T and a larger T; and that the parts add up.
 func TestLayerDualBitwise(t *testing.T) {
+	parallelHeavy(t)
 	cfgs := variants()
 	cfgs["deepseek-v2-lite-scaled"] = scaledPresets()["deepseek-v2-lite"]
 	for _, b := range layerBackends(t) {
@@ -701,6 +703,7 @@ func TestWeightBytes(t *testing.T) {
 // bytes of a layer that never captures, in both modes and for every part, and
 // new inputs must flow through the replayed graph.
 func TestLayerGraphReplay(t *testing.T) {
+	parallelHeavy(t)
 	cfg := scaledPresets()["deepseek-v2-lite"]
 	w, err := RandomWeights(cfg, 21)
 	if err != nil {
@@ -755,6 +758,7 @@ func TestLayerGraphReplay(t *testing.T) {
 // same way (bench/RESULTS.md, 2026-12-01), which this test holds it to. A
 // warpgroup tile on a GPU other than compute capability 9.0 is skipped.
 func TestLayerFusedTiles(t *testing.T) {
+	parallelHeavy(t)
 	cfg := scaledPresets()["deepseek-v2-lite"]
 	w, err := RandomWeights(cfg, 8)
 	if err != nil {
@@ -1205,6 +1209,7 @@ func TestForcedPairs(t *testing.T) {
 // rows, block experts and padded count (read back from the layer's scratch)
 // and the same output bits, for a batch whose assignments span several chunks.
 func TestAlignThreeLaunch(t *testing.T) {
+	parallelHeavy(t)
 	cfg := scaledPresets()["deepseek-v2-lite"]
 	w, err := RandomWeights(cfg, 5)
 	if err != nil {

@@ -12,3 +12,14 @@ func heavyShapes(all, reduced []int) []int {
 	}
 	return all
 }
+
+// parallelHeavy lets a heavy test run beside the other heavy ones under the
+// race detector or -short (CI's race step, on 2 cores, where the CPU
+// backend's twins keep one core busy per test). A plain go test (and the GPU
+// machine's runs) keeps them serial. The tests it is called from change no
+// package-level state.
+func parallelHeavy(t *testing.T) {
+	if raceEnabled || testing.Short() {
+		t.Parallel()
+	}
+}
