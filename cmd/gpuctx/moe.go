@@ -480,7 +480,10 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	defer l.Close()
 	k1 := dev.KernelStats()
 	ph.move("load", "compile", k1.Time-k0.Time) // LoadLayer's kernel lookups
-	ph.begin("blas")
+	// The CPU backend has no warm-up to wait for.
+	if dev.Backend() != "cpu" {
+		ph.begin("blas")
+	}
 	warm := waitBlas()
 	y, fwd, err := a.forwardMoe(cmd, o, in, dev, l, mode, &ph)
 	if err != nil {
@@ -494,7 +497,7 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	}
 	ph.end()
 	if o.verbose {
-		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "blas": blasNote(dev.Backend(), warm), "forward": forwardNote(dev.Backend(), dt, o.autotune && !fp8, l.TunedFromCache())}, dev.Backend())
+		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "blas": blasNote(warm), "forward": forwardNote(dev.Backend(), dt, o.autotune && !fp8, l.TunedFromCache())}, dev.Backend())
 		fmt.Fprintf(a.errOut, "weights on the device: %s\n", weightMemoryText(l))
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(in.cfg.Family), Layer: in.layer,

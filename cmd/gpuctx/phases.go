@@ -235,12 +235,10 @@ func blasWarmup(dev *gpuctx.Device, cfg *moe.Config, T int, dt gpuctx.DType) err
 	return errors.Join(err, ctx.Stream().Synchronize())
 }
 
-// blasNote describes moe run's blas phase: the wait for startBlasWarmup
-// beyond the load it ran beside, and how long the warm-up itself took.
-func blasNote(backend string, warm time.Duration) string {
-	if backend == "cpu" {
-		return "BLAS warm-up (CPU backend: none)"
-	}
+// blasNote describes moe run's blas phase (not on the CPU backend, which
+// warms nothing): the wait for startBlasWarmup beyond the load it ran
+// beside, and how long the warm-up itself took.
+func blasNote(warm time.Duration) string {
 	return fmt.Sprintf("waiting for the BLAS warm-up (cuBLAS and the shared expert's GEMM kernels loaded, %.1f ms in all, beside load and compile)",
 		float64(warm.Microseconds())/1e3)
 }
