@@ -623,13 +623,9 @@ func TestLoadLayerFP8Layouts(t *testing.T) {
 // runs it as an FP8 layer: within 1e-2 of the float64 reference on the
 // dequantized weights and bf16 inputs, on every backend.
 func TestLayerFP8Fixtures(t *testing.T) {
-	dirs, _ := filepath.Glob(filepath.Join("testdata", "*", "config.json"))
-	if len(dirs) == 0 {
-		t.Fatal("no fixtures in moe/testdata")
-	}
+	dirs := fixtureDirs(t)
 	for _, b := range layerBackends(t) {
-		for _, cj := range dirs {
-			src := filepath.Dir(cj)
+		for _, src := range dirs {
 			t.Run(b.name+"/"+filepath.Base(src), func(t *testing.T) {
 				cfg, w, cases := loadLayerFixture(t, src)
 				if err := checkFP8(cfg, LayerOptions{DType: gpuctx.BF16, FP8: true}); err != nil {

@@ -126,13 +126,9 @@ func checkRouting(t *testing.T, l *Layer, cfg *Config, w *Weights, x []float32, 
 // every backend, in f32 and bf16, in Single and Dual mode, and checks the f32
 // routing against Route.
 func TestLayerFixtures(t *testing.T) {
-	dirs, _ := filepath.Glob(filepath.Join("testdata", "*", "config.json"))
-	if len(dirs) == 0 {
-		t.Fatal("no fixtures in moe/testdata")
-	}
+	dirs := fixtureDirs(t)
 	for _, b := range layerBackends(t) {
-		for _, cj := range dirs {
-			dir := filepath.Dir(cj)
+		for _, dir := range dirs {
 			cfg, w, cases := loadLayerFixture(t, dir)
 			for _, dt := range layerDTypes {
 				for _, mp := range modePaths() {
