@@ -392,8 +392,9 @@ func (x *expertStage) fusedFP8(in *gpuctx.Buffer, d *dispatchStage, p *plan) err
 // fusedW8A8 queues the w8a8 form on the main stream over p's aligned sort in
 // d (with w8a8Up.BM rows; run, or queued just ahead): gpuctx_moe_fp8_quant of
 // x into xq/xs, the w8a8 up tile (gate/up GEMM, SwiGLU into act, bf16), the
-// quantizer of act's cp rows into aq/as (rows past the sort's npost are
-// quantized too and never read), and the w8a8 down tile into out. Each
+// quantizer of act's sorted rows (below the sort's npost, read on the
+// device; a grid sized for the cap) into aq/as, and the w8a8 down tile into
+// out. Each
 // kernel waits on the device for the one ahead (LaunchEarly); nothing waits
 // for the host.
 func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
@@ -403,7 +404,7 @@ func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) er
 	cp := moekernels.AlignCap(TK, p.experts, w8a8Up.BM)
 	qb := gpuctx.Dim3{X: moekernels.FP8QuantThreads, Y: 1, Z: 1}
 	if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(p.T, H), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
-		X: in, Codes: x.xq, Scales: x.xs, R: int32(p.T), K: int32(H)}); err != nil {
+		X: in, Codes: x.xq, Scales: x.xs, Npost: d.npost, R: int32(p.T), K: int32(H)}); err != nil {
 		return err
 	}
 	sms := e.dev.Info().SMCount
@@ -414,7 +415,7 @@ func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) er
 		return err
 	}
 	if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(cp, I), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
-		X: x.act, Codes: x.aq, Scales: x.as, R: int32(cp), K: int32(I)}); err != nil {
+		X: x.act, Codes: x.aq, Scales: x.as, Npost: d.npost, R: int32(cp), K: int32(I), Bounded: 1}); err != nil {
 		return err
 	}
 	gx, gy = w8a8Down.Grid(H, cp, sms)

@@ -10,17 +10,21 @@
 // on its stream touch, and MOE_GRID_LAUNCH after. They run on the stream they
 // are launched on and wait for nothing else.
 //
-//   QUANT gpuctx_moe_fp8_quant (x, codes, scales, R, K): x [R, K] bf16 ->
-//   codes [R, K] E4M3 and scales [R, ceil(K/128)] f32, per row per group of
-//   128 columns (the last partial), vLLM's per_token_group_quant_fp8 rule as
-//   moe/fp8.QuantizeActivations computes it: amax = max |x| over the group,
-//   s = max(amax, 1e-10) / 448 (so a group of zeros gets codes 0 and a tiny
-//   positive scale), code = E4M3(x / s), round to nearest even, saturating
+//   QUANT gpuctx_moe_fp8_quant (x, codes, scales, npost, R, K, bounded): x
+//   [R, K] bf16 -> codes [R, K] E4M3 and scales [R, ceil(K/128)] f32, per row
+//   per group of 128 columns (the last partial), vLLM's per_token_group_quant_fp8
+//   rule as moe/fp8.QuantizeActivations computes it: amax = max |x| over the
+//   group, s = max(amax, 1e-10) / 448 (so a group of zeros gets codes 0 and a
+//   tiny positive scale), code = E4M3(x / s), round to nearest even, saturating
 //   (cvt.rn.satfinite; -0 and negative values rounding to zero give 0x80).
 //   A NaN is skipped by the max and gives a NaN code; an infinity gives an
-//   infinite scale (NaN and zero codes in its group). K a multiple of 4.
-//   One warp per (row, group), 4 columns a lane: grid (ceil(R*G/8), 1, 1),
-//   block (256, 1, 1), no dynamic shared memory.
+//   infinite scale (NaN and zero codes in its group). K a multiple of 8. With
+//   bounded != 0 only the rows below min(R, npost[0]) are quantized (the
+//   sorted rows of gpuctx_moe_align: a launch sized for the cap converts
+//   only what the down tile reads) and the others are left as they are;
+//   with bounded == 0 npost is not read. A half-warp per (row, group), 8
+//   columns (16 bytes) a lane, grid-stride: grid (FP8QuantBlocks(R, K), 1,
+//   1), block (256, 1, 1), no dynamic shared memory.
 //
 //   UP gpuctx_moe_w8a8_up_<tag> (xq, xs, gu, gus, sorted, block_expert, npost,
 //   act, TK, K, H, I): A row p is token sorted[p] / K of xq [T, H] codes with
@@ -104,39 +108,56 @@ static __device__ __forceinline__ unsigned w8_e4m3x2(float lo, float hi) {
     return c;
 }
 
-extern "C" __global__ __launch_bounds__(256) void gpuctx_moe_fp8_quant(const unsigned short* __restrict__ x,
-                                                                        unsigned char* __restrict__ codes,
-                                                                        float* __restrict__ scales, int R, int K) {
-    MOE_GRID_WAIT();
-    MOE_GRID_LAUNCH();
-    const int G = (K + W8_BK - 1) / W8_BK;
-    const long long w = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (w >= (long long)R * G) return;  // whole warps leave together
-    const int r = (int)(w / G), g = (int)(w - (long long)r * G);
-    const int lane = threadIdx.x & 31;
-    const int k = g * W8_BK + 4 * lane;
-    const bool ok = k < K;
-    const long long off = (long long)r * K + k;
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (ok) {
-        const uint2 h = *(const uint2*)(x + off);
-        v[0] = moe_bf2f((unsigned short)(h.x & 0xffffu));
-        v[1] = moe_bf2f((unsigned short)(h.x >> 16));
-        v[2] = moe_bf2f((unsigned short)(h.y & 0xffffu));
-        v[3] = moe_bf2f((unsigned short)(h.y >> 16));
+// w8_quant8 quantizes the 8 bf16 values h (lane's 8 columns, zeros past K)
+// of one (row, group) held by a half-warp: the group's amax over the 16
+// lanes of mask, the scale s, and the 8 codes (byte i is column i).
+static __device__ __forceinline__ uint2 w8_quant8(uint4 h, unsigned mask, float& s) {
+    const unsigned w[4] = {h.x, h.y, h.z, h.w};
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = moe_bf2f((unsigned short)(w[i] & 0xffffu));
+        v[2 * i + 1] = moe_bf2f((unsigned short)(w[i] >> 16));
     }
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
-    if (ok) {
-        const unsigned c = w8_e4m3x2(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s)) |
-                           (w8_e4m3x2(__fdiv_rn(v[2], s), __fdiv_rn(v[3], s)) << 16);
-        *(unsigned*)(codes + off) = c;
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
+    s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
+    unsigned c[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] = w8_e4m3x2(__fdiv_rn(v[2 * i], s), __fdiv_rn(v[2 * i + 1], s));
+    return make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
+}
+
+extern "C" __global__ __launch_bounds__(256) void gpuctx_moe_fp8_quant(const unsigned short* __restrict__ x,
+                                                                        unsigned char* __restrict__ codes,
+                                                                        float* __restrict__ scales,
+                                                                        const int* __restrict__ npost, int R, int K,
+                                                                        int bounded) {
+    MOE_GRID_WAIT();
+    MOE_GRID_LAUNCH();
+    const int G = (K + W8_BK - 1) / W8_BK;
+    const int rows = bounded ? min(R, max(npost[0], 0)) : R;
+    const long long n = (long long)rows * G;
+    const int lane = threadIdx.x & 15;
+    const unsigned mask = 0xffffu << (threadIdx.x & 16);
+    const long long stride = (long long)gridDim.x * 16;
+    // The 16 lanes of a half-warp share every item (the two halves of a warp
+    // may leave the loop one item apart), so each shuffle's mask, the half,
+    // names exactly the lanes that reach it.
+    for (long long w = (long long)blockIdx.x * 16 + (threadIdx.x >> 4); w < n; w += stride) {
+        const int r = (int)(w / G), g = (int)(w - (long long)r * G);
+        const int k = g * W8_BK + 8 * lane;
+        const bool ok = k < K;
+        const long long off = (long long)r * K + k;
+        const uint4 h = ok ? *(const uint4*)(x + off) : make_uint4(0u, 0u, 0u, 0u);
+        float s;
+        const uint2 c = w8_quant8(h, mask, s);
+        if (ok) *(uint2*)(codes + off) = c;
+        if (lane == 0) scales[(long long)r * G + g] = s;
     }
-    if (lane == 0) scales[(long long)r * G + g] = s;
 }
 
 // ---- The GEMM tiles.

@@ -23,24 +23,32 @@ var w8a8Source string
 
 // FP8QuantName is the activation quantizer of moe_w8a8.cu:
 //
-//	gpuctx_moe_fp8_quant (x, codes, scales hal.Ptr, R, K int32)
+//	gpuctx_moe_fp8_quant (x, codes, scales, npost hal.Ptr, R, K, bounded int32)
 //	    x [R, K] bf16 -> codes [R, K] E4M3 and scales [R, ceil(K/128)] f32, per
 //	    row per group of 128 columns (the last partial): s = max(amax, 1e-10)
 //	    / 448, code = E4M3(x / s) rounded to nearest even, saturating (moe/fp8's
 //	    QuantizeActivations rule; a group of zeros gets codes 0). K a multiple
-//	    of 4. Grid (FP8QuantBlocks(R, K), 1, 1), block (FP8QuantThreads, 1, 1).
-//	    It calls MOE_GRID_WAIT first (it may be launched early).
+//	    of 8. With bounded != 0 only the rows below min(R, npost[0]) (the
+//	    sorted rows of gpuctx_moe_align) are quantized, the others left as
+//	    they are; with bounded == 0 npost is not read. Grid (FP8QuantBlocks(R,
+//	    K), 1, 1), block (FP8QuantThreads, 1, 1). It calls MOE_GRID_WAIT first
+//	    (it may be launched early).
 const FP8QuantName = "gpuctx_moe_fp8_quant"
 
-// FP8QuantThreads is the block of gpuctx_moe_fp8_quant: 8 warps, one (row,
-// group) each.
+// FP8QuantThreads is the block of gpuctx_moe_fp8_quant: 16 half-warps, one
+// (row, group) each at a time.
 const FP8QuantThreads = 256
 
+// fp8QuantMaxBlocks bounds the quantizer's grid: its blocks stride over the
+// (row, group) items, so a few waves of resident blocks cover any R.
+const fp8QuantMaxBlocks = 2048
+
 // FP8QuantBlocks is the grid of gpuctx_moe_fp8_quant over R rows of K
-// columns: one warp per row and group of 128 columns, 8 warps a block.
+// columns: a half-warp per row and group of 128 columns, 16 a block, at most
+// fp8QuantMaxBlocks blocks (each then takes several items in turn).
 func FP8QuantBlocks(R, K int) int {
 	n := R * ((K + fp8.BlockSize - 1) / fp8.BlockSize)
-	return max((n+7)/8, 1)
+	return min(max((n+15)/16, 1), fp8QuantMaxBlocks)
 }
 
 // W8A8Gemm is one tile of the FP8 x FP8 (w8a8) grouped expert GEMMs of
@@ -223,12 +231,16 @@ __device__ __forceinline__ void w8_mma<%d>(float* d, unsigned long long a, unsig
 }
 
 // FP8QuantArgs are the parameters of gpuctx_moe_fp8_quant.
+// Bounded != 0 quantizes only the rows below min(R, *Npost); Npost is not
+// read otherwise (pass any buffer).
 type FP8QuantArgs[P Pointer] struct {
-	X, Codes, Scales P
-	R, K             int32
+	X, Codes, Scales, Npost P
+	R, K, Bounded           int32
 }
 
-func (a FP8QuantArgs[P]) args() []any { return []any{a.X, a.Codes, a.Scales, a.R, a.K} }
+func (a FP8QuantArgs[P]) args() []any {
+	return []any{a.X, a.Codes, a.Scales, a.Npost, a.R, a.K, a.Bounded}
+}
 
 // W8A8UpArgs are the parameters of every gpuctx_moe_w8a8_up_<tag>.
 type W8A8UpArgs[P Pointer] struct {
@@ -331,10 +343,18 @@ func quantCode(v float32) uint8 {
 // moeFP8Quant is the twin of gpuctx_moe_fp8_quant.
 func moeFP8Quant(m kernels.Memory, a *fp8QuantArgs) error {
 	R, K := int(a.R), int(a.K)
-	if R < 0 || K <= 0 || K%4 != 0 {
-		return fmt.Errorf("fp8_quant: R=%d K=%d: want R >= 0 and K a positive multiple of 4", R, K)
+	if R < 0 || K <= 0 || K%8 != 0 {
+		return fmt.Errorf("fp8_quant: R=%d K=%d: want R >= 0 and K a positive multiple of 8", R, K)
 	}
 	G := (K + fp8.BlockSize - 1) / fp8.BlockSize
+	rows := R
+	if a.Bounded != 0 {
+		np, err := kernels.Slice[int32](m, "npost", a.Npost, 1)
+		if err != nil {
+			return err
+		}
+		rows = min(R, max(int(np[0]), 0))
+	}
 	x, err := kernels.Slice[uint16](m, "x", a.X, int64(R)*int64(K))
 	if err != nil {
 		return err
@@ -347,7 +367,7 @@ func moeFP8Quant(m kernels.Memory, a *fp8QuantArgs) error {
 	if err != nil {
 		return err
 	}
-	parallelRows(R, func(r int) { QuantizeRow(codes[r*K:(r+1)*K], scales[r*G:(r+1)*G], x[r*K:(r+1)*K]) })
+	parallelRows(rows, func(r int) { QuantizeRow(codes[r*K:(r+1)*K], scales[r*G:(r+1)*G], x[r*K:(r+1)*K]) })
 	return nil
 }
 

@@ -1,8 +1,10 @@
 package moekernels
 
 import (
+	"bytes"
 	"fmt"
 	"math"
+	"slices"
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
@@ -101,7 +103,8 @@ func w8a8CheckDevice(t *testing.T, dev *device, shapes []fp8Shape, tokens []int)
 // TestFP8QuantCUDA runs gpuctx_moe_fp8_quant on the GPU and compares codes
 // and scales with its twin bit for bit: rows of 2048 (whole groups), 1408
 // and 2000 columns (a partial last group), values over many binades, a
-// group of zeros, and 3000 rows (several hundred blocks).
+// group of zeros, and 3000 rows (more (row, group) items than the grid's
+// threads take at once), over all rows and bounded by npost (fp8QuantCheck).
 func TestFP8QuantCUDA(t *testing.T) {
 	fp8QuantCheck(t, cudaW8A8Device(t), []int{2048, 1408, 2000}, 3000)
 }
@@ -112,7 +115,13 @@ func TestFP8QuantHarness(t *testing.T) {
 	fp8QuantCheck(t, newTestDevice(t), []int{400}, 9)
 }
 
+// fp8QuantCheck quantizes R rows of each width on dev and on the CPU twin,
+// every row (bounded 0, npost not read: it holds 1) and bounded by npost
+// below R, above R and negative, into codes and scales filled with a marker
+// byte, and compares both bit for bit with the twin's and with the rule: the
+// rows below min(R, npost) quantized, the others untouched.
 func fp8QuantCheck(t *testing.T, dev *device, widths []int, R int) {
+	const marker = 0xa5
 	cpu := newTestDevice(t)
 	r := lcg(5)
 	for _, K := range widths {
@@ -124,20 +133,55 @@ func fp8QuantCheck(t *testing.T, dev *device, widths []int, R int) {
 			x[k] = 0
 		}
 		G := (K + 127) / 128
-		var res [2][]byte
-		for i, d := range []*device{cpu, dev} {
-			codes, scales := upload(t, d, make([]byte, R*K)), upload(t, d, make([]byte, 4*R*G))
-			a := fp8QuantArgs{X: upload(t, d, asBytes(x)), Codes: codes, Scales: scales, R: int32(R), K: int32(K)}
-			if err := fp8Launch(t, d, FP8QuantName, [2]int{FP8QuantBlocks(R, K), 1}, FP8QuantThreads, 0, kernels.Args(&a)...); err != nil {
-				t.Fatalf("K=%d: %v", K, err)
+		for _, tc := range []struct {
+			bounded, npost int32
+			rows           int // the rows quantized
+		}{
+			{0, 1, R}, {1, int32(R - R/3), R - R/3}, {1, int32(R + 5), R}, {1, -3, 0},
+		} {
+			var res [2][]byte
+			for i, d := range []*device{cpu, dev} {
+				fill := func(n int) Ptr { return upload(t, d, bytes.Repeat([]byte{marker}, n)) }
+				codes, scales := fill(R*K), fill(4*R*G)
+				a := fp8QuantArgs{X: upload(t, d, asBytes(x)), Codes: codes, Scales: scales,
+					Npost: upload(t, d, asBytes([]int32{tc.npost})), R: int32(R), K: int32(K), Bounded: tc.bounded}
+				if err := fp8Launch(t, d, FP8QuantName, [2]int{FP8QuantBlocks(R, K), 1}, FP8QuantThreads, 0, kernels.Args(&a)...); err != nil {
+					t.Fatalf("K=%d %+v: %v", K, tc, err)
+				}
+				res[i] = append(download(t, d, codes, R*K), download(t, d, scales, 4*R*G)...)
 			}
-			res[i] = append(download(t, d, codes, R*K), download(t, d, scales, 4*R*G)...)
+			if n := countDiffBytes(res[0][:R*K], res[1][:R*K]); n > 0 {
+				t.Errorf("K=%d %+v: %d of %d codes differ from the twin", K, tc, n, R*K)
+			}
+			if n := countDiffBytes(res[0][R*K:], res[1][R*K:]); n > 0 {
+				t.Errorf("K=%d %+v: %d scale bytes of %d differ from the twin", K, tc, n, 4*R*G)
+			}
+			checkQuantRows(t, fmt.Sprintf("K=%d %+v", K, tc), res[1][:R*K], res[1][R*K:], x, K, tc.rows, marker)
 		}
-		if n := countDiffBytes(res[0][:R*K], res[1][:R*K]); n > 0 {
-			t.Errorf("K=%d: %d of %d codes differ from the twin", K, n, R*K)
+	}
+}
+
+// checkQuantRows checks the quantizer's output codes and scales (as bytes)
+// of rows of K columns against QuantizeRow for the first n rows of x and the
+// marker byte for the rest.
+func checkQuantRows(t *testing.T, what string, codes, scales []byte, x []uint16, K, n int, marker byte) {
+	t.Helper()
+	G := (K + 127) / 128
+	R := len(codes) / K
+	wc, ws := make([]uint8, K), make([]float32, G)
+	for row := range R {
+		gc, gs := codes[row*K:(row+1)*K], scales[4*row*G:4*(row+1)*G]
+		if row >= n {
+			if slices.ContainsFunc(gc, func(c byte) bool { return c != marker }) || slices.ContainsFunc(gs, func(c byte) bool { return c != marker }) {
+				t.Errorf("%s: row %d (past the %d quantized) was written", what, row, n)
+				return
+			}
+			continue
 		}
-		if n := countDiffBytes(res[0][R*K:], res[1][R*K:]); n > 0 {
-			t.Errorf("K=%d: %d scale bytes of %d differ from the twin", K, n, 4*R*G)
+		QuantizeRow(wc, ws, x[row*K:(row+1)*K])
+		if !bytes.Equal(gc, wc) || !bytes.Equal(gs, asBytes(ws)) {
+			t.Errorf("%s: row %d differs from QuantizeRow", what, row)
+			return
 		}
 	}
 }
@@ -177,11 +221,11 @@ func w8a8Chain(tb testing.TB, d *device, w *fp8BenchWeights, bb *fp8BenchBatch, 
 		smem    int
 		args    func(set int) []any
 	}{
-		{FP8QuantName, [2]int{FP8QuantBlocks(bb.T, H), 1}, FP8QuantThreads, 0, func(int) []any { return []any{bb.x, xq, xs, T, int32(H)} }},
+		{FP8QuantName, [2]int{FP8QuantBlocks(bb.T, H), 1}, FP8QuantThreads, 0, func(int) []any { return []any{bb.x, xq, xs, pl.npost, T, int32(H), int32(0)} }},
 		{up.Name(), [2]int{gux, guy}, up.Threads(), up.SmemBytes(), func(set int) []any {
 			return []any{xq, xs, w.gu[set], w.gus[set], pl.sorted, pl.blockExpert, pl.npost, bb.act, TK, int32(K), int32(H), int32(I)}
 		}},
-		{FP8QuantName, [2]int{FP8QuantBlocks(pl.cap, I), 1}, FP8QuantThreads, 0, func(int) []any { return []any{bb.act, aq, as, int32(pl.cap), int32(I)} }},
+		{FP8QuantName, [2]int{FP8QuantBlocks(pl.cap, I), 1}, FP8QuantThreads, 0, func(int) []any { return []any{bb.act, aq, as, pl.npost, int32(pl.cap), int32(I), int32(1)} }},
 		{down.Name(), [2]int{gdx, gdy}, down.Threads(), down.SmemBytes(), func(set int) []any {
 			return []any{aq, as, w.down[set], w.downs[set], pl.sorted, pl.blockExpert, pl.npost, bb.out, TK, int32(H), int32(I)}
 		}},

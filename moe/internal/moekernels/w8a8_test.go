@@ -246,7 +246,7 @@ func TestFP8QuantTwin(t *testing.T) {
 	}
 	d := newTestDevice(t)
 	codes, scales := upload(t, d, make([]byte, R*K)), upload(t, d, make([]byte, 4*R*4))
-	a := fp8QuantArgs{X: upload(t, d, asBytes(h)), Codes: codes, Scales: scales, R: R, K: K}
+	a := fp8QuantArgs{X: upload(t, d, asBytes(h)), Codes: codes, Scales: scales, Npost: upload(t, d, make([]byte, 4)), R: R, K: K}
 	if err := fp8Launch(t, d, FP8QuantName, [2]int{FP8QuantBlocks(R, K), 1}, FP8QuantThreads, 0, kernels.Args(&a)...); err != nil {
 		t.Fatal(err)
 	}
@@ -282,7 +282,7 @@ func TestW8A8Configs(t *testing.T) {
 		t.Errorf("%s compiles for %v, want [90] (sm_90a's wgmma)", W8A8File, a)
 	}
 	counts, files := kernels.ParamCounts(), kernels.Files()
-	want := map[string]int{FP8QuantName: 5}
+	want := map[string]int{FP8QuantName: 7}
 	ups := 0
 	for _, c := range W8A8Gemms {
 		if err := c.Check(); err != nil {
