@@ -18,13 +18,14 @@
 //   tiny positive scale), code = E4M3(x / s), round to nearest even, saturating
 //   (cvt.rn.satfinite; -0 and negative values rounding to zero give 0x80).
 //   A NaN is skipped by the max and gives a NaN code; an infinity gives an
-//   infinite scale (NaN and zero codes in its group). K a multiple of 8. With
-//   bounded != 0 only the rows below min(R, npost[0]) are quantized (the
-//   sorted rows of gpuctx_moe_align: a launch sized for the cap converts
-//   only what the down tile reads) and the others are left as they are;
-//   with bounded == 0 npost is not read. A half-warp per (row, group), 8
-//   columns (16 bytes) a lane, grid-stride: grid (FP8QuantBlocks(R, K), 1,
-//   1), block (256, 1, 1), no dynamic shared memory.
+//   infinite scale (NaN and zero codes in its group). K a multiple of 8, R *
+//   ceil(K/128) < 2^30. With bounded != 0 only the rows below min(R,
+//   npost[0]) are quantized (the sorted rows of gpuctx_moe_align: a launch
+//   sized for the cap converts only what the down tile reads) and the others
+//   are left as they are; with bounded == 0 npost is not read. A half-warp
+//   per (row, group), 8 columns (16 bytes) a lane, W8_QU items in flight,
+//   grid-stride: grid (FP8QuantBlocks(R, K), 1, 1), block (256, 1, 1), no
+//   dynamic shared memory.
 //
 //   UP gpuctx_moe_w8a8_up_<tag> (xq, xs, gu, gus, sorted, block_expert, npost,
 //   act, TK, K, H, I): A row p is token sorted[p] / K of xq [T, H] codes with
@@ -131,6 +132,8 @@ static __device__ __forceinline__ uint2 w8_quant8(uint4 h, unsigned mask, float&
     return make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
 }
 
+#define W8_QU 4
+
 extern "C" __global__ __launch_bounds__(256) void gpuctx_moe_fp8_quant(const unsigned short* __restrict__ x,
                                                                         unsigned char* __restrict__ codes,
                                                                         float* __restrict__ scales,
@@ -140,23 +143,37 @@ extern "C" __global__ __launch_bounds__(256) void gpuctx_moe_fp8_quant(const uns
     MOE_GRID_LAUNCH();
     const int G = (K + W8_BK - 1) / W8_BK;
     const int rows = bounded ? min(R, max(npost[0], 0)) : R;
-    const long long n = (long long)rows * G;
+    const int n = rows * G;  // R * G < 2^30 (the twin checks it)
     const int lane = threadIdx.x & 15;
     const unsigned mask = 0xffffu << (threadIdx.x & 16);
-    const long long stride = (long long)gridDim.x * 16;
-    // The 16 lanes of a half-warp share every item (the two halves of a warp
-    // may leave the loop one item apart), so each shuffle's mask, the half,
-    // names exactly the lanes that reach it.
-    for (long long w = (long long)blockIdx.x * 16 + (threadIdx.x >> 4); w < n; w += stride) {
-        const int r = (int)(w / G), g = (int)(w - (long long)r * G);
-        const int k = g * W8_BK + 8 * lane;
-        const bool ok = k < K;
-        const long long off = (long long)r * K + k;
-        const uint4 h = ok ? *(const uint4*)(x + off) : make_uint4(0u, 0u, 0u, 0u);
-        float s;
-        const uint2 c = w8_quant8(h, mask, s);
-        if (ok) *(uint2*)(codes + off) = c;
-        if (lane == 0) scales[(long long)r * G + g] = s;
+    const int stride = gridDim.x * 16;
+    // W8_QU items per half-warp per round, their loads issued before any is
+    // converted (more bytes in flight: the quantizer is bound by load
+    // latency). The 16 lanes of a half-warp share every item (the two halves
+    // of a warp may differ in the last round), so each shuffle's mask, the
+    // half, names exactly the lanes that reach it.
+    for (int w0 = blockIdx.x * 16 + (threadIdx.x >> 4); w0 < n; w0 += W8_QU * stride) {
+        uint4 h[W8_QU];
+        long long off[W8_QU];
+        bool ok[W8_QU];
+#pragma unroll
+        for (int u = 0; u < W8_QU; ++u) {
+            const int w = w0 + u * stride;  // < n + W8_QU * stride: no overflow for n < 2^30
+            const int r = w / G, g = w - r * G;
+            const int k = g * W8_BK + 8 * lane;
+            ok[u] = w < n && k < K;
+            off[u] = (long long)r * K + k;
+            h[u] = ok[u] ? *(const uint4*)(x + off[u]) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < W8_QU; ++u) {
+            const int w = w0 + u * stride;
+            if (w >= n) break;  // the whole half-warp: w is the half's
+            float s;
+            const uint2 c = w8_quant8(h[u], mask, s);
+            if (ok[u]) *(uint2*)(codes + off[u]) = c;
+            if (lane == 0) scales[w] = s;
+        }
     }
 }
 

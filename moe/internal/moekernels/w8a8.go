@@ -28,7 +28,7 @@ var w8a8Source string
 //	    row per group of 128 columns (the last partial): s = max(amax, 1e-10)
 //	    / 448, code = E4M3(x / s) rounded to nearest even, saturating (moe/fp8's
 //	    QuantizeActivations rule; a group of zeros gets codes 0). K a multiple
-//	    of 8. With bounded != 0 only the rows below min(R, npost[0]) (the
+//	    of 8, R * ceil(K/128) < 2^30. With bounded != 0 only the rows below min(R, npost[0]) (the
 //	    sorted rows of gpuctx_moe_align) are quantized, the others left as
 //	    they are; with bounded == 0 npost is not read. Grid (FP8QuantBlocks(R,
 //	    K), 1, 1), block (FP8QuantThreads, 1, 1). It calls MOE_GRID_WAIT first
@@ -343,10 +343,10 @@ func quantCode(v float32) uint8 {
 // moeFP8Quant is the twin of gpuctx_moe_fp8_quant.
 func moeFP8Quant(m kernels.Memory, a *fp8QuantArgs) error {
 	R, K := int(a.R), int(a.K)
-	if R < 0 || K <= 0 || K%8 != 0 {
-		return fmt.Errorf("fp8_quant: R=%d K=%d: want R >= 0 and K a positive multiple of 8", R, K)
-	}
 	G := (K + fp8.BlockSize - 1) / fp8.BlockSize
+	if R < 0 || K <= 0 || K%8 != 0 || int64(R)*int64(G) >= 1<<30 {
+		return fmt.Errorf("fp8_quant: R=%d K=%d: want R >= 0, K a positive multiple of 8 and R*ceil(K/128) < 2^30", R, K)
+	}
 	rows := R
 	if a.Bounded != 0 {
 		np, err := kernels.Slice[int32](m, "npost", a.Npost, 1)
