@@ -86,14 +86,19 @@ type W8A8Gemm struct {
 	Up        bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
-// W8A8Gemms lists the compiled w8a8 tiles, two warpgroups of 64 rows with
-// one wgmma of 128 columns each: an up and a down tile in moe_wg's form, and
-// the same as persistent tiles.
+// W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
+// wgmma of 128 columns each: an up and a down tile of two warpgroups in
+// moe_wg's form, the same as persistent tiles, and persistent tiles of one
+// warpgroup (64 rows: for batches of 16-64 rows per expert, where a 128-row
+// block would be mostly padding; four stages, so that two blocks share a
+// multiprocessor).
 var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 64, Stages: 4, Up: true},
 	{BM: 128, BN: 128, Stages: 4},
 	{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true},
 	{BM: 128, BN: 128, Stages: 6, Producers: 2},
+	{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true},
+	{BM: 64, BN: 128, Stages: 4, Producers: 2},
 }
 
 // Tag is the suffix of the tile's kernel name, e.g. "m128n64s4", or
