@@ -132,6 +132,7 @@ func fp8QuantCheck(t *testing.T, dev *device, widths []int, R int) {
 		for k := 128; k < 256; k++ {
 			x[k] = 0
 		}
+		copy(x[K:K+128], quantMidpointGroup())
 		G := (K + 127) / 128
 		for _, tc := range []struct {
 			bounded, npost int32
@@ -159,6 +160,30 @@ func fp8QuantCheck(t *testing.T, dev *device, widths []int, R int) {
 			checkQuantRows(t, fmt.Sprintf("K=%d %+v", K, tc), res[1][:R*K], res[1][R*K:], x, K, tc.rows, marker)
 		}
 	}
+}
+
+// quantMidpointGroup returns a group of 128 bf16 values whose quotients by
+// their scale are exactly E4M3 rounding midpoints: 784 (so s = 784/448 =
+// 1.75, exact, while 1/s is rounded up by 0.75 of its half ulp) then 1.75 m
+// for midpoints m between E4M3 values from 2^-6 up, both signs, so that a
+// quotient computed as v * (1/s) lands off the midpoint and rounds the wrong
+// way unless the quantizer divides there (TestQuantReciprocalGuard).
+func quantMidpointGroup() []uint16 {
+	g := []uint16{half.BF16(784)}
+	for e := -6; e <= 8 && len(g) < 127; e++ {
+		for c := 8; c < 16 && len(g) < 127; c++ { // m = (c + 1/2) / 8 * 2^e, between c/8 and (c+1)/8 times 2^e
+			m := math.Ldexp(float64(2*c+1), e-4)
+			v := half.BF16(float32(1.75 * m))
+			if float64(half.FromBF16(v)) != 1.75*m {
+				panic(fmt.Sprintf("quantMidpointGroup: 1.75 * %g is not a bf16 value", m))
+			}
+			g = append(g, v, v|0x8000)
+		}
+	}
+	for len(g) < 128 {
+		g = append(g, half.BF16(1))
+	}
+	return g
 }
 
 // checkQuantRows checks the quantizer's output codes and scales (as bytes)

@@ -329,3 +329,55 @@ func TestW8A8Configs(t *testing.T) {
 		t.Error("NewW8A8Up of a down tile: no error")
 	}
 }
+
+// quantDivFast is moe_w8a8.cu's w8_div in Go (float32 operations round to
+// nearest even as the device's __fmul_rn and __frcp_rn do): q = v * (1/s),
+// and the division where q is within 4 ulp of an E4M3 rounding midpoint or
+// in E4M3's subnormal range.
+func quantDivFast(v, s float32) float32 {
+	r := 1 / s
+	q := v * r
+	a := float32(math.Abs(float64(q)))
+	low := int(math.Float32bits(a)&0xfffff) - 0x80000
+	near := a != 0
+	if a >= 0.015625 {
+		near = low >= -4 && low <= 4
+	}
+	if near {
+		return v / s
+	}
+	return q
+}
+
+// TestQuantReciprocalGuard checks the argument behind the quantizer's
+// reciprocal (w8_div): over random values and scales of many binades and the
+// midpoint group of quantMidpointGroup, E4M3 of quantDivFast equals E4M3 of
+// the exactly rounded quotient, and without the guard the midpoint group
+// would not (so the group tests the guard).
+func TestQuantReciprocalGuard(t *testing.T) {
+	r := lcg(17)
+	check := func(v, s float32) {
+		if got, want := quantCode(quantDivFast(v, s)), quantCode(v/s); got != want {
+			t.Fatalf("v=%g s=%g: code %#x, the division's %#x", v, s, got, want)
+		}
+	}
+	for range 2000000 {
+		s := float32(math.Ldexp(0.5+r.next()/2, int(uint64(r)>>40%60)-30))
+		v := s * float32(math.Ldexp(r.next(), -int(uint64(r)>>40%12))) * 448
+		check(half.FromBF16(half.BF16(v)), s)
+	}
+	g := quantMidpointGroup()
+	s := half.FromBF16(g[0]) / 448
+	wrong := 0
+	for _, h := range g[1:] {
+		v := half.FromBF16(h)
+		check(v, s)
+		if quantCode(v*(1/s)) != quantCode(v/s) {
+			wrong++
+		}
+	}
+	if wrong == 0 {
+		t.Errorf("the midpoint group: v * (1/s) gives every code the division gives; it does not test the guard")
+	}
+	t.Logf("midpoint group: %d of %d codes wrong without the guard", wrong, len(g)-1)
+}
