@@ -108,22 +108,23 @@ static __device__ __forceinline__ unsigned w8_e4m3x2(float lo, float hi) {
     return c;
 }
 
-// w8_div returns __fdiv_rn(v, s) as E4M3 sees it (the same code after
-// cvt.rn.satfinite.e4m3), from q = v * r with r = __frcp_rn(s): q is within
-// 3 ulp of the exactly rounded quotient, and both round to the same E4M3 value
-// unless q lies within 4 ulp of an E4M3 rounding midpoint (the 20 f32 mantissa
-// bits below E4M3's three are 0x80000), or in E4M3's subnormal range (below
-// 2^-6, other than 0), where w8_div divides. A NaN, an infinity and 0 are
-// the quotient's own (r is 0 only for an infinite s, where v / s is 0 or NaN
-// as q is). About a fifth of the instructions of a division per value: the
-// quantizer is bound by its instructions (ncu, H200: 71% issue slots, 23%
-// DRAM with a division per value).
-static __device__ __forceinline__ float w8_div(float v, float s, float r) {
-    const float q = __fmul_rn(v, r);
-    const float a = fabsf(q);
-    const int low = (int)(__float_as_uint(a) & 0xfffffu) - 0x80000;
-    const bool near = a >= 0.015625f ? (low >= -4 && low <= 4) : (a != 0.0f);
-    return near ? __fdiv_rn(v, s) : q;
+// w8_codes2 returns the E4M3 codes of v0 / s and v1 / s as __fdiv_rn and
+// cvt.rn.satfinite.e4m3x2 give them (w8_e4m3x2 of the exactly rounded
+// quotients), from q = v * r with r = __frcp_rn(s): q is within 3 ulp of the
+// exactly rounded quotient (relative 2^-22.4), so when q * (1 - 2^-20) and q
+// * (1 + 2^-20) get the same codes (E4M3 rounding is monotonic), so does
+// the quotient; otherwise (q near an E4M3 rounding midpoint, about one value
+// in 10^5) w8_codes2 divides. About a fifth of the instructions of two
+// divisions: the quantizer is bound by its instructions (ncu, H200: 71%
+// issue slots, 67% of them ALU, 23% DRAM, with a division per value). A NaN,
+// an infinity and 0 come out as the quotient's (r is 0 only for an infinite
+// s, where v / s is 0 or NaN as q is).
+static __device__ __forceinline__ unsigned w8_codes2(float v0, float v1, float s, float r) {
+    const float q0 = __fmul_rn(v0, r), q1 = __fmul_rn(v1, r);
+    const float lo = 1.0f - 0x1p-20f, hi = 1.0f + 0x1p-20f;
+    const unsigned a = w8_e4m3x2(__fmul_rn(q0, lo), __fmul_rn(q1, lo));
+    const unsigned b = w8_e4m3x2(__fmul_rn(q0, hi), __fmul_rn(q1, hi));
+    return a == b ? a : w8_e4m3x2(__fdiv_rn(v0, s), __fdiv_rn(v1, s));
 }
 
 // w8_quant8 quantizes the 8 bf16 values h (lane's 8 columns, zeros past K)
@@ -146,7 +147,7 @@ static __device__ __forceinline__ uint2 w8_quant8(uint4 h, unsigned mask, float&
     const float r = __frcp_rn(s);
     unsigned c[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = w8_e4m3x2(w8_div(v[2 * i], s, r), w8_div(v[2 * i + 1], s, r));
+    for (int i = 0; i < 4; ++i) c[i] = w8_codes2(v[2 * i], v[2 * i + 1], s, r);
     return make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
 }
 
@@ -166,8 +167,10 @@ extern "C" __global__ __launch_bounds__(256) void gpuctx_moe_fp8_quant(const uns
     // The 16 lanes of a half-warp share every item (the two halves of a warp
     // may leave the loop one item apart), so each shuffle's mask, the half,
     // names exactly the lanes that reach it.
-    for (int w = blockIdx.x * 16 + (threadIdx.x >> 4); w < n; w += stride) {
-        const int r = w / G, g = w - r * G;
+    const int w0 = blockIdx.x * 16 + (threadIdx.x >> 4);
+    const int dr = stride / G, dg = stride - dr * G;  // the row and group steps of one stride
+    int r = w0 / G, g = w0 - r * G;
+    for (int w = w0; w < n; w += stride) {
         const int k = g * W8_BK + 8 * lane;
         const bool ok = k < K;
         const long long off = (long long)r * K + k;
@@ -176,6 +179,12 @@ extern "C" __global__ __launch_bounds__(256) void gpuctx_moe_fp8_quant(const uns
         const uint2 c = w8_quant8(h, mask, s);
         if (ok) *(uint2*)(codes + off) = c;
         if (lane == 0) scales[w] = s;
+        r += dr;
+        g += dg;
+        if (g >= G) {
+            g -= G;
+            ++r;
+        }
     }
 }
 

@@ -330,34 +330,29 @@ func TestW8A8Configs(t *testing.T) {
 	}
 }
 
-// quantDivFast is moe_w8a8.cu's w8_div in Go (float32 operations round to
-// nearest even as the device's __fmul_rn and __frcp_rn do): q = v * (1/s),
-// and the division where q is within 4 ulp of an E4M3 rounding midpoint or
-// in E4M3's subnormal range.
-func quantDivFast(v, s float32) float32 {
+// quantCodeFast is moe_w8a8.cu's w8_codes2 on one value, in Go (float32
+// operations round to nearest even as the device's __fmul_rn and __frcp_rn
+// do): the codes of q * (1 -+ 2^-20) with q = v * (1/s) when they agree, else
+// the code of the division.
+func quantCodeFast(v, s float32) uint8 {
 	r := 1 / s
 	q := v * r
-	a := float32(math.Abs(float64(q)))
-	low := int(math.Float32bits(a)&0xfffff) - 0x80000
-	near := a != 0
-	if a >= 0.015625 {
-		near = low >= -4 && low <= 4
+	lo, hi := float32(1-0x1p-20), float32(1+0x1p-20)
+	if a, b := quantCode(q*lo), quantCode(q*hi); a == b {
+		return a
 	}
-	if near {
-		return v / s
-	}
-	return q
+	return quantCode(v / s)
 }
 
 // TestQuantReciprocalGuard checks the argument behind the quantizer's
-// reciprocal (w8_div): over random values and scales of many binades and the
-// midpoint group of quantMidpointGroup, E4M3 of quantDivFast equals E4M3 of
-// the exactly rounded quotient, and without the guard the midpoint group
-// would not (so the group tests the guard).
+// reciprocal (w8_codes2): over random values and scales of many binades,
+// zeros, NaN, infinities and the midpoint group of quantMidpointGroup, the
+// code of quantCodeFast equals the code of the exactly rounded quotient, and
+// without the guard the midpoint group would not (so the group tests it).
 func TestQuantReciprocalGuard(t *testing.T) {
 	r := lcg(17)
 	check := func(v, s float32) {
-		if got, want := quantCode(quantDivFast(v, s)), quantCode(v/s); got != want {
+		if got, want := quantCodeFast(v, s), quantCode(v/s); got != want {
 			t.Fatalf("v=%g s=%g: code %#x, the division's %#x", v, s, got, want)
 		}
 	}
@@ -365,6 +360,10 @@ func TestQuantReciprocalGuard(t *testing.T) {
 		s := float32(math.Ldexp(0.5+r.next()/2, int(uint64(r)>>40%60)-30))
 		v := s * float32(math.Ldexp(r.next(), -int(uint64(r)>>40%12))) * 448
 		check(half.FromBF16(half.BF16(v)), s)
+	}
+	inf, nan := float32(math.Inf(1)), float32(math.NaN())
+	for _, c := range [][2]float32{{0, 1}, {-0.0, 1}, {nan, 1}, {inf, inf}, {3, inf}, {-3, inf}, {1e-30, 1e-10 / 448}, {448, 1}, {460, 1}} {
+		check(c[0], c[1])
 	}
 	g := quantMidpointGroup()
 	s := half.FromBF16(g[0]) / 448
