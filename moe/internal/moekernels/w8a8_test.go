@@ -362,7 +362,7 @@ func TestQuantReciprocalGuard(t *testing.T) {
 		check(half.FromBF16(half.BF16(v)), s)
 	}
 	inf, nan := float32(math.Inf(1)), float32(math.NaN())
-	for _, c := range [][2]float32{{0, 1}, {-0.0, 1}, {nan, 1}, {inf, inf}, {3, inf}, {-3, inf}, {1e-30, 1e-10 / 448}, {448, 1}, {460, 1}} {
+	for _, c := range [][2]float32{{0, 1}, {float32(math.Copysign(0, -1)), 1}, {nan, 1}, {inf, inf}, {3, inf}, {-3, inf}, {1e-30, 1e-10 / 448}, {448, 1}, {460, 1}} {
 		check(c[0], c[1])
 	}
 	g := quantMidpointGroup()
