@@ -688,7 +688,8 @@ func TestLayerFP8Fixtures(t *testing.T) {
 const w8a8DeviceTol = 2.5e-2
 
 // TestLayerFP8W8A8 runs FP8 layers at batches that take the w8a8 tiles
-// (w8a8MinRows rows per touched expert and more: fp8Tiles) on every backend
+// (w8a8MinRows rows per touched expert, the one-warpgroup pair, and from
+// w8a8LargeRows the 128-row pair: fp8Tiles) on every backend
 // that has them (the CPU backend's twins; a CUDA device of compute
 // capability 9.0), and checks them against two float64 references on the
 // dequantized weights: referenceW8A8, which quantizes the routed experts'
@@ -718,14 +719,22 @@ func TestLayerFP8W8A8(t *testing.T) {
 					t.Skipf("%s has no w8a8 tiles (compute capability 9.0 only)", b.dev.Info().Name)
 				}
 				E, K := cfg.NumExperts, cfg.TopK
-				tMin := 1 // the first batch that takes them: ceil(T*K/E) >= w8a8MinRows
+				// The first batches that take them: ceil(T*K/E) >= w8a8MinRows
+				// (the one-warpgroup pair) and >= w8a8LargeRows (the 128-row pair).
+				tMin, tLarge := 1, 1
 				for !fp8Tiles(tMin, K, E, true).w8 {
 					tMin++
 				}
-				if (tMin*K+E-1)/E != w8a8MinRows || fp8Tiles(tMin, K, E, false).w8 {
-					t.Fatalf("fp8Tiles: the w8a8 tiles start at %d tokens of %d experts over %d, not at %d rows per expert", tMin, K, E, w8a8MinRows)
+				for fp8Tiles(tLarge, K, E, true).w8up != w8a8Up {
+					tLarge++
 				}
-				for _, T := range heavyShapes([]int{tMin, 300}, []int{tMin}) {
+				if (tMin*K+E-1)/E != w8a8MinRows || fp8Tiles(tMin, K, E, false).w8 || fp8Tiles(tMin, K, E, true).w8up != w8a8SmallUp {
+					t.Fatalf("fp8Tiles: the w8a8 tiles start at %d tokens of %d experts over %d (%s), not at %d rows per expert with %s", tMin, K, E, fp8Tiles(tMin, K, E, true).tags(), w8a8MinRows, w8a8SmallUp.Tag())
+				}
+				if (tLarge*K+E-1)/E != w8a8LargeRows {
+					t.Fatalf("fp8Tiles: the 128-row w8a8 tiles start at %d tokens of %d experts over %d, not at %d rows per expert", tLarge, K, E, w8a8LargeRows)
+				}
+				for _, T := range heavyShapes([]int{tMin, tLarge, 300}, []int{tMin, tLarge}) {
 					x := randomX(T, cfg.HiddenSize, uint64(T)+5)
 					want, err := Reference(cfg, wq, roundAll(x), T)
 					if err != nil {

@@ -40,24 +40,33 @@ type fp8Experts struct {
 	// compute capability 9.0, or the CPU backend (the twins).
 	w8      bool
 	kQuant  moekernels.Launcher[moekernels.FP8Quant]
-	kW8Up   moekernels.Launcher[moekernels.W8A8Up]
-	kW8Down moekernels.Launcher[moekernels.W8A8Down]
+	kW8Up   map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Up]
+	kW8Down map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Down]
 }
 
 // fp8Pair is the FP8 tiles of a forward: the w8a16 tile of the up and of the
 // down kernel (the same BM: they share the sort), or with w8 the w8a8 tiles
-// (w8a8Up, w8a8Down) and up, down unused.
+// w8up and w8down (the same BM) and up, down unused.
 type fp8Pair struct {
-	up, down moekernels.FP8Gemm
-	w8       bool
+	up, down     moekernels.FP8Gemm
+	w8           bool
+	w8up, w8down moekernels.W8A8Gemm
 }
 
 // bm is the tile rows of the pair's kernels, the sort's BM.
 func (tp fp8Pair) bm() int {
 	if tp.w8 {
-		return w8a8Up.BM
+		return tp.w8up.BM
 	}
 	return tp.up.BM
+}
+
+// tags names the pair's tiles, e.g. "w8a16 m16n64w4s4/m16n128w8s3".
+func (tp fp8Pair) tags() string {
+	if tp.w8 {
+		return "w8a8 " + tp.w8up.Tag() + "/" + tp.w8down.Tag()
+	}
+	return "w8a16 " + tp.up.Tag() + "/" + tp.down.Tag()
 }
 
 // The FP8 tiles a layer runs, by the rule of fp8Tiles.
@@ -70,18 +79,34 @@ var (
 	// 4096 tokens against the plain tiles, faster at 1024 and 8192 too.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
+	// The one-warpgroup w8a8 tiles, for 17-63 rows per touched expert: on the
+	// H200 (BenchmarkW8A8Expert, session 9's call 2, the whole chain with the
+	// quantizer) DeepSeek-V3 at 1024 tokens (32 rows) 3669 us against 4298 for
+	// the 128-row pair, 7233 for the best w8a16 pair and 5307 for bf16;
+	// DeepSeek-V2-Lite at 256 tokens (24 rows) 285 against 334, 310 and 295.
+	// At 1024 tokens of DeepSeek-V2-Lite (96 rows) the 128-row pair wins
+	// (357 against 520 us).
+	w8a8SmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true}
+	w8a8SmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs
-// the w8a8 tiles where they are loaded (fp8Experts.w8): from there the
-// expert GEMMs are bound by the tensor cores rather than by the weight bytes,
-// and FP8 x FP8 products run at twice bf16's rate.
-const w8a8MinRows = 64
+// the w8a8 tiles where they are loaded (fp8Experts.w8), the one-warpgroup
+// pair below w8a8LargeRows and the 128-row pair from there. From 17 rows
+// the w8a16 tiles' second row block of an expert reads its weights again
+// and their bf16 activations twice the bytes of E4M3 ones (ncu, H200,
+// DeepSeek-V3 at 1024 tokens: the 32-row w8a16 up tile at 70% of L2
+// throughput, 37% of DRAM), while the w8a8 tiles' products run at twice
+// bf16's rate.
+const (
+	w8a8MinRows   = 17
+	w8a8LargeRows = 64
+)
 
-// fp8Tiles picks the FP8 tiles of a batch of T tokens by a rule, with no
-// timing (there is no FP8 tuner yet), by the rows each touched expert gets on
-// average: with w8 (the w8a8 tiles are loaded) the w8a8 tiles from
-// w8a8MinRows rows; else 16-row w8a16 tiles up to 16 rows (the sweep winners
+// fp8Tiles picks the FP8 tiles of a batch of T tokens by a rule, by the rows
+// each touched expert gets on average: with w8 (the w8a8 tiles are loaded)
+// the w8a8 tiles from w8a8MinRows rows (64-row tiles, 128-row tiles from
+// w8a8LargeRows); else 16-row w8a16 tiles up to 16 rows (the sweep winners
 // of BenchmarkFP8Expert on the H200 at 1-64 tokens, bench/RESULTS.md), 32-row
 // tiles above, which read each expert's weights half as often. The w8a16
 // tile changes no result; the w8a8 tiles quantize the activations.
@@ -89,8 +114,10 @@ func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
 	TK := T * K
 	m := (TK + min(E, TK) - 1) / min(E, TK)
 	switch {
+	case w8 && m >= w8a8LargeRows:
+		return fp8Pair{w8: true, w8up: w8a8Up, w8down: w8a8Down}
 	case w8 && m >= w8a8MinRows:
-		return fp8Pair{w8: true}
+		return fp8Pair{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown}
 	case m > 16:
 		return fp8Pair{up: fp8Large, down: fp8Large}
 	}
@@ -338,11 +365,15 @@ func (q *fp8Experts) loadKernels(dev *gpuctx.Device) error {
 	if q.kQuant, err = moekernels.NewLauncher[moekernels.FP8Quant](dev); err != nil {
 		return fmt.Errorf("FP8 activation quantizer: %w", err)
 	}
-	if q.kW8Up, err = moekernels.NewW8A8Up(dev, w8a8Up); err != nil {
-		return fmt.Errorf("w8a8 tile %s: %w", w8a8Up.Tag(), err)
-	}
-	if q.kW8Down, err = moekernels.NewW8A8Down(dev, w8a8Down); err != nil {
-		return fmt.Errorf("w8a8 tile %s: %w", w8a8Down.Tag(), err)
+	q.kW8Up = map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Up]{}
+	q.kW8Down = map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Down]{}
+	for _, c := range [][2]moekernels.W8A8Gemm{{w8a8Up, w8a8Down}, {w8a8SmallUp, w8a8SmallDown}} {
+		if q.kW8Up[c[0]], err = moekernels.NewW8A8Up(dev, c[0]); err != nil {
+			return fmt.Errorf("w8a8 tile %s: %w", c[0].Tag(), err)
+		}
+		if q.kW8Down[c[1]], err = moekernels.NewW8A8Down(dev, c[1]); err != nil {
+			return fmt.Errorf("w8a8 tile %s: %w", c[1].Tag(), err)
+		}
 	}
 	q.w8 = true
 	return nil
@@ -389,27 +420,31 @@ func (x *expertStage) fusedFP8(in *gpuctx.Buffer, d *dispatchStage, p *plan) err
 		TK: int32(TK), H: int32(H), I: int32(I)})
 }
 
-// fusedW8A8 queues the w8a8 form on the main stream over p's aligned sort in
-// d (with w8a8Up.BM rows; run, or queued just ahead): gpuctx_moe_fp8_quant of
-// x into xq/xs, the w8a8 up tile (gate/up GEMM, SwiGLU into act, bf16), the
-// quantizer of act's sorted rows (below the sort's npost, read on the
-// device; a grid sized for the cap) into aq/as, and the w8a8 down tile into
-// out. Each
-// kernel waits on the device for the one ahead (LaunchEarly); nothing waits
-// for the host.
+// fusedW8A8 queues the w8a8 form of p's tiles on the main stream over p's
+// aligned sort in d (with the tiles' BM; run, or queued just ahead):
+// gpuctx_moe_fp8_quant of x into xq/xs, the w8a8 up tile (gate/up GEMM,
+// SwiGLU into act, bf16), the quantizer of act's sorted rows (below the
+// sort's npost, read on the device; a grid sized for the cap) into aq/as,
+// and the w8a8 down tile into out. Each kernel waits on the device for the
+// one ahead (LaunchEarly); nothing waits for the host.
 func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
-	e, q := x.e, x.q
+	e, q, tp := x.e, x.q, p.fp8
 	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
 	TK := p.T * K
-	cp := moekernels.AlignCap(TK, p.experts, w8a8Up.BM)
+	up, ok := q.kW8Up[tp.w8up]
+	down, ok2 := q.kW8Down[tp.w8down]
+	if !ok || !ok2 {
+		return fmt.Errorf("moe: w8a8 tiles %s were not loaded: %w", tp.tags(), gpuctx.ErrInvalid)
+	}
+	cp := moekernels.AlignCap(TK, p.experts, tp.w8up.BM)
 	qb := gpuctx.Dim3{X: moekernels.FP8QuantThreads, Y: 1, Z: 1}
 	if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(p.T, H), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
 		X: in, Codes: x.xq, Scales: x.xs, Npost: d.npost, R: int32(p.T), K: int32(H)}); err != nil {
 		return err
 	}
 	sms := e.dev.Info().SMCount
-	gx, gy := w8a8Up.Grid(I, cp, sms)
-	if err := q.kW8Up.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: w8a8Up.Threads(), Y: 1, Z: 1}, w8a8Up.SmemBytes(), moekernels.W8A8Up{
+	gx, gy := tp.w8up.Grid(I, cp, sms)
+	if err := up.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.w8up.Threads(), Y: 1, Z: 1}, tp.w8up.SmemBytes(), moekernels.W8A8Up{
 		Xq: x.xq, Xs: x.xs, Gu: q.gu, Gus: q.gus, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: x.act,
 		TK: int32(TK), K: int32(K), H: int32(H), I: int32(I)}); err != nil {
 		return err
@@ -418,8 +453,8 @@ func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) er
 		X: x.act, Codes: x.aq, Scales: x.as, Npost: d.npost, R: int32(cp), K: int32(I), Bounded: 1}); err != nil {
 		return err
 	}
-	gx, gy = w8a8Down.Grid(H, cp, sms)
-	return q.kW8Down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: w8a8Down.Threads(), Y: 1, Z: 1}, w8a8Down.SmemBytes(), moekernels.W8A8Down{
+	gx, gy = tp.w8down.Grid(H, cp, sms)
+	return down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.w8down.Threads(), Y: 1, Z: 1}, tp.w8down.SmemBytes(), moekernels.W8A8Down{
 		Aq: x.aq, As: x.as, Down: q.down, Downs: q.downs, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Out: x.out,
 		TK: int32(TK), H: int32(H), I: int32(I)})
 }
