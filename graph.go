@@ -205,6 +205,19 @@ func (g *Graph) destroy() error {
 	return errors.Join(errs...)
 }
 
+// WorkspaceBytes returns the bytes of device memory the graph's BLAS
+// workspaces take (those of its capture, see Graph; 0 when no BLAS call was
+// recorded, and once the graph is closed). Safe for concurrent use; it waits
+// for a launch in progress on another goroutine to be queued.
+func (g *Graph) WorkspaceBytes() int {
+	if g == nil {
+		return 0
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return handlepool.LiveBytes(g.ws)
+}
+
 // traceName is the graph's span name in a trace: "graph (N nodes)", or
 // "graph" when the backend cannot count its nodes.
 func (g *Graph) traceName() string {

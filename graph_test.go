@@ -172,6 +172,54 @@ func TestGraphOutlivesCapturingStream(t *testing.T) {
 	checkClose(t, "replay", download(t, c), refGemm(gpuctx.RowMajor, false, false, skM, skN, skK, av, bv), 1e-4)
 }
 
+// Stream.WorkspaceBytes and Graph.WorkspaceBytes are the device memory the
+// BLAS workspaces take: on the CPU backend MemInfo's free bytes fall by
+// exactly their sum, and come back as the graph and the stream close.
+func TestWorkspaceBytes(t *testing.T) {
+	d := openDevice(t, "cpu")
+	r := rand.New(rand.NewPCG(25, 26))
+	a, b := upload(t, d, randF32(r, skM*skK)), upload(t, d, randF32(r, skK*skN))
+	c := poison(t, d, skM*skN)
+	s := newStream(t, d)
+	ctx := newContext(t, d, gpuctx.ContextOptions{Stream: s})
+	free := func() int64 {
+		t.Helper()
+		f, _, err := d.MemInfo()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return int64(f)
+	}
+	free0 := free()
+	if n := s.WorkspaceBytes(); n != 0 {
+		t.Fatalf("WorkspaceBytes = %d before any BLAS call", n)
+	}
+	if err := ctx.Blas(func(gpuctx.Blas) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	ws := s.WorkspaceBytes()
+	if ws < d.WorkspaceBytes() || free0-free() != int64(ws) {
+		t.Fatalf("after a BLAS call: WorkspaceBytes %d (device size %d), free fell by %d", ws, d.WorkspaceBytes(), free0-free())
+	}
+	g := captureGemm(t, s, ctx, a, b, c)
+	gws := g.WorkspaceBytes()
+	if gws < d.WorkspaceBytes() || s.WorkspaceBytes() != ws || free0-free() != int64(ws+gws) {
+		t.Fatalf("after a capture: graph %d, stream %d (was %d), free fell by %d", gws, s.WorkspaceBytes(), ws, free0-free())
+	}
+	if err := g.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if g.WorkspaceBytes() != 0 || free0-free() != int64(ws) {
+		t.Fatalf("after Graph.Close: graph %d, free fell by %d, want %d", g.WorkspaceBytes(), free0-free(), ws)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if s.WorkspaceBytes() != 0 || free() != free0 {
+		t.Fatalf("after Stream.Close: stream %d, free fell by %d", s.WorkspaceBytes(), free0-free())
+	}
+}
+
 // Replaying a graph on a second stream while eager GEMMs run on the capturing
 // stream: the two never share a workspace (the CPU backend's detector sees no
 // conflict) and both results are right.

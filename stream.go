@@ -327,6 +327,19 @@ func (s *Stream) Query() (bool, error) {
 	return s.hs.Query()
 }
 
+// WorkspaceBytes returns the bytes of device memory the BLAS workspaces of s
+// take now: its own workspace (Device.WorkspaceBytes, allocated by the first
+// BLAS call on s), its cuBLASLt workspace, and grown-out cuBLASLt ones not
+// freed yet; 0 before any BLAS call on s and once s is closed. The workspaces
+// of a capture on s belong to its Graph (Graph.WorkspaceBytes). Safe for
+// concurrent use.
+func (s *Stream) WorkspaceBytes() int {
+	if s == nil {
+		return 0
+	}
+	return s.dev.blas.spaces.Bytes(s)
+}
+
 // Close waits for s's queued work, releases any BLAS workspace of s, and
 // destroys the stream. Later calls on s return ErrClosed. Double Close is harmless.
 func (s *Stream) Close() error {

@@ -440,6 +440,44 @@ func (w *Workspaces[S, E]) Counts() (perStream, lt, retired int) {
 	return len(w.ws), len(w.lt), len(w.retired)
 }
 
+// Bytes returns the bytes of the workspaces w holds for s outside any
+// capture: its own BLAS workspace, its cuBLASLt one, and grown-out cuBLASLt
+// ones not yet freed (pending or retired). A capture's workspaces belong to
+// its graph and are not counted.
+func (w *Workspaces[S, E]) Bytes(s S) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n := 0
+	if x := w.ws[s]; x != nil {
+		n += x.Size
+	}
+	if st := w.lt[s]; st != nil {
+		if st.cur != nil {
+			n += st.cur.Size
+		}
+		for _, x := range st.pending {
+			n += x.Size
+		}
+	}
+	for _, r := range w.retired {
+		if r.s == s {
+			n += r.w.Size
+		}
+	}
+	return n
+}
+
+// LiveBytes returns the bytes of ws not yet freed (see Release).
+func LiveBytes(ws []*Workspace) int {
+	n := 0
+	for _, x := range ws {
+		if x != nil && x.Ptr != 0 {
+			n += x.Size
+		}
+	}
+	return n
+}
+
 // Eager returns s's own workspace without allocating one (nil: none yet).
 func (w *Workspaces[S, E]) Eager(s S) *Workspace {
 	w.mu.Lock()

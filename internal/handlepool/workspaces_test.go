@@ -188,6 +188,9 @@ func TestLtGrowRetireSweep(t *testing.T) {
 	if m.nlive() != 2 {
 		t.Fatal("freed before the stream passed its work")
 	}
+	if n := w.Bytes(s); n != 256+4096 {
+		t.Errorf("Bytes = %d with the retired one, want %d", n, 256+4096)
+	}
 	m.events[0].done.Store(true)
 	w.LtEnter(s)
 	if err := w.LtExit(s); err != nil { // sweeps
@@ -199,11 +202,14 @@ func TestLtGrowRetireSweep(t *testing.T) {
 	if x, _ := w.Lt(s, 0); x != big {
 		t.Error("the grown workspace was not kept")
 	}
+	if n := w.Bytes(s); n != 4096 {
+		t.Errorf("Bytes = %d after the sweep, want 4096", n)
+	}
 	if err := w.StreamClosed(s); err != nil {
 		t.Fatal(err)
 	}
-	if m.nlive() != 0 {
-		t.Errorf("%d allocations left after closing the stream", m.nlive())
+	if m.nlive() != 0 || w.Bytes(s) != 0 {
+		t.Errorf("%d allocations (Bytes %d) left after closing the stream", m.nlive(), w.Bytes(s))
 	}
 }
 
@@ -302,9 +308,15 @@ func TestCaptureWorkspaces(t *testing.T) {
 	if got := w.EndCapture(side); got != nil {
 		t.Fatal("EndCapture on a joined stream ended the capture")
 	}
+	if n := w.Bytes(side); n != eagerSide.Size {
+		t.Errorf("Bytes(side) = %d during the capture, want its eager %d only", n, eagerSide.Size)
+	}
 	ws := w.EndCapture(main)
 	if len(ws) != 4 {
 		t.Fatalf("the graph got %d workspaces, want 4 (two cuBLAS, two cuBLASLt)", len(ws))
+	}
+	if n := LiveBytes(ws); n != 3*512+4096 {
+		t.Errorf("LiveBytes of the graph's workspaces = %d, want %d", n, 3*512+4096)
 	}
 	if mustFor(t, w, main) != eagerMain || mustFor(t, w, side) != eagerSide {
 		t.Fatal("after EndCapture the streams do not get their eager workspaces back")
@@ -323,6 +335,9 @@ func TestCaptureWorkspaces(t *testing.T) {
 	}
 	if err := w.Release(ws); err != nil {
 		t.Fatalf("a second Release: %v", err)
+	}
+	if n := LiveBytes(ws); n != 0 {
+		t.Errorf("LiveBytes = %d after Release", n)
 	}
 	if m.nlive() != 0 {
 		t.Errorf("%d live after Release", m.nlive())
