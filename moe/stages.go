@@ -27,7 +27,10 @@ type env struct {
 	evJoin     *gpuctx.Event
 	evCounts   *gpuctx.Event
 	weightBufs []*gpuctx.Buffer
-	onGrow     func() // runs before a scratch buffer is replaced (Layer: drops its graphs)
+	// scratchBytes is the bytes of the live scratch buffers: every buffer grow
+	// allocated and neither grow nor release has freed yet.
+	scratchBytes int64
+	onGrow       func() // runs before a scratch buffer is replaced (Layer: drops its graphs)
 }
 
 // core is the stages a Layer and an ExpertShard are built from, around the
@@ -168,6 +171,7 @@ func (c *core) release(extra []**gpuctx.Buffer, evs []*gpuctx.Event, before func
 	}
 	for _, b := range append(c.scratch(), extra...) {
 		if *b != nil {
+			c.scratchBytes -= int64((*b).Size())
 			keep((*b).Free())
 			*b = nil
 		}
@@ -219,6 +223,7 @@ func (e *env) grow(b **gpuctx.Buffer, n int, synced *bool) error {
 		if err := (*b).Free(); err != nil {
 			return err
 		}
+		e.scratchBytes -= int64((*b).Size())
 		*b = nil
 		n += n / 4 // headroom for growing batches
 	}
@@ -226,6 +231,7 @@ func (e *env) grow(b **gpuctx.Buffer, n int, synced *bool) error {
 	if err != nil {
 		return fmt.Errorf("moe: scratch buffer of %d bytes: %w", n, err)
 	}
+	e.scratchBytes += int64(nb.Size())
 	*b = nb
 	return nil
 }
