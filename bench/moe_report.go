@@ -59,31 +59,39 @@ type MoERow struct {
 // MoEReport is a whole moe bench: what ran where, the ceilings, a row per
 // token count, and the peer's run when there was one.
 type MoEReport struct {
-	Backend    string      `json:"backend"`
-	Device     string      `json:"device"`
-	DType      string      `json:"dtype"`
-	Date       string      `json:"date"`
-	Commit     string      `json:"commit"`
-	Command    string      `json:"command"`
-	Preset     string      `json:"preset,omitempty"`
-	Model      string      `json:"model,omitempty"`
-	Layer      *int        `json:"layer,omitempty"`
-	ScaledDown bool        `json:"scaled_down"`
-	Seed       uint64      `json:"seed"`
-	WeightDist string      `json:"weight_dist"` // uniform or normal (random weights), "" for a checkpoint
-	Sets       int         `json:"weight_sets"` // weight and input sets rotated between forwards
-	Rounds     int         `json:"rounds"`
-	Shape      MoEShape    `json:"shape"`
-	Modes      []string    `json:"modes"`
-	Iters      int         `json:"iters"`
-	Warmup     int         `json:"warmup"`
-	CopyBytes  int         `json:"copy_bytes"`
-	CopyBW     float64     `json:"copy_bytes_per_s"` // read + written
-	GemmN      int         `json:"gemm_n"`
-	GemmRate   float64     `json:"gemm_flop_per_s"`
-	Notes      []string    `json:"notes"`
-	Rows       []MoERow    `json:"rows"`
-	Peer       *PeerReport `json:"peer,omitempty"`
+	Backend    string   `json:"backend"`
+	Device     string   `json:"device"`
+	DType      string   `json:"dtype"`
+	Date       string   `json:"date"`
+	Commit     string   `json:"commit"`
+	Command    string   `json:"command"`
+	Preset     string   `json:"preset,omitempty"`
+	Model      string   `json:"model,omitempty"`
+	Layer      *int     `json:"layer,omitempty"`
+	ScaledDown bool     `json:"scaled_down"`
+	Seed       uint64   `json:"seed"`
+	WeightDist string   `json:"weight_dist"` // uniform or normal (random weights), "" for a checkpoint
+	Sets       int      `json:"weight_sets"` // weight and input sets rotated between forwards
+	Rounds     int      `json:"rounds"`
+	Shape      MoEShape `json:"shape"`
+	Modes      []string `json:"modes"`
+	Iters      int      `json:"iters"`
+	Warmup     int      `json:"warmup"`
+	MoECeilings
+	Notes []string    `json:"notes"`
+	Rows  []MoERow    `json:"rows"`
+	Peer  *PeerReport `json:"peer,omitempty"`
+	// Memory is the device memory per layer after the rounds (also a note).
+	Memory *MoEMemory `json:"device_memory,omitempty"`
+}
+
+// MoECeilings is what a bench measured its ceilings with, and their values
+// (their JSON fields are MoEReport's own).
+type MoECeilings struct {
+	CopyBytes int     `json:"copy_bytes"`
+	CopyBW    float64 `json:"copy_bytes_per_s"` // read + written
+	GemmN     int     `json:"gemm_n"`
+	GemmRate  float64 `json:"gemm_flop_per_s"`
 }
 
 // Tokens returns the token counts of the rows.

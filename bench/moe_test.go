@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -62,6 +63,7 @@ func TestMoEBenchRounds(t *testing.T) {
 			o.CheckTol = c.tol
 			pr := &countSteps{}
 			o.Progress = pr
+			free0 := freeBytes(t, dev)
 			b, err := NewMoEBench(dev, o)
 			if err != nil {
 				t.Fatal(err)
@@ -82,6 +84,7 @@ func TestMoEBenchRounds(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			checkBenchMemory(t, b, rep, free0-freeBytes(t, dev))
 			if want := MoESteps(o, 2, false); pr.steps != want {
 				t.Errorf("%d progress steps, MoESteps says %d", pr.steps, want)
 			}
@@ -98,6 +101,44 @@ func TestMoEBenchRounds(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// freeBytes returns dev's free memory (MemInfo).
+func freeBytes(t *testing.T, dev *gpuctx.Device) int64 {
+	t.Helper()
+	free, _, err := dev.MemInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return int64(free)
+}
+
+// checkBenchMemory checks rep's device memory after the rounds: weight set
+// 0's layer's DeviceMemory (its scratch grown by the largest batch) and the
+// main stream's workspace, as a field and a note; and, on the CPU backend,
+// that the layers' totals and the main stream's workspace are what the bench
+// took from MemInfo's free bytes (drop: since before NewMoEBench).
+func checkBenchMemory(t *testing.T, b *MoEBench, rep *MoEReport, drop int64) {
+	t.Helper()
+	m := rep.Memory
+	if m == nil {
+		t.Fatal("no device memory in the report")
+	}
+	want := MoEMemory{LayerMemory: NewLayerMemory(b.layers[0].DeviceMemory()), Tokens: 5, MainStreamWorkspace: int64(b.main.WorkspaceBytes())}
+	if *m != want || m.Scratch <= 0 || m.Weights <= 0 || m.TotalBytes != m.Weights+m.Scratch+m.BlasWorkspaces+m.PinnedHost {
+		t.Errorf("report's device memory %+v, the layer's %+v", *m, want)
+	}
+	note := "device memory per layer (weight set 0) after the largest batch (5 tokens): " + m.Text()
+	if !slices.ContainsFunc(rep.Notes, func(n string) bool { return strings.HasPrefix(n, note) }) {
+		t.Errorf("no note %q in %q", note, rep.Notes)
+	}
+	sum := m.MainStreamWorkspace
+	for _, l := range b.layers {
+		sum += l.DeviceMemory().Total()
+	}
+	if drop != sum {
+		t.Errorf("free device memory fell by %d bytes; the layers' DeviceMemory and the main stream's workspace total %d", drop, sum)
 	}
 }
 

@@ -79,6 +79,8 @@ func (b *MoEBench) RunRounds(ctx context.Context, peer *PeerSpec, rounds int, re
 		}
 	}
 	rep.Rows = b.Rows()
+	rep.Memory = b.Memory()
+	rep.Notes = append(rep.Notes, rep.Memory.Note(len(b.layers)))
 	if rep.Peer != nil {
 		rep.Peer.Runs = len(runs)
 		applyPeer(rep, b.passes, runs)

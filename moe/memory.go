@@ -4,19 +4,20 @@ import "github.com/gpuctx/gpuctx"
 
 // MemoryUse is the memory a Layer (or an ExpertShard) holds now, in bytes,
 // as its buffers' sizes say (Layer.DeviceMemory). The fields do not overlap
-// except where noted: FP8Codes and FP8Scales are parts of Weights.
+// except where noted: FP8Codes and FP8Scales are parts of Weights. The JSON
+// names end in _bytes.
 type MemoryUse struct {
 	// Weights is every weight buffer on the device (DeviceWeightBytes): the
 	// router and correction bias, the shared expert (and its gate), the
 	// routed experts, and the shared expert's FusedShared chunks where the
 	// layer can fuse it. It does not change after the layer is built.
-	Weights int64
+	Weights int64 `json:"weights_bytes"`
 	// FP8Codes is the part of Weights that is E4M3 codes (an FP8 layer's
 	// routed experts and its shared expert's FP8 chunks); 0 in bf16 and f32.
-	FP8Codes int64
+	FP8Codes int64 `json:"fp8_codes_bytes"`
 	// FP8Scales is the part of Weights that is the float32 scales of the
 	// codes' 128x128 blocks; 0 in bf16 and f32.
-	FP8Scales int64
+	FP8Scales int64 `json:"fp8_block_scales_bytes"`
 	// Scratch is the device buffers a forward works in (router logits and
 	// routing, the sort and permutation, the experts' intermediates, the FP8
 	// layer's quantized activations and their scales, the shared expert's
@@ -24,18 +25,18 @@ type MemoryUse struct {
 	// live ones the layer holds now. They grow with the largest batch run so
 	// far (with a quarter of headroom when a buffer regrows) and are never
 	// shrunk; 0 before the first forward.
-	Scratch int64
+	Scratch int64 `json:"scratch_bytes"`
 	// BlasWorkspaces is the device memory of the BLAS workspaces of the
 	// streams the layer made (the side stream, and the main stream unless
 	// LayerOptions.Stream gave it: a caller's stream's workspace is the
 	// caller's, gpuctx.Stream.WorkspaceBytes) and of its captured graphs
 	// (gpuctx.Graph.WorkspaceBytes). A stream's is allocated by its first
 	// GEMM; graphs are dropped, with their workspaces, when scratch regrows.
-	BlasWorkspaces int64
+	BlasWorkspaces int64 `json:"blas_workspaces_bytes"`
 	// PinnedHost is the page-locked host memory the layer holds (the
 	// routing's per-expert counts it reads back). Host memory, not device
 	// memory: a GPU's MemInfo does not see it (the CPU backend's does).
-	PinnedHost int64
+	PinnedHost int64 `json:"pinned_host_bytes"`
 }
 
 // Device returns the device bytes: Weights + Scratch + BlasWorkspaces.
