@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/bench"
 	"github.com/gpuctx/gpuctx/collective/nccl"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
@@ -281,6 +282,12 @@ type moeRunReport struct {
 	// GPUs is the number of devices (--gpus); above 1 the layer ran expert
 	// parallel and Mode is "expert-parallel".
 	GPUs int `json:"gpus"`
+	// DeviceMemory is the layer's memory after the forward
+	// (moe.Layer.DeviceMemory), and MemInfoDrop how far the device's free
+	// memory (Device.MemInfo) fell from before the load to after the
+	// forward; one device only.
+	DeviceMemory *bench.LayerMemory `json:"device_memory,omitempty"`
+	MemInfoDrop  *int64             `json:"mem_info_drop_bytes,omitempty"`
 }
 
 func newMoeRunCmd(a *app) *cobra.Command {
@@ -341,8 +348,18 @@ stay as stored, the shared expert is bf16 (single, dual) and FP8 chunks inside
 the FP8 tiles (--mode fused: auto's choice up to 16 tokens). An FP8 checkpoint
 (config.json's quantization_config, as DeepSeek-V3/R1 and Qwen3-FP8 ship) loads
 as stored; a bf16 or f32 one is quantized at load. With f32 or bf16, an FP8
-checkpoint is dequantized at load. -v prints the device memory of the weights.
-fp8 runs on one device (not with --gpus above 1).`,
+checkpoint is dequantized at load. fp8 runs on one device (not with --gpus
+above 1).
+
+After the wall-time breakdown -v prints the device memory of the weights (for
+fp8, against the same layer in bf16) and all the device memory the layer holds
+after the forward (moe.Layer.DeviceMemory): weights (FP8 codes + block scales
++ bf16 rest), scratch buffers, BLAS workspaces of its streams and captured
+graphs, pinned host memory; and how far the device's free memory (MemInfo)
+fell from before the load to after the forward, which on the CPU backend is
+exactly that total and on a GPU also holds what no buffer records (kernels'
+code, library handles, graphs). --json reports them as device_memory and
+mem_info_drop_bytes (one device only).`,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
   gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
   gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json
@@ -358,7 +375,7 @@ fp8 runs on one device (not with --gpus above 1).`,
 	f.StringVar(&o.dtype, "dtype", "f32", "layer compute type: f32, bf16, or fp8 (bf16 with the routed experts' weights in FP8 on the device)")
 	f.StringVar(&o.mode, "mode", "auto", "mode: single, dual (shared expert on a side stream), fused (shared expert inside the fused kernels, bf16 or fp8) or auto")
 	f.StringVar(&o.trace, "trace", "", traceHelp)
-	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, blas, forward, write) to stderr")
+	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, blas, forward, write) and the layer's device memory to stderr")
 	f.IntVar(&o.gpus, "gpus", 1, "devices to run the layer on, expert parallel when above 1 (the CPU backend opens one runtime per device)")
 	f.BoolVar(&o.autotune, "autotune", false, "time the fused expert GEMM tiles on the first forward (CUDA, bf16) instead of picking them by rule of thumb; same output, slower one-shot run")
 	return cmd
@@ -464,6 +481,7 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	if comm, lib := pickMoeComm(rt.Backend(), o.gpus, cmd.Flags().Changed("gpus") && !fp8, o.trace != "", nccl.Load); comm == commNCCL {
 		return a.runMoeNCCL(o, moeParallelRun{rt: rt, cfg: in.cfg, layer: in.layer, x: in.x, T: in.T, name: in.name, reads: in.reads, dt: dt, start: start}, lib)
 	}
+	free0, _, freeErr := dev.MemInfo() // before the warm-up's buffers, freed before the forward
 	waitBlas := startBlasWarmup(dev, in.cfg, in.T, dt)
 	defer waitBlas()
 	a.warnFullSize(dev, in.cfg, dt)
@@ -491,6 +509,7 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	}
 	k2 := dev.KernelStats()
 	ph.move("forward", "compile", k2.Time-k1.Time) // kernels the forward looked up first (fused tiles)
+	mem := newRunMemory(dev, l, free0, freeErr)
 	ph.begin("write")
 	if err := writeMoeOutput(o, in, dev.Backend(), dt, mode, y); err != nil {
 		return err
@@ -499,11 +518,43 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	if o.verbose {
 		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "blas": blasNote(warm), "forward": forwardNote(dev.Backend(), dt, o.autotune && !fp8, l.TunedFromCache())}, dev.Backend())
 		fmt.Fprintf(a.errOut, "weights on the device: %s\n", weightMemoryText(l))
+		fmt.Fprintf(a.errOut, "device memory: %s\n", mem.text())
 	}
 	rep := moeRunReport{Backend: dev.Backend(), Device: dev.Info().Name, Model: o.model, Family: string(in.cfg.Family), Layer: in.layer,
 		Input: o.input, Tensor: in.name, Output: o.output, Tokens: in.T, Hidden: in.cfg.HiddenSize, DType: layerDTypeName(dt, fp8), Mode: mode.String(),
-		WeightBytes: l.DeviceWeightBytes(), LoadMS: ms(ph.d["load"]), ForwardMS: ms(fwd), GPUs: 1}
+		WeightBytes: l.DeviceWeightBytes(), LoadMS: ms(ph.d["load"]), ForwardMS: ms(fwd), GPUs: 1, DeviceMemory: &mem.layer, MemInfoDrop: mem.drop}
 	return a.printMoeRun(rep)
+}
+
+// runMemory is a layer's memory after moe run's forward, and how far the
+// device's free memory fell since before the load (nil where MemInfo
+// failed).
+type runMemory struct {
+	layer bench.LayerMemory
+	drop  *int64
+}
+
+// newRunMemory reads l's memory and the device's free memory now; free0 and
+// err0 are MemInfo's free bytes before the load.
+func newRunMemory(dev *gpuctx.Device, l *moe.Layer, free0 uint64, err0 error) runMemory {
+	m := runMemory{layer: bench.NewLayerMemory(l.DeviceMemory())}
+	if free1, _, err := dev.MemInfo(); err == nil && err0 == nil {
+		d := int64(free0) - int64(free1)
+		m.drop = &d
+	}
+	return m
+}
+
+// text is -v's device memory line after "device memory: ": the layer's parts
+// (bench.LayerMemory.Text) and MemInfo's fall over the load and forward,
+// which on a GPU also holds what no buffer records (kernels' code, library
+// handles, graphs, the allocator's rounding) and not the pinned host memory.
+func (m runMemory) text() string {
+	s := m.layer.Text()
+	if m.drop == nil {
+		return s + "; MemInfo failed, so no fall of free device memory to compare"
+	}
+	return fmt.Sprintf("%s; free device memory fell by %s over load and forward (MemInfo)", s, bench.ByteSize(*m.drop))
 }
 
 // runMoeShards is moe run with --gpus above 1: the expert-parallel shards

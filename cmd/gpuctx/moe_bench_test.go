@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -9,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/bench"
 	"github.com/gpuctx/gpuctx/moe"
 )
 
@@ -73,9 +75,30 @@ func TestMoeBenchRounds(t *testing.T) {
 	if !slices.Contains(rep.Notes, "round 1: the peer rotated 1 weight set(s), gpuctx 2 (the peer drops sets that do not fit in 60% of its free device memory)") {
 		t.Errorf("no note that the peer rotated fewer sets: %q", rep.Notes)
 	}
+	checkBenchMemoryNote(t, &rep, 4)
 	if md := markdown(&rep); !strings.Contains(md, "3 run(s) alternating") || !strings.Contains(md, "rotating over 2 weight and input set(s)") ||
 		!strings.Contains(md, "N(0, 0.02²)") || !strings.Contains(md, ") |") {
 		t.Errorf("markdown lacks the rounds, sets, distribution or ratio range:\n%s", md)
+	}
+}
+
+// checkBenchMemoryNote checks moe bench's device memory per layer: the JSON
+// field (weight set 0's layer after the largest batch, tokens) with its parts
+// adding up, and the note line in the markdown that prints its numbers
+// (bench's TestMoEBenchRounds checks them against the layer and MemInfo).
+func checkBenchMemoryNote(t *testing.T, rep *moeBenchReport, tokens int) {
+	t.Helper()
+	m := rep.Memory
+	if m == nil {
+		t.Fatal("--json lacks device_memory")
+	}
+	if m.Tokens != tokens || m.Weights <= 0 || m.Scratch <= 0 || m.PinnedHost <= 0 || m.MainStreamWorkspace <= 0 || m.TotalBytes != m.Total() {
+		t.Errorf("device_memory %+v", *m)
+	}
+	line := fmt.Sprintf("- note: device memory per layer (weight set 0) after the largest batch (%d tokens): %s; besides, the main stream that the %d layer(s) share holds a BLAS workspace of %s\n",
+		tokens, m.Text(), rep.Sets, bench.ByteSize(m.MainStreamWorkspace))
+	if md := markdown(rep); !strings.Contains(md, line) {
+		t.Errorf("markdown lacks %q:\n%s", line, md)
 	}
 }
 

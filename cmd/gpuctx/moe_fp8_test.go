@@ -2,12 +2,14 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"math"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/bench"
 	"github.com/gpuctx/gpuctx/moe"
 	"github.com/gpuctx/gpuctx/moe/fp8"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
@@ -19,7 +21,8 @@ import (
 // router BF16, the bias F32), that moe init never overwrites it, and that
 // moe run reads it as fp8, bf16 and f32 on the CPU backend: fp8's y within
 // 1e-2 of f32's (which reads the dequantized weights), -v and --json
-// reporting the weights' device memory, the fp8 layer's smaller.
+// reporting the weights' device memory, the fp8 layer's smaller, and the
+// layer's whole device memory, which MemInfo agrees with (checkRunMemory).
 func TestMoeFP8EndToEnd(t *testing.T) {
 	for _, preset := range moe.PresetNames() {
 		t.Run(preset, func(t *testing.T) {
@@ -54,6 +57,7 @@ func TestMoeFP8EndToEnd(t *testing.T) {
 				if !strings.Contains(errOut, "weights on the device: ") || (dt == "fp8") != strings.Contains(errOut, "routed experts in FP8") {
 					t.Errorf("--dtype %s -v does not report the weights' device memory:\n%s", dt, errOut)
 				}
+				checkRunMemory(t, dt, rep, errOut)
 				ys[dt], _ = readTensor(t, y, "y")
 				bytes[dt] = rep.WeightBytes
 			}
@@ -77,6 +81,27 @@ func TestMoeFP8EndToEnd(t *testing.T) {
 				t.Errorf("device weight bytes: fp8 %d, bf16 %d", bytes["fp8"], bytes["bf16"])
 			}
 		})
+	}
+}
+
+// checkRunMemory checks moe run's device memory (--json's device_memory and
+// mem_info_drop_bytes, -v's line) on the CPU backend, whose MemInfo counts
+// every buffer: the fall of free memory over load and forward equals the
+// layer's total, its weights are weight_device_bytes (FP8 codes and scales
+// among them only in fp8), and -v prints the same numbers.
+func checkRunMemory(t *testing.T, dt string, rep moeRunReport, errOut string) {
+	t.Helper()
+	m := rep.DeviceMemory
+	if m == nil || rep.MemInfoDrop == nil {
+		t.Fatalf("--dtype %s: --json lacks device_memory (%v) or mem_info_drop_bytes (%v)", dt, m, rep.MemInfoDrop)
+	}
+	if *rep.MemInfoDrop != m.TotalBytes || m.TotalBytes != m.Total() || m.Weights != rep.WeightBytes || m.Scratch <= 0 || m.PinnedHost <= 0 ||
+		(dt == "fp8") != (m.FP8Codes > 0 && m.FP8Scales > 0) {
+		t.Errorf("--dtype %s: device_memory %+v, mem_info_drop_bytes %d, weight_device_bytes %d", dt, *m, *rep.MemInfoDrop, rep.WeightBytes)
+	}
+	line := fmt.Sprintf("device memory: %s; free device memory fell by %s over load and forward (MemInfo)\n", m.Text(), bench.ByteSize(*rep.MemInfoDrop))
+	if !strings.Contains(errOut, line) {
+		t.Errorf("--dtype %s -v lacks %q:\n%s", dt, line, errOut)
 	}
 }
 
