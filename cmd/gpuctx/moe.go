@@ -290,12 +290,8 @@ type moeRunReport struct {
 	MemInfoDrop  *int64             `json:"mem_info_drop_bytes,omitempty"`
 }
 
-func newMoeRunCmd(a *app) *cobra.Command {
-	o := moeRunOpts{}
-	cmd := &cobra.Command{
-		Use:   "run",
-		Short: "Run one MoE layer of a checkpoint on input activations; write the output",
-		Long: `run loads MoE layer --layer (default: the first MoE layer) of the checkpoint in
+// moeRunLong is moe run's help text.
+const moeRunLong = `run loads MoE layer --layer (default: the first MoE layer) of the checkpoint in
 --model (config.json plus model.safetensors, or model.safetensors.index.json and
 its shards), uploads it to device 0 in --dtype, runs the layer on the tensor x
 of --input (or its only tensor; [tokens, hidden_size], F32, BF16 or F16) and
@@ -359,7 +355,14 @@ graphs, pinned host memory; and how far the device's free memory (MemInfo)
 fell from before the load to after the forward, which on the CPU backend is
 exactly that total and on a GPU also holds what no buffer records (kernels'
 code, library handles, graphs). --json reports them as device_memory and
-mem_info_drop_bytes (one device only).`,
+mem_info_drop_bytes (one device only).`
+
+func newMoeRunCmd(a *app) *cobra.Command {
+	o := moeRunOpts{}
+	cmd := &cobra.Command{
+		Use:   "run",
+		Short: "Run one MoE layer of a checkpoint on input activations; write the output",
+		Long:  moeRunLong,
 		Example: `  gpuctx moe run --model ./DeepSeek-V2-Lite --layer 1 --input x.safetensors --output y.safetensors
   gpuctx moe run --model ./DeepSeek-V2-Lite --input x.safetensors --output y.safetensors --dtype bf16 --mode dual --trace moe.json -v
   gpuctx moe run --model ./model --input x.safetensors --output y.safetensors --dtype f32 --mode dual --json
