@@ -70,6 +70,9 @@ func (m *MoEMemory) Note(sets int) string {
 // Memory returns the device memory of weight set 0's layer now (after the
 // rounds: its scratch as the largest batch grew it).
 func (b *MoEBench) Memory() *MoEMemory {
-	return &MoEMemory{LayerMemory: NewLayerMemory(b.layers[0].DeviceMemory()), Tokens: slices.Max(b.o.Tokens),
-		MainStreamWorkspace: int64(b.main.WorkspaceBytes())}
+	m := &MoEMemory{LayerMemory: NewLayerMemory(b.layers[0].DeviceMemory()), MainStreamWorkspace: int64(b.main.WorkspaceBytes())}
+	if len(b.o.Tokens) > 0 {
+		m.Tokens = slices.Max(b.o.Tokens)
+	}
+	return m
 }
