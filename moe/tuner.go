@@ -149,9 +149,9 @@ func ruleTiles(p *plan) tilePair {
 }
 
 // settleTiles sets the tiles of p, which are not known yet (plan.tilesKnown):
-// p.fp8 in an FP8 layer (fp8For), else p.tiles (tilesFor). Tuning needs the
-// routing of this forward in the router's idx, runs on the main stream and
-// waits for it.
+// p.fp8 in an FP8 layer (settle between fp8Rule and tuneFP8), else p.tiles
+// (tilesFor). Tuning needs the routing of this forward in the router's idx,
+// runs on the main stream and waits for it.
 func (l *Layer) settleTiles(p *plan, x *gpuctx.Buffer) error {
 	var err error
 	if l.experts.q != nil {
