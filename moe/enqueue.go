@@ -70,9 +70,10 @@ func (l *Layer) routeAndDispatch(p *plan, xv *gpuctx.Buffer) error {
 }
 
 // sortFused queues the fused path's routing and aligned sort with p's tiles'
-// rows, settling p.tiles first where they are not known: the one-launch path
-// routes and sorts with the rule's rows, tunes on that routing, and sorts
-// again; the other routes, tunes, and sorts. Every forward of a one-launch
+// rows, settling p's tiles (bf16 or FP8: settleTiles) first where they are
+// not known: the one-launch path routes and sorts with the rule's rows,
+// tunes on that routing, and sorts again; the other routes, tunes, and
+// sorts. Every forward of a one-launch
 // batch computes the router logits the same way (in that kernel, never in a
 // GEMM), so results do not depend on whether the tiles were tuned yet.
 func (l *Layer) sortFused(p *plan, xv *gpuctx.Buffer) error {
@@ -90,11 +91,9 @@ func (l *Layer) sortFused(p *plan, xv *gpuctx.Buffer) error {
 		return nil
 	}
 	if !p.tilesKnown {
-		tp, err := l.tilesFor(p, xv)
-		if err != nil {
+		if err := l.settleTiles(p, xv); err != nil {
 			return err
 		}
-		p.tiles = tp
 	}
 	if err := l.ensureFused(p, p.rowsBM()); err != nil {
 		return err

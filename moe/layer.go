@@ -23,8 +23,9 @@ const (
 	// Auto picks per batch. On the fused routed path (bf16) with a shared
 	// expert it can fuse, it runs Dual or FusedShared, whichever replayed
 	// faster when Auto first ran a batch of that token bucket (measured then,
-	// kept after; by the token count under NoAutotune and with FP8, which
-	// never time); with a shared expert it cannot fuse, Dual. Elsewhere it is
+	// kept after; by the token count under NoAutotune and with FP8, whose
+	// layers time their tiles but not the modes); with a shared expert it
+	// cannot fuse, Dual. Elsewhere it is
 	// Dual for batches that take the small-batch path and for batches of at
 	// least the layer's AutoThreshold tokens, Single otherwise.
 	Auto
@@ -170,20 +171,25 @@ type LayerOptions struct {
 	// events and waits for the main stream once per bucket), and has Auto
 	// pick FusedShared or Dual by the token count (autoRuleTokens) instead of
 	// timing both. For one-shot runs, where the timing would cost more than it
-	// saves; the tile changes no result.
+	// saves; the bf16 tile changes no result (an FP8 layer's choice between
+	// w8a16 and w8a8 tiles does: see FP8).
 	NoAutotune bool
 	// FP8 keeps the routed experts' weights in FP8 on the device: E4M3
 	// codes with the float32 scale of every 128x128 block beside them (as
 	// DeepSeek-V3/R1 and Qwen3-FP8 ship them), never expanded to bf16, run
 	// by the weight-only FP8 tiles (w8a16: bf16 activations, the codes
 	// converted in registers) on the fused path; on a GPU of compute
-	// capability 9.0 (and on the CPU backend) batches of at least 64 rows
-	// per touched expert on average run w8a8 tiles instead: the activations
-	// quantized to E4M3 per token per 128 columns on the device (scale =
-	// amax/448, vLLM's per_token_group_quant_fp8), FP8 x FP8 wgmma, whose
-	// results differ from the w8a16 tiles' by a few percent (E4M3's 3
-	// mantissa bits). An FP8 checkpoint's experts load as stored; other
-	// weights are quantized at load (fp8.Quantize).
+	// capability 9.0 (and on the CPU backend) batches may run w8a8 tiles
+	// instead: the activations quantized to E4M3 per token per 128 columns
+	// on the device (scale = amax/448, vLLM's per_token_group_quant_fp8),
+	// FP8 x FP8 wgmma, whose results differ from the w8a16 tiles' by a few
+	// percent (E4M3's 3 mantissa bits). The tiles are timed per token bucket
+	// as the bf16 ones (the w8a8 pairs, whole chains with the quantizers,
+	// against the w8a16 tiles, from 17 rows per touched expert on average),
+	// or picked by rule under NoAutotune and off CUDA (the w8a8 tiles from
+	// 17 rows per touched expert); Single and Dual run the same choice, so
+	// they stay bitwise equal. An FP8 checkpoint's experts load as stored;
+	// other weights are quantized at load (fp8.Quantize).
 	// The router and correction bias stay as stored, the shared expert is
 	// bf16 (dequantized from an FP8 checkpoint) for Single and Dual: the
 	// routed experts are the bytes that matter. Where the shared expert can
@@ -310,12 +316,14 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 		}
 		l.tuner.forceTile = &t
 	}
-	noTune := o.NoAutotune || o.FP8 // FP8 tiles are picked by rule (fp8Tiles)
-	l.tuner.autotune, l.tuner.noTune = !noTune && (dev.Backend() == "cuda" || tuneAnyBackend), noTune
-	l.tuner.tiles, l.tuner.autoModes = map[tileKey]tilePair{}, map[int]Mode{}
-	if !noTune && l.tuner.forceTile == nil {
+	// Auto picks an FP8 layer's mode by rule (it never times the modes); its
+	// tiles are timed as a bf16 layer's.
+	l.tuner.autotune = !o.NoAutotune && (dev.Backend() == "cuda" || tuneAnyBackend)
+	l.tuner.noTune = o.NoAutotune || o.FP8
+	l.tuner.tiles, l.tuner.fp8, l.tuner.autoModes = map[tileKey]tilePair{}, map[tileKey]fp8Pair{}, map[int]Mode{}
+	if !o.NoAutotune && l.tuner.forceTile == nil {
 		l.dt = o.DType // the key's dtype, before init sets it
-		l.tuner.cache = newTuneCache(tuneCacheDir(tuneGetenv), tuneKeyText(dev, l))
+		l.tuner.cache = newTuneCache(tuneCacheDir(tuneGetenv), tuneKeyText(dev, l, o.FP8))
 	}
 	tokens := o.Tokens
 	if o.FP8 {

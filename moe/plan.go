@@ -48,7 +48,7 @@ type plan struct {
 	tiles          tilePair
 	tilesKnown     bool    // tiles are forced, tuned or by rule; else the forward tunes them
 	sortBM         int     // the one-launch sort's tile rows (tiles.up.BM when known)
-	fp8            fp8Pair // FP8 experts: the tiles (w8a16 or w8a8), by rule (fp8Tiles); tiles is unused
+	fp8            fp8Pair // FP8 experts: the tiles (w8a16 or w8a8), tuned or by rule; tiles is unused
 }
 
 // graphKey identifies a captured forward: its shape and what it computes.
@@ -108,23 +108,32 @@ func (l *Layer) plan(x, y *gpuctx.Buffer, T int, mode Mode, part Part) *plan {
 	p.staged = p.path == pathSmall || p.path == pathFused
 	p.staged = p.staged && !(aligned16(x) && aligned16(y))
 	p.graph = l.gc.use && p.path != pathGrouped
-	if p.path == pathFused && l.experts.q != nil {
-		// The fused shared expert's chunks run in the w8a16 tiles only, whose
-		// up kernel starts their blocks before the sort ends (p.early; the
-		// w8a8 tiles take no E0/ns): FusedShared takes them at every batch
-		// size. Auto picks it up to autoRuleTokens tokens, where the rule
-		// picks w8a16 tiles anyway.
-		w8 := l.experts.q.w8 && p.place != sharedFused
-		p.fp8, p.tilesKnown = fp8Tiles(T, p.ks, p.experts, w8), true
-		p.sortBM = p.fp8.bm()
-	} else if p.path == pathFused {
-		p.tiles, p.tilesKnown = l.knownTiles(p)
-		p.sortBM = p.tiles.up.BM
-		if !p.tilesKnown {
-			p.sortBM = ruleTile(T, p.ks, p.experts).BM
-		}
+	if p.path == pathFused {
+		l.planTiles(p)
 	}
 	return p
+}
+
+// planTiles sets a fused-path plan's tiles where they are known
+// (tilesKnown), and the rows of its sort: the tiles', or where the forward is
+// to tune them (settleTiles) the rule's. An FP8 layer's plan gets FP8 tiles
+// (p.fp8); the fused shared expert's chunks run in the w8a16 tiles only,
+// whose up kernel starts their blocks before the sort ends (p.early; the
+// w8a8 tiles take no E0/ns): FusedShared takes them at every batch size.
+func (l *Layer) planTiles(p *plan) {
+	if l.experts.q != nil {
+		p.fp8, p.tilesKnown = l.knownFP8(p)
+		p.sortBM = p.fp8.bm()
+		if !p.tilesKnown {
+			p.sortBM = l.fp8Rule(p).bm()
+		}
+		return
+	}
+	p.tiles, p.tilesKnown = l.knownTiles(p)
+	p.sortBM = p.tiles.up.BM
+	if !p.tilesKnown {
+		p.sortBM = ruleTile(p.T, p.ks, p.experts).BM
+	}
 }
 
 // computes reports what a forward of part computes: the routed experts, the

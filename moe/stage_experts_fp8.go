@@ -21,7 +21,10 @@ import (
 //   - w8a8 (moe_w8a8.cu, moekernels.W8A8Gemm; compute capability 9.0, and the
 //     CPU backend's twins): x and act quantized per token per 128 columns
 //     (gpuctx_moe_fp8_quant) into the expert stage's xq/xs and aq/as, E4M3 x
-//     E4M3 wgmma; the compute-bound batches (fp8Tiles).
+//     E4M3 wgmma; the compute-bound batches.
+//
+// Which tiles a batch runs is timed per token bucket where the layer
+// autotunes (tuneFP8), else picked by a rule (fp8Tiles).
 //
 // act and out stay bf16 in the expert stage's scratch. Layout, for routed
 // experts [lo, hi) at index e-lo, and after them the ns chunks of the shared
@@ -69,7 +72,7 @@ func (tp fp8Pair) tags() string {
 	return "w8a16 " + tp.up.Tag() + "/" + tp.down.Tag()
 }
 
-// The FP8 tiles a layer runs, by the rule of fp8Tiles.
+// The FP8 tiles the rule (fp8Tiles) picks.
 var (
 	fp8SmallUp   = moekernels.FP8Gemm{BM: 16, BN: 64, WarpsN: 4, Stages: 4}
 	fp8SmallDown = moekernels.FP8Gemm{BM: 16, BN: 128, WarpsN: 8, Stages: 3}
@@ -111,8 +114,7 @@ const (
 // tiles above, which read each expert's weights half as often. The w8a16
 // tile changes no result; the w8a8 tiles quantize the activations.
 func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
-	TK := T * K
-	m := (TK + min(E, TK) - 1) / min(E, TK)
+	m := rowsPerExpert(T, K, E)
 	switch {
 	case w8 && m >= w8a8LargeRows:
 		return fp8Pair{w8: true, w8up: w8a8Up, w8down: w8a8Down}
@@ -141,7 +143,7 @@ func checkFP8(cfg *Config, o LayerOptions) error {
 	case o.SmallBatchTokens > 0:
 		return fmt.Errorf("SmallBatchTokens = %d: FP8 experts have no small-batch kernels; leave it 0: %w", o.SmallBatchTokens, gpuctx.ErrInvalid)
 	case o.Tile != "":
-		return fmt.Errorf("LayerOptions.Tile %q names a bf16 tile; FP8 layers pick their tiles by rule: %w", o.Tile, gpuctx.ErrInvalid)
+		return fmt.Errorf("LayerOptions.Tile %q names a bf16 tile; FP8 layers pick their own tiles (timed, or by rule under NoAutotune): %w", o.Tile, gpuctx.ErrInvalid)
 	}
 	return nil
 }
@@ -340,13 +342,14 @@ func copyAt(dst *gpuctx.Buffer, off int, b []byte) error {
 }
 
 // loadKernels looks up (on CUDA: compiles moe_fp8_mma.cu) the kernels of
-// every tile fp8Tiles picks, so that a device that cannot run them fails at
-// load; and on a CUDA device of compute capability 9.0 or the CPU backend
-// the w8a8 kernels (moe_w8a8.cu), setting q.w8.
+// every w8a16 tile (moekernels.FP8Gemms: the rule's and the tuner's), so
+// that a device that cannot run them fails at load; and on a CUDA device of
+// compute capability 9.0 or the CPU backend the quantizer and the w8a8 tiles
+// of w8a8Pairs (moe_w8a8.cu), setting q.w8.
 func (q *fp8Experts) loadKernels(dev *gpuctx.Device) error {
 	q.kUp = map[moekernels.FP8Gemm]moekernels.Launcher[moekernels.FP8Up]{}
 	q.kDown = map[moekernels.FP8Gemm]moekernels.Launcher[moekernels.FP8Down]{}
-	for _, c := range []moekernels.FP8Gemm{fp8SmallUp, fp8SmallDown, fp8Large} {
+	for _, c := range moekernels.FP8Gemms {
 		up, err := moekernels.NewFP8Up(dev, c)
 		if err != nil {
 			return fmt.Errorf("FP8 tile %s: %w", c.Tag(), err)
@@ -367,12 +370,12 @@ func (q *fp8Experts) loadKernels(dev *gpuctx.Device) error {
 	}
 	q.kW8Up = map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Up]{}
 	q.kW8Down = map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Down]{}
-	for _, c := range [][2]moekernels.W8A8Gemm{{w8a8Up, w8a8Down}, {w8a8SmallUp, w8a8SmallDown}} {
-		if q.kW8Up[c[0]], err = moekernels.NewW8A8Up(dev, c[0]); err != nil {
-			return fmt.Errorf("w8a8 tile %s: %w", c[0].Tag(), err)
+	for _, tp := range w8a8Pairs {
+		if q.kW8Up[tp.w8up], err = moekernels.NewW8A8Up(dev, tp.w8up); err != nil {
+			return fmt.Errorf("w8a8 tile %s: %w", tp.w8up.Tag(), err)
 		}
-		if q.kW8Down[c[1]], err = moekernels.NewW8A8Down(dev, c[1]); err != nil {
-			return fmt.Errorf("w8a8 tile %s: %w", c[1].Tag(), err)
+		if q.kW8Down[tp.w8down], err = moekernels.NewW8A8Down(dev, tp.w8down); err != nil {
+			return fmt.Errorf("w8a8 tile %s: %w", tp.w8down.Tag(), err)
 		}
 	}
 	q.w8 = true
@@ -386,36 +389,54 @@ func (x *expertStage) w8a8Needs(T, cp int) []need {
 	return []need{{&x.xq, T * H}, {&x.xs, 4 * T * ceilBlocks(H)}, {&x.aq, cp * I}, {&x.as, 4 * cp * ceilBlocks(I)}}
 }
 
-// fusedFP8 queues the FP8 up kernel (gather, gate/up GEMM, SwiGLU into act)
-// and the FP8 down kernel (into out, in assignment order) of p's tiles on
-// the main stream over p's aligned sort in d, which must have run (or be
-// queued just ahead: the kernels wait on the device, LaunchEarly) with the
-// tiles' BM. With the shared expert fused (FusedShared: p.early chunks,
-// experts E .. E+p.early-1 of q, sorted first) the up kernel's blocks of its
-// rows start without waiting for the sort (moe_shared_rows) and the down
-// kernel reads them like any other; such a plan has w8a16 tiles, never the
-// w8a8 ones. Nothing waits for the host.
+// fusedFP8 queues the FP8 tiles of p.fp8 on the main stream over p's
+// aligned sort in d, which must have run (or be queued just ahead: the
+// kernels wait on the device, LaunchEarly) with the tiles' BM: the w8a8
+// chain (fusedW8A8), or the w8a16 up kernel (fp8Up) and down kernel
+// (fp8Down). Nothing waits for the host.
 func (x *expertStage) fusedFP8(in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
-	e, q, tp := x.e, x.q, p.fp8
-	if tp.w8 {
+	if p.fp8.w8 {
 		return x.fusedW8A8(in, d, p)
 	}
-	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
-	TK := p.T * K
-	up, ok := q.kUp[tp.up]
-	down, ok2 := q.kDown[tp.down]
-	if !ok || !ok2 {
-		return fmt.Errorf("moe: FP8 tiles %s/%s were not loaded: %w", tp.up.Tag(), tp.down.Tag(), gpuctx.ErrInvalid)
-	}
-	cp := moekernels.AlignCap(TK, p.experts, tp.up.BM)
-	gx, gy := tp.up.Grid(I, cp)
-	if err := up.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.up.Threads(), Y: 1, Z: 1}, tp.up.SmemBytes(true), moekernels.FP8Up{
-		X: in, Gu: q.gu, Gus: q.gus, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: x.act,
-		TK: int32(TK), K: int32(K), H: int32(H), I: int32(I), E0: int32(e.cfg.NumExperts), Ns: int32(p.early)}); err != nil {
+	if err := x.fp8Up(p.fp8.up, in, d, p); err != nil {
 		return err
 	}
-	gx, gy = tp.down.Grid(H, cp)
-	return down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.down.Threads(), Y: 1, Z: 1}, tp.down.SmemBytes(false), moekernels.FP8Down{
+	return x.fp8Down(p.fp8.down, d, p)
+}
+
+// fp8Up queues the w8a16 up kernel of tile c (gather, gate/up GEMM, SwiGLU
+// into act) on the main stream over p's aligned sort in d with c's BM (run,
+// or queued just ahead). With the shared expert fused (FusedShared: p.early
+// chunks, experts E .. E+p.early-1 of q, sorted first) its blocks of their
+// rows start without waiting for the sort (moe_shared_rows); the w8a8 tiles
+// never run such a plan. Nothing waits for the host.
+func (x *expertStage) fp8Up(c moekernels.FP8Gemm, in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
+	e, q := x.e, x.q
+	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
+	TK := p.T * K
+	up, ok := q.kUp[c]
+	if !ok {
+		return fmt.Errorf("moe: FP8 tile %s was not loaded: %w", c.Tag(), gpuctx.ErrInvalid)
+	}
+	gx, gy := c.Grid(I, moekernels.AlignCap(TK, p.experts, c.BM))
+	return up.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(true), moekernels.FP8Up{
+		X: in, Gu: q.gu, Gus: q.gus, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: x.act,
+		TK: int32(TK), K: int32(K), H: int32(H), I: int32(I), E0: int32(e.cfg.NumExperts), Ns: int32(p.early)})
+}
+
+// fp8Down queues the w8a16 down kernel of tile c (act into out, in
+// assignment order) on the main stream over p's aligned sort in d with c's
+// BM, after the up kernel. Nothing waits for the host.
+func (x *expertStage) fp8Down(c moekernels.FP8Gemm, d *dispatchStage, p *plan) error {
+	e, q := x.e, x.q
+	H, I := e.cfg.HiddenSize, e.cfg.Intermediate
+	TK := p.T * p.ks
+	down, ok := q.kDown[c]
+	if !ok {
+		return fmt.Errorf("moe: FP8 tile %s was not loaded: %w", c.Tag(), gpuctx.ErrInvalid)
+	}
+	gx, gy := c.Grid(H, moekernels.AlignCap(TK, p.experts, c.BM))
+	return down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: c.Threads(), Y: 1, Z: 1}, c.SmemBytes(false), moekernels.FP8Down{
 		Act: x.act, Down: q.down, Downs: q.downs, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Out: x.out,
 		TK: int32(TK), H: int32(H), I: int32(I)})
 }

@@ -16,11 +16,13 @@ import (
 )
 
 // The disk cache of tuning results: what the tuner measured for a layer shape
-// on a device (the fused tiles per token bucket, Auto's mode per bucket), so
+// on a device (the fused tiles per token bucket, bf16 or FP8, Auto's mode per
+// bucket), so
 // that a new process, or another Layer of the same shape in this one (moe
 // bench makes one per weight set), reuses it instead of timing again (about
-// 150 ms a bucket). The tiles and the mode change no output bit, so a cached
-// choice gives the same results as a fresh tuning.
+// 150 ms a bucket). The bf16 tiles and the mode change no output bit, so a
+// cached choice gives the same results as a fresh tuning; so does an FP8
+// layer's cached choice, which is the choice itself (w8a16 or w8a8 tiles).
 //
 // Entries live beside the compiled kernels (backend/cuda's disk cache): in
 // $GPUCTX_KERNEL_CACHE/tuning, or os.UserCacheDir()/gpuctx/tuning when the
@@ -29,7 +31,8 @@ import (
 //
 //	format, backend, device name, compute capability, multiprocessors, driver
 //	version, the MoE kernel sources, the layer's shape (config dimensions and
-//	routing, dtype, fused shared chunks, small-batch limit)
+//	routing, dtype, fused shared chunks, small-batch limit; for an FP8 layer
+//	"fp8" and the FP8 kernel sources)
 //
 // holds every bucket measured so far; the key text is stored in the file and
 // compared on reading. A file that does not parse, has another key or format,
@@ -70,7 +73,16 @@ type tuneTile struct {
 	FusedShared bool   `json:"fused_shared"`
 	Up          string `json:"up"`
 	Down        string `json:"down"`
+	// Kind is the tiles' family: "" for the bf16 tiles (moekernels.MoEGemm),
+	// kindW8A16 or kindW8A8 for an FP8 layer's (fp8Pair).
+	Kind string `json:"kind,omitempty"`
 }
+
+// The tile families of an FP8 layer's cache records (tuneTile.Kind).
+const (
+	kindW8A16 = "w8a16"
+	kindW8A8  = "w8a8"
+)
 
 // tuneMode is Auto's measured mode of one token bucket.
 type tuneMode struct {
@@ -100,12 +112,23 @@ func tuneCacheDir(getenv func(string) string) string {
 // kernelSourcesHash is the SHA-256 of the MoE kernel sources: another kernel
 // text, another tuning.
 var kernelSourcesHash = sync.OnceValue(func() string {
+	return sourcesHash(moekernels.RouteSource(), moekernels.GemmSource(), moekernels.WgmmaSource())
+})
+
+// fp8SourcesHash is the SHA-256 of the FP8 tiles' sources (w8a16, w8a8 and
+// the quantizer), part of an FP8 layer's key.
+var fp8SourcesHash = sync.OnceValue(func() string {
+	return sourcesHash(moekernels.FP8MMASource(), moekernels.W8A8Source())
+})
+
+// sourcesHash is the SHA-256 of srcs, each preceded by its length.
+func sourcesHash(srcs ...string) string {
 	h := sha256.New()
-	for _, s := range []string{moekernels.RouteSource(), moekernels.GemmSource(), moekernels.WgmmaSource()} {
+	for _, s := range srcs {
 		fmt.Fprintf(h, "%d\x00%s", len(s), s)
 	}
 	return hex.EncodeToString(h.Sum(nil))
-})
+}
 
 // tuneIdent is what a tuning depends on besides the token bucket.
 type tuneIdent struct {
@@ -124,17 +147,25 @@ func (id tuneIdent) key() string {
 
 // layerShape describes what of layer l the tiles and Auto's mode depend on:
 // the config's dimensions and routing, the dtype, the fused shared chunks,
-// the small-batch limit and whether the fused path is on.
-func layerShape(l *Layer) string {
+// the small-batch limit and whether the fused path is on; for a layer with
+// FP8 experts (fp8), "fp8" and the FP8 kernel sources, so that an FP8 layer
+// never shares an entry with the bf16 layer of its shape (whose key, and old
+// entries, stay as they were).
+func layerShape(l *Layer, fp8 bool) string {
 	c := &l.cfg
-	return fmt.Sprintf("H %d E %d K %d I %d shared %d gate %v scoring %v method %v groups %d/%d|dtype %v ns %d small %d fused %v",
+	s := fmt.Sprintf("H %d E %d K %d I %d shared %d gate %v scoring %v method %v groups %d/%d|dtype %v ns %d small %d fused %v",
 		c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate, c.SharedIntermediate, c.SharedGate, c.Scoring, c.TopKMethod,
 		c.NumGroups, c.TopKGroups, l.dt, l.ns, l.small, l.fusedOK)
+	if fp8 {
+		s += "|fp8 sources " + fp8SourcesHash()
+	}
+	return s
 }
 
-// tuneKeyText is the key of the tuning of layer l on dev.
-func tuneKeyText(dev *gpuctx.Device, l *Layer) string {
-	return tuneIdent{backend: dev.Backend(), dev: dev.Info(), sources: kernelSourcesHash(), shape: layerShape(l)}.key()
+// tuneKeyText is the key of the tuning of layer l on dev (fp8: its routed
+// experts are FP8).
+func tuneKeyText(dev *gpuctx.Device, l *Layer, fp8 bool) string {
+	return tuneIdent{backend: dev.Backend(), dev: dev.Info(), sources: kernelSourcesHash(), shape: layerShape(l, fp8)}.key()
 }
 
 // newTuneCache returns the entry of key in dir ("" disables it).
@@ -156,10 +187,7 @@ func (c tuneCache) load() (e tuneEntry, ok bool) {
 		return tuneEntry{}, false
 	}
 	for _, t := range e.Tiles {
-		if _, err := parseTile(t.Up); err != nil {
-			return tuneEntry{}, false
-		}
-		if _, err := parseTile(t.Down); err != nil {
+		if recordErr(t) != nil {
 			return tuneEntry{}, false
 		}
 	}
@@ -171,20 +199,65 @@ func (c tuneCache) load() (e tuneEntry, ok bool) {
 	return e, true
 }
 
-// tiles returns the cached tile pair of bucket b.
-func (c tuneCache) tiles(b tileKey) (tilePair, bool) {
+// tiles returns the cached bf16 tile pair of bucket b.
+func (c tuneCache) tiles(b tileKey) (tilePair, bool) { return cachedChoice[tilePair](c, b) }
+
+// cachedChoice returns the cached tiles of bucket b where they are of P's
+// family.
+func cachedChoice[P tileChoice](c tuneCache, b tileKey) (P, bool) {
+	var none P
 	e, ok := c.load()
 	if !ok {
-		return tilePair{}, false
+		return none, false
 	}
 	for _, t := range e.Tiles {
 		if t.Bucket == b.bucket && t.FusedShared == b.fusedShared {
-			up, _ := parseTile(t.Up) // checked by load
-			down, _ := parseTile(t.Down)
-			return tilePair{up, down}, true
+			return choiceOf[P](t)
 		}
 	}
-	return tilePair{}, false
+	return none, false
+}
+
+// choiceOf parses a cache record as P's tiles; ok is false for a record of
+// another family or an unknown tile.
+func choiceOf[P tileChoice](t tuneTile) (P, bool) {
+	var p P
+	var err error
+	switch q := any(&p).(type) {
+	case *tilePair:
+		*q, err = tilePairOf(t)
+	case *fp8Pair:
+		*q, err = fp8PairOf(t)
+	}
+	return p, err == nil
+}
+
+// recordErr reports why a cache record names no tiles of its family.
+func recordErr(t tuneTile) error {
+	if t.Kind == "" {
+		_, err := tilePairOf(t)
+		return err
+	}
+	_, err := fp8PairOf(t)
+	return err
+}
+
+// tilePairOf parses a bf16 record.
+func tilePairOf(t tuneTile) (tilePair, error) {
+	if t.Kind != "" {
+		return tilePair{}, fmt.Errorf("moe: tuning cache: %s tiles, not bf16 ones", t.Kind)
+	}
+	up, err := parseTile(t.Up)
+	if err != nil {
+		return tilePair{}, err
+	}
+	down, err := parseTile(t.Down)
+	return tilePair{up, down}, err
+}
+
+// record is tp's cache record for bucket b.
+func (tp tilePair) record(b tileKey) tuneTile {
+	return tuneTile{Bucket: b.bucket, FusedShared: b.fusedShared, Up: tp.up.Tag(), Down: tp.down.Tag()}
 }
 
 // mode returns Auto's cached mode of a bucket.
@@ -202,11 +275,14 @@ func (c tuneCache) mode(bucket int) (Mode, bool) {
 	return 0, false
 }
 
-// storeTiles records the tile pair of bucket b, keeping the entry's other
+// storeTiles records the bf16 tile pair of bucket b (storeChoice).
+func (c tuneCache) storeTiles(b tileKey, tp tilePair) error { return storeChoice(c, b, tp) }
+
+// storeChoice records the tiles of bucket b, keeping the entry's other
 // buckets (a corrupt or stale entry is replaced).
-func (c tuneCache) storeTiles(b tileKey, tp tilePair) error {
+func storeChoice[P tileChoice](c tuneCache, b tileKey, tp P) error {
 	return c.update(func(e *tuneEntry) {
-		t := tuneTile{Bucket: b.bucket, FusedShared: b.fusedShared, Up: tp.up.Tag(), Down: tp.down.Tag()}
+		t := tp.record(b)
 		for i := range e.Tiles {
 			if e.Tiles[i].Bucket == b.bucket && e.Tiles[i].FusedShared == b.fusedShared {
 				e.Tiles[i] = t

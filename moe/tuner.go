@@ -22,7 +22,8 @@ import (
 // Nothing waits for the host, so every batch size is captured into a graph and
 // replayed. The expert GEMMs run on tensor cores (moekernels' moe_gemm.cu); the
 // tile shape is picked per token bucket, by timing the candidates on the first
-// forward of a bucket on CUDA (see tune) or by a rule of thumb elsewhere.
+// forward of a bucket on CUDA (see tune; an FP8 layer's: tuneFP8) or by a rule
+// of thumb elsewhere.
 
 // tuner holds the fused path's tile choices and Auto's mode choices.
 type tuner struct {
@@ -30,6 +31,7 @@ type tuner struct {
 	autotune  bool                 // time the tiles per bucket
 	noTune    bool                 // LayerOptions.NoAutotune: no timing runs at all (tiles, Auto's mode)
 	tiles     map[tileKey]tilePair // chosen tiles by token bucket and shared fusion
+	fp8       map[tileKey]fp8Pair  // an FP8 layer's chosen tiles, the same way
 	log       []string             // what tune chose (TileChoices)
 	autoModes map[int]Mode         // Auto's measured choice by token bucket
 	evTune    [2]*gpuctx.Event     // timing events of tune
@@ -68,8 +70,7 @@ func tileBucket(T int) int {
 // Qwen3-30B-A3B), for layers that do not tune (LayerOptions.NoAutotune, the
 // CPU backend, where the tile changes no result).
 func ruleTile(T, K, E int) moekernels.MoEGemm {
-	TK := T * K
-	m := (TK + min(E, TK) - 1) / min(E, TK)
+	m := rowsPerExpert(T, K, E)
 	switch {
 	case m > 96:
 		return moekernels.MoEGemm{BM: 128, BN: 64, BK: 64, WarpsM: 2, WarpsN: 2, Stages: 3}
@@ -79,6 +80,14 @@ func ruleTile(T, K, E int) moekernels.MoEGemm {
 		return moekernels.MoEGemm{BM: 32, BN: 128, BK: 64, WarpsM: 1, WarpsN: 8, Stages: 4}
 	}
 	return moekernels.MoEGemm{BM: 16, BN: 64, BK: 64, WarpsM: 1, WarpsN: 4, Stages: 6}
+}
+
+// rowsPerExpert is the rows each touched expert gets on average (rounded
+// up) from T tokens of K slots over E experts, assuming min(E, T*K) of them
+// touched.
+func rowsPerExpert(T, K, E int) int {
+	TK := T * K
+	return (TK + min(E, TK) - 1) / min(E, TK)
 }
 
 // parseTile finds the config whose tag (moekernels.MoEGemm.Tag) is s.
@@ -127,55 +136,107 @@ func (l *Layer) knownTiles(p *plan) (tilePair, bool) {
 		return forcedPair(*tu.forceTile), true
 	}
 	if !tu.autotune {
-		return tilePair{ruleTile(p.T, p.ks, p.experts), ruleTile(p.T, p.ks, p.experts)}, true
+		return ruleTiles(p), true
 	}
 	tp, ok := tu.tiles[tileKey{tileBucket(p.T), p.fusedShared()}]
 	return tp, ok
 }
 
-// tilesFor returns the tiles of p's bucket: the forced tile, the tuned or
-// rule-of-thumb choice. Tuning (CUDA, first forward of a bucket, never during a
-// capture) needs the routing of this forward in the router's idx, and waits for
-// the main stream.
+// ruleTiles is the rule's bf16 tile pair for p (ruleTile).
+func ruleTiles(p *plan) tilePair {
+	c := ruleTile(p.T, p.ks, p.experts)
+	return tilePair{c, c}
+}
+
+// settleTiles sets the tiles of p, which are not known yet (plan.tilesKnown):
+// p.fp8 in an FP8 layer (settle between fp8Rule and tuneFP8), else p.tiles
+// (tilesFor). Tuning needs the routing of this forward in the router's idx,
+// runs on the main stream and waits for it.
+func (l *Layer) settleTiles(p *plan, x *gpuctx.Buffer) error {
+	var err error
+	if l.experts.q != nil {
+		p.fp8, err = settle(&l.tuner, l.tuner.fp8, p, l.fp8Rule(p), func() (fp8Pair, error) { return l.tuneFP8(p, x) })
+		return err
+	}
+	p.tiles, err = l.tilesFor(p, x)
+	return err
+}
+
+// tilesFor returns the bf16 tiles of p's bucket: the forced tile, or settle's
+// choice between the rule (ruleTile) and tune.
 func (l *Layer) tilesFor(p *plan, x *gpuctx.Buffer) (tilePair, error) {
 	tu := &l.tuner
 	if tu.forceTile != nil {
 		return forcedPair(*tu.forceTile), nil
 	}
+	return settle(tu, tu.tiles, p, ruleTiles(p), func() (tilePair, error) { return l.tune(p, x) })
+}
+
+// tileChoice is what the tuner keeps per tileKey: a bf16 layer's tilePair or
+// an FP8 layer's fp8Pair.
+type tileChoice interface {
+	tilePair | fp8Pair
+	upDown() string          // "up <tag>, down <tag>" (TileChoices)
+	note() string            // what TileChoices adds to the bucket: "", ", fp8"
+	record(tileKey) tuneTile // the tuning cache's form
+}
+
+// settle returns the tiles of p's bucket kept in kept; else, where the layer
+// autotunes and p is not being captured, the tuning cache's, or tune's
+// (stored in the cache); else rule. The choice is kept in kept, and logged
+// for TileChoices where it came from the cache (tune logs its own). tune runs
+// on the main stream and waits for it; nothing else does.
+func settle[P tileChoice](tu *tuner, kept map[tileKey]P, p *plan, rule P, tune func() (P, error)) (P, error) {
 	b := tileKey{tileBucket(p.T), p.fusedShared()}
-	if tp, ok := tu.tiles[b]; ok {
+	if tp, ok := kept[b]; ok {
 		return tp, nil
 	}
-	tp := tilePair{ruleTile(p.T, p.ks, p.experts), ruleTile(p.T, p.ks, p.experts)}
+	tp := rule
 	if tu.autotune && !p.capturing {
-		if c, ok := tu.cache.tiles(b); ok {
-			tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d, fused shared %v): up %s, down %s%s",
-				p.T, b.bucket, b.fusedShared, c.up.Tag(), c.down.Tag(), fromCacheNote))
-			tu.tiles[b] = c
+		if c, ok := cachedChoice[P](tu.cache, b); ok {
+			tu.logChoice(p, c, fromCacheNote)
+			kept[b] = c
 			return c, nil
 		}
 		var err error
-		if tp, err = l.tune(p, x); err != nil {
-			return tilePair{}, err
+		if tp, err = tune(); err != nil {
+			return rule, err
 		}
-		_ = tu.cache.storeTiles(b, tp) // a cache that cannot be written only costs a tuning later
+		_ = storeChoice(tu.cache, b, tp) // a cache that cannot be written only costs a tuning later
 	}
-	tu.tiles[b] = tp
+	kept[b] = tp
 	return tp, nil
 }
+
+// logChoice adds the TileChoices line of p's bucket: the choice tp, then
+// tail (its timings, or fromCacheNote).
+func (tu *tuner) logChoice(p *plan, tp interface {
+	upDown() string
+	note() string
+}, tail string) {
+	tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d, fused shared %v%s): %s%s",
+		p.T, tileBucket(p.T), p.fusedShared(), tp.note(), tp.upDown(), tail))
+}
+
+func (tp tilePair) upDown() string { return "up " + tp.up.Tag() + ", down " + tp.down.Tag() }
+func (tilePair) note() string      { return "" }
 
 // tuneSpan is about how long one of tune's timings runs: kernels shorter than
 // it are timed over several launches back to back (at most 8).
 const tuneSpan = 250 * time.Microsecond
 
-// timeIt returns the median of three timings of launch on the main stream
-// after a warm-up, waiting for each. A timing queues launch back to back reps
-// times between the events and divides: one launch alone would also count the
-// host's launch latency, the device being idle when the start event runs (a
-// few us, enough to swap the ranking of 1-token tiles from one tuning to the
-// next: H200, bench/gpu/s6_tune.sh). reps makes each timing about tuneSpan
-// long.
-func (l *Layer) timeIt(launch func() error) (time.Duration, error) {
+// tuneTimes, when set (tests), replaces each time timeIt measured: what names
+// the launch ("up <tag>", "down <tag>", "w8a8 <up tag>/<down tag>").
+var tuneTimes func(what string, d time.Duration) time.Duration
+
+// timeIt returns the median of three timings of launch (what it queues:
+// tuneTimes) on the main stream after a warm-up, waiting for each. A timing
+// queues launch back to back reps times between the events and divides: one
+// launch alone would also count the host's launch latency, the device being
+// idle when the start event runs (a few us, enough to swap the ranking of
+// 1-token tiles from one tuning to the next: H200, bench/gpu/s6_tune.sh).
+// reps makes each timing about tuneSpan long.
+func (l *Layer) timeIt(what string, launch func() error) (time.Duration, error) {
 	if timingHook != nil {
 		timingHook()
 	}
@@ -209,106 +270,146 @@ func (l *Layer) timeIt(launch func() error) (time.Duration, error) {
 		ts = append(ts, d)
 	}
 	slices.Sort(ts)
+	if tuneTimes != nil {
+		return tuneTimes(what, ts[len(ts)/2]), nil
+	}
 	return ts[len(ts)/2], nil
 }
 
 // timed is a tile and its time (-1: none).
-type timed struct {
-	c moekernels.MoEGemm
+type timed[C any] struct {
+	c C
 	d time.Duration
 }
 
-// tune times every tile's up and down kernel on this forward's routing (three
-// runs each after one warm-up, median) and returns the fastest up and the
-// fastest down of the fastest BM. With the fused shared expert on the
-// one-launch routing, each up kernel is timed together with
-// gpuctx_moe_route_align ahead of it: its shared blocks run while the routing
-// does (moe_shared_rows), and how much of them a tile hides there depends on
-// how many blocks it has. It runs on the main stream and waits for it.
+// tileCand is one tile that tune times: the tile, its tag and rows, and its
+// up kernel (nil: a down-only tile) and down kernel, each queued on the main
+// stream over the aligned sort of its rows.
+type tileCand[C any] struct {
+	c        C
+	tag      string
+	bm       int
+	up, down func() error
+}
+
+// tune times every bf16 tile's up and down kernel on this forward's routing
+// (bestOfBMs) and returns the fastest up and the fastest down of the fastest
+// BM. With the fused shared expert on the one-launch routing, each up kernel
+// is timed together with gpuctx_moe_route_align ahead of it: its shared
+// blocks run while the routing does (moe_shared_rows), and how much of them a
+// tile hides there depends on how many blocks it has. It runs on the main
+// stream and waits for it.
 func (l *Layer) tune(p *plan, x *gpuctx.Buffer) (tilePair, error) {
 	withRoute := p.ks > l.cfg.TopK && p.oneLaunch
 	prefetchTiles(l.dev, tuneCandidates(p.T))() // compile the candidates on several cores at once
-	var bestPair tilePair
-	bestSum := time.Duration(-1)
-	var log []string
-	var bms []int
-	for _, cand := range moekernels.MoEGemms {
-		if p.T <= smallTileTokens && cand.BM > 16 {
-			continue
+	var cands []tileCand[moekernels.MoEGemm]
+	for _, c := range tuneCandidates(p.T) {
+		kUp, kDown, err := l.experts.fusedKernels(c)
+		if errors.Is(err, gpuctx.ErrUnavailable) {
+			continue // a warpgroup tile on a GPU other than compute capability 9.0
 		}
-		if !slices.Contains(bms, cand.BM) {
-			bms = append(bms, cand.BM)
-		}
-	}
-	slices.Sort(bms)
-	for _, bm := range bms {
-		up, down, err := l.tuneBM(p, x, bm, withRoute, &log)
 		if err != nil {
 			return tilePair{}, err
 		}
-		if up.d >= 0 && (bestSum < 0 || up.d+down.d < bestSum) {
-			bestSum = up.d + down.d
-			bestPair = tilePair{up.c, down.c}
+		cand := tileCand[moekernels.MoEGemm]{c: c, tag: c.Tag(), bm: c.BM,
+			down: func() error { return l.experts.downs(kDown, c, &l.dispatch, p) }}
+		if c.HasUp() {
+			cand.up = l.routedUp(p, x, c.BM, withRoute, func() error { return l.experts.up(kUp, c, x, &l.dispatch, p) })
 		}
+		cands = append(cands, cand)
 	}
-	what := "up+down us"
-	if withRoute {
-		what = "routing+up and down us"
+	var log []string
+	up, down, err := bestOfBMs(l, p, cands, &log)
+	if err != nil {
+		return tilePair{}, err
 	}
-	l.tuner.log = append(l.tuner.log, fmt.Sprintf("T=%d (bucket %d, fused shared %v): up %s, down %s, %.1f us (%s: %s)",
-		p.T, tileBucket(p.T), p.fusedShared(), bestPair.up.Tag(), bestPair.down.Tag(), us(bestSum), what, strings.Join(log, ", ")))
-	return bestPair, nil
+	best := tilePair{up.c, down.c}
+	l.tuner.logChoice(p, best, fmt.Sprintf(", %.1f us (%s: %s)", us(up.d+down.d), timedWhat(withRoute), strings.Join(log, ", ")))
+	return best, nil
 }
 
-// tuneBM sorts p's routing in blocks of bm rows and times the tiles of that
-// BM, returning the fastest up and down (d -1: none) and logging each time.
-func (l *Layer) tuneBM(p *plan, x *gpuctx.Buffer, bm int, withRoute bool, log *[]string) (up, down timed, err error) {
+// timedWhat says what tune's per-tile times are (TileChoices).
+func timedWhat(withRoute bool) string {
+	if withRoute {
+		return "routing+up and down us"
+	}
+	return "up+down us"
+}
+
+// routedUp returns up, or where withRoute is set a launch that queues
+// gpuctx_moe_route_align of x with tile rows bm ahead of up, on the main
+// stream.
+func (l *Layer) routedUp(p *plan, x *gpuctx.Buffer, bm int, withRoute bool, up func() error) func() error {
+	if !withRoute {
+		return up
+	}
+	return func() error {
+		if err := l.dispatch.routeAlign(x, &l.router, p, bm); err != nil {
+			return err
+		}
+		return up()
+	}
+}
+
+// bestOfBMs times cands BM by BM, smallest first (timeBM), and returns the
+// fastest up and the fastest down of the BM whose fastest up+down is least
+// (d -1: none). It runs on the main stream and waits for it.
+func bestOfBMs[C any](l *Layer, p *plan, cands []tileCand[C], log *[]string) (up, down timed[C], err error) {
+	var bms []int
+	for _, c := range cands {
+		if !slices.Contains(bms, c.bm) {
+			bms = append(bms, c.bm)
+		}
+	}
+	slices.Sort(bms)
+	up, down = timed[C]{d: -1}, timed[C]{d: -1}
+	for _, bm := range bms {
+		u, d, err := timeBM(l, p, bm, cands, log)
+		if err != nil {
+			return up, down, err
+		}
+		if u.d >= 0 && d.d >= 0 && (up.d < 0 || u.d+d.d < up.d+down.d) {
+			up, down = u, d
+		}
+	}
+	return up, down, nil
+}
+
+// timeBM sorts p's routing in blocks of bm rows and times the up and down
+// kernels of cands of that BM, returning the fastest up and down (d -1:
+// none) and logging each time. It runs on the main stream and waits for it.
+func timeBM[C any](l *Layer, p *plan, bm int, cands []tileCand[C], log *[]string) (up, down timed[C], err error) {
 	if err := l.ensureFused(p, bm); err != nil {
 		return up, down, err
 	}
 	if err := l.dispatch.align(l.router.idx, p, bm); err != nil {
 		return up, down, err
 	}
-	up, down = timed{d: -1}, timed{d: -1}
-	for _, cand := range moekernels.MoEGemms {
-		if cand.BM != bm {
+	up, down = timed[C]{d: -1}, timed[C]{d: -1}
+	for _, cand := range cands {
+		if cand.bm != bm {
 			continue
 		}
-		kUp, kDown, err := l.experts.fusedKernels(cand)
-		if errors.Is(err, gpuctx.ErrUnavailable) {
-			continue // a warpgroup tile on a GPU other than compute capability 9.0
-		}
-		if err != nil {
-			return up, down, err
-		}
 		du := time.Duration(-1) // a down-only tile
-		if cand.HasUp() {
-			du, err = l.timeIt(func() error {
-				if withRoute {
-					if err := l.dispatch.routeAlign(x, &l.router, p, cand.BM); err != nil {
-						return err
-					}
-				}
-				return l.experts.up(kUp, cand, x, &l.dispatch, p)
-			})
-			if err != nil {
-				return up, down, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
+		if cand.up != nil {
+			if du, err = l.timeIt("up "+cand.tag, cand.up); err != nil {
+				return up, down, fmt.Errorf("moe: timing tile %s: %w", cand.tag, err)
 			}
 		}
-		dd, err := l.timeIt(func() error { return l.experts.downs(kDown, cand, &l.dispatch, p) })
+		dd, err := l.timeIt("down "+cand.tag, cand.down)
 		if err != nil {
-			return up, down, fmt.Errorf("moe: timing tile %s: %w", cand.Tag(), err)
+			return up, down, fmt.Errorf("moe: timing tile %s: %w", cand.tag, err)
 		}
 		if du < 0 {
-			*log = append(*log, fmt.Sprintf("%s -+%.1f", cand.Tag(), us(dd)))
+			*log = append(*log, fmt.Sprintf("%s -+%.1f", cand.tag, us(dd)))
 		} else {
-			*log = append(*log, fmt.Sprintf("%s %.1f+%.1f", cand.Tag(), us(du), us(dd)))
+			*log = append(*log, fmt.Sprintf("%s %.1f+%.1f", cand.tag, us(du), us(dd)))
 		}
 		if du >= 0 && (up.d < 0 || du < up.d) {
-			up = timed{cand, du}
+			up = timed[C]{cand.c, du}
 		}
 		if down.d < 0 || dd < down.d {
-			down = timed{cand, dd}
+			down = timed[C]{cand.c, dd}
 		}
 	}
 	return up, down, nil

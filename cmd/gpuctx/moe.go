@@ -320,7 +320,9 @@ others are converted a chunk at a time. On a GPU the fused bf16 expert GEMMs
 use rule-of-thumb tiles: timing the candidate tiles (about 150 ms on an H200,
 at the first forward of each token bucket) cannot pay off in a run of one
 forward, and the tile changes no output bit. --autotune times them, as a
-long-lived moe.Layer does by default.
+long-lived moe.Layer does by default. With --dtype fp8 it times the FP8 tiles,
+whose choice between the w8a16 and the w8a8 tiles (activations in E4M3)
+changes the output, as the rule's does by the batch size.
 
 --gpus N (N > 1) runs the layer expert parallel on devices 0..N-1 (moe.ExpertParallel):
 rank r holds routed experts [r*E/N, (r+1)*E/N) and a replica of the router and
@@ -380,7 +382,7 @@ func newMoeRunCmd(a *app) *cobra.Command {
 	f.StringVar(&o.trace, "trace", "", traceHelp)
 	f.BoolVarP(&o.verbose, "verbose", "v", false, "print a wall-time breakdown (open, parse, load, compile, blas, forward, write) and the layer's device memory to stderr")
 	f.IntVar(&o.gpus, "gpus", 1, "devices to run the layer on, expert parallel when above 1 (the CPU backend opens one runtime per device)")
-	f.BoolVar(&o.autotune, "autotune", false, "time the fused expert GEMM tiles on the first forward (CUDA, bf16) instead of picking them by rule of thumb; same output, slower one-shot run")
+	f.BoolVar(&o.autotune, "autotune", false, "time the fused expert GEMM tiles on the first forward (CUDA, bf16 or fp8) instead of picking them by rule of thumb; same output for bf16, slower one-shot run")
 	return cmd
 }
 
@@ -519,7 +521,7 @@ func (a *app) runMoe(cmd *cobra.Command, o moeRunOpts) error {
 	}
 	ph.end()
 	if o.verbose {
-		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "blas": blasNote(warm), "forward": forwardNote(dev.Backend(), dt, o.autotune && !fp8, l.TunedFromCache())}, dev.Backend())
+		ph.print(a.errOut, map[string]string{"compile": kernelNote(dev, k0, k2), "blas": blasNote(warm), "forward": forwardNote(dev.Backend(), dt, o.autotune, l.TunedFromCache())}, dev.Backend())
 		fmt.Fprintf(a.errOut, "weights on the device: %s\n", weightMemoryText(l))
 		fmt.Fprintf(a.errOut, "device memory: %s\n", mem.text())
 	}

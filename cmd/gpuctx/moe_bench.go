@@ -115,9 +115,9 @@ printed without it and the exit status is 1.
 
 --dtype fp8 times the layer with its routed experts' weights in FP8 on the
 device (moe.LayerOptions.FP8: E4M3 codes and 128x128 block scales, the w8a16
-tiles, or on compute capability 9.0 from 64 rows per touched expert the w8a8
-tiles over activations quantized to E4M3 on the device; picked by rule, not
-timed), the rest bf16; its floor counts the FP8 bytes and scales the batch
+tiles, or on compute capability 9.0 the w8a8 tiles over activations quantized
+to E4M3 on the device; timed per token bucket as the bf16 tiles, the w8a8
+chains against the w8a16 tiles from 17 rows per touched expert), the rest bf16; its floor counts the FP8 bytes and scales the batch
 touches (and the shared expert's bf16 bytes, in every mode). Mode fused (and
 auto up to 16 tokens) runs the shared expert's FP8 chunks inside the FP8
 tiles, so its output check against single allows 1e-1 instead of 2e-2. Run
@@ -332,7 +332,8 @@ func checkMoeBenchFlags(changed func(string) bool, o *moeBenchOpts) error {
 }
 
 // fp8FusedCheckTol is moe bench's output check tolerance for --dtype fp8:
-// from 64 rows per touched expert single and dual run the w8a8 tiles
+// where the tuner picks them (17 rows per touched expert or more) single
+// and dual run the w8a8 tiles
 // (activations in E4M3: 2.5-5.6% from the w8a16 result on random layers,
 // moe's TestLayerFP8W8A8), while fused (and auto, which runs it up to 16
 // tokens) keeps the w8a16 tiles for the shared expert's chunks, and a chunk
@@ -354,7 +355,7 @@ func benchCheckTol(dt gpuctx.DType, fp8 bool) float64 {
 func checkFP8BenchFlags(o *moeBenchOpts) error {
 	switch {
 	case o.tile != "":
-		return fail("--dtype fp8 with --tile", "--tile names a bf16 tile; the FP8 layer picks its tiles by rule: drop --tile", nil)
+		return fail("--dtype fp8 with --tile", "--tile names a bf16 tile; the FP8 layer picks its own tiles: drop --tile", nil)
 	case o.noFused:
 		return fail("--dtype fp8 with --no-fused", "the FP8 experts run on the fused path only: drop --no-fused", nil)
 	case o.smallBatch > 0:

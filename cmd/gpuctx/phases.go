@@ -110,10 +110,10 @@ func (p *phases) print(w io.Writer, notes map[string]string, backend string) {
 	fmt.Fprintf(w, "  %-8s %10.1f ms\n", "total", float64(total.Microseconds())/1e3)
 }
 
-// forwardNote describes moe run's forward phase: on CUDA a bf16 layer's fused
-// expert GEMMs pick their tiles by rule of thumb unless --autotune times them
-// (which the forward then includes), unless the tiles came from the disk
-// cache of tuning results (cached).
+// forwardNote describes moe run's forward phase: on CUDA a bf16 (or FP8)
+// layer's fused expert GEMMs pick their tiles by rule of thumb unless
+// --autotune times them (which the forward then includes), unless the tiles
+// came from the disk cache of tuning results (cached).
 func forwardNote(backend string, dt gpuctx.DType, autotune, cached bool) string {
 	const what = "one forward, host in and out, kernel lookups excluded"
 	switch {

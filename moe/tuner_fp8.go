@@ -1,0 +1,175 @@
+package moe
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/gpuctx/gpuctx"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
+)
+
+// The FP8 layer's tuner: as the bf16 one (tune), per token bucket and shared
+// fusion (tileKey) on the first forward of a bucket where the layer
+// autotunes, it times the w8a16 tiles (moekernels.FP8Gemms, up and down
+// apart, BM by BM: bestOfBMs) and, where the w8a8 tiles may run (fp8W8A8Cands),
+// each w8a8 pair's whole chain (both quantizers, up and down: fusedW8A8), and
+// keeps the fastest (settle). The choice is the same for Single and Dual (one
+// key), so they stay bitwise equal; it changes the result where it switches
+// between w8a16 and w8a8, as the rule (fp8Tiles) does by the batch size.
+
+// w8a8Pairs are the w8a8 tile pairs an FP8 layer loads (fp8Experts.loadKernels)
+// and the tuner times: the one-warpgroup pair, then the 128-row pair.
+var w8a8Pairs = [...]fp8Pair{
+	{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown},
+	{w8: true, w8up: w8a8Up, w8down: w8a8Down},
+}
+
+// fp8Rule is the rule's FP8 tiles for p (fp8Tiles): the w8a8 tiles where the
+// layer has them and the shared expert is not fused (they take no shared
+// chunks).
+func (l *Layer) fp8Rule(p *plan) fp8Pair {
+	return fp8Tiles(p.T, p.ks, p.experts, l.experts.q.w8 && !p.fusedShared())
+}
+
+// knownFP8 returns the FP8 tiles of p's bucket when they are already chosen
+// (by rule where the layer does not autotune, or tuned), without tuning.
+func (l *Layer) knownFP8(p *plan) (fp8Pair, bool) {
+	if !l.tuner.autotune {
+		return l.fp8Rule(p), true
+	}
+	tp, ok := l.tuner.fp8[tileKey{tileBucket(p.T), p.fusedShared()}]
+	return tp, ok
+}
+
+// tuneFP8 times the FP8 candidates on this forward's routing and returns the
+// fastest: the w8a16 pair of bestOfBMs (up+down) or a w8a8 pair's chain
+// (fp8W8A8Cands). With the fused shared expert on the one-launch routing each
+// w8a16 up kernel is timed with gpuctx_moe_route_align ahead of it, as in
+// tune. It logs every time (TileChoices), runs on the main stream and waits
+// for it.
+func (l *Layer) tuneFP8(p *plan, x *gpuctx.Buffer) (fp8Pair, error) {
+	withRoute := p.ks > l.cfg.TopK && p.oneLaunch
+	var log []string
+	up, down, err := bestOfBMs(l, p, l.fp8Cands(p, x, withRoute), &log)
+	if err != nil {
+		return fp8Pair{}, err
+	}
+	best, bestD := fp8Pair{up: up.c, down: down.c}, up.d+down.d
+	var chains []string
+	for _, tp := range l.fp8W8A8Cands(p) {
+		d, err := l.timeW8A8(p, x, tp)
+		if err != nil {
+			return fp8Pair{}, err
+		}
+		chains = append(chains, fmt.Sprintf("%s/%s %.1f", tp.w8up.Tag(), tp.w8down.Tag(), us(d)))
+		if d < bestD {
+			best, bestD = tp, d
+		}
+	}
+	tail := fmt.Sprintf(", %.1f us (%s: %s", us(bestD), timedWhat(withRoute), strings.Join(log, ", "))
+	if len(chains) > 0 {
+		tail += "; w8a8 chains us: " + strings.Join(chains, ", ")
+	}
+	l.tuner.logChoice(p, best, tail+")")
+	return best, nil
+}
+
+// fp8Cands are the w8a16 tiles tuneFP8 times: every tile of
+// moekernels.FP8Gemms, each kernel queued on the main stream as fusedFP8
+// queues it.
+func (l *Layer) fp8Cands(p *plan, x *gpuctx.Buffer, withRoute bool) []tileCand[moekernels.FP8Gemm] {
+	var cands []tileCand[moekernels.FP8Gemm]
+	for _, c := range moekernels.FP8Gemms {
+		cands = append(cands, tileCand[moekernels.FP8Gemm]{c: c, tag: c.Tag(), bm: c.BM,
+			up:   l.routedUp(p, x, c.BM, withRoute, func() error { return l.experts.fp8Up(c, x, &l.dispatch, p) }),
+			down: func() error { return l.experts.fp8Down(c, &l.dispatch, p) }})
+	}
+	return cands
+}
+
+// fp8W8A8Cands are the w8a8 pairs tuneFP8 times for p: w8a8Pairs where the
+// layer has the w8a8 tiles (fp8Experts.w8), the shared expert is not fused
+// (they take no shared chunks), and the touched experts get at least
+// w8a8MinRows rows each on average (below, their 64-row blocks are mostly
+// padding); else none.
+func (l *Layer) fp8W8A8Cands(p *plan) []fp8Pair {
+	if !l.experts.q.w8 || p.fusedShared() || rowsPerExpert(p.T, p.ks, p.experts) < w8a8MinRows {
+		return nil
+	}
+	return w8a8Pairs[:]
+}
+
+// timeW8A8 sorts p's routing in blocks of tp's rows and times tp's chain
+// (fusedW8A8: the quantizer of x, the up tile, the quantizer of act, the down
+// tile) on the main stream, waiting for it.
+func (l *Layer) timeW8A8(p *plan, x *gpuctx.Buffer, tp fp8Pair) (time.Duration, error) {
+	cp := *p
+	cp.fp8 = tp
+	if err := l.ensureFused(&cp, tp.bm()); err != nil {
+		return 0, err
+	}
+	if err := l.dispatch.align(l.router.idx, &cp, tp.bm()); err != nil {
+		return 0, err
+	}
+	d, err := l.timeIt(tp.tags(), func() error { return l.experts.fusedW8A8(x, &l.dispatch, &cp) })
+	if err != nil {
+		return 0, fmt.Errorf("moe: timing tiles %s: %w", tp.tags(), err)
+	}
+	return d, nil
+}
+
+// upDown names tp's kernels' tiles (TileChoices), e.g. "up m16n64w4s4, down
+// m16n128w8s3" or "up w8a8 m64n64s4p2, down w8a8 m64n128s4p2".
+func (tp fp8Pair) upDown() string {
+	if tp.w8 {
+		return "up w8a8 " + tp.w8up.Tag() + ", down w8a8 " + tp.w8down.Tag()
+	}
+	return "up " + tp.up.Tag() + ", down " + tp.down.Tag()
+}
+
+func (fp8Pair) note() string { return ", fp8" }
+
+// record is tp's tuning cache record for bucket b.
+func (tp fp8Pair) record(b tileKey) tuneTile {
+	t := tuneTile{Bucket: b.bucket, FusedShared: b.fusedShared, Up: tp.up.Tag(), Down: tp.down.Tag(), Kind: kindW8A16}
+	if tp.w8 {
+		t.Up, t.Down, t.Kind = tp.w8up.Tag(), tp.w8down.Tag(), kindW8A8
+	}
+	return t
+}
+
+// fp8PairOf parses an FP8 layer's cache record: w8a16 tiles of
+// moekernels.FP8Gemms, or one of w8a8Pairs.
+func fp8PairOf(t tuneTile) (fp8Pair, error) {
+	switch t.Kind {
+	case kindW8A16:
+		up, err := parseFP8Tile(t.Up)
+		if err != nil {
+			return fp8Pair{}, err
+		}
+		down, err := parseFP8Tile(t.Down)
+		if err != nil || up.BM != down.BM {
+			return fp8Pair{}, fmt.Errorf("moe: tuning cache: w8a16 tiles %q/%q: %w", t.Up, t.Down, gpuctx.ErrInvalid)
+		}
+		return fp8Pair{up: up, down: down}, nil
+	case kindW8A8:
+		for _, tp := range w8a8Pairs {
+			if tp.w8up.Tag() == t.Up && tp.w8down.Tag() == t.Down {
+				return tp, nil
+			}
+		}
+		return fp8Pair{}, fmt.Errorf("moe: tuning cache: unknown w8a8 pair %q/%q: %w", t.Up, t.Down, gpuctx.ErrInvalid)
+	}
+	return fp8Pair{}, fmt.Errorf("moe: tuning cache: tiles of kind %q, not FP8 ones: %w", t.Kind, gpuctx.ErrInvalid)
+}
+
+// parseFP8Tile finds the w8a16 tile of moekernels.FP8Gemms whose tag is s.
+func parseFP8Tile(s string) (moekernels.FP8Gemm, error) {
+	for _, c := range moekernels.FP8Gemms {
+		if c.Tag() == s {
+			return c, nil
+		}
+	}
+	return moekernels.FP8Gemm{}, fmt.Errorf("moe: unknown FP8 tile %q: %w", s, gpuctx.ErrInvalid)
+}
