@@ -86,7 +86,10 @@ func TestLayerFP8CUDA(t *testing.T) {
 			}
 			wq := fp8Dequantized(t, cfg, w)
 			var wqf *Weights // FusedShared's weights, once the layer says its chunks
-			o := LayerOptions{DType: gpuctx.BF16, FP8: true}
+			// The rule's tiles on both backends (the CPU backend does not
+			// tune): the tolerances below follow fp8Tiles' w8a8 choice, and
+			// the tuner is TestLayerFP8Tune's.
+			o := LayerOptions{DType: gpuctx.BF16, FP8: true, NoAutotune: true}
 			lg, err := NewLayer(gpu, cfg, w, o)
 			if err != nil {
 				t.Fatal(err)
