@@ -6,6 +6,11 @@
 # the Triton peer's GEMM kernel beside them.
 # Build first (here): bash bench/gpu/pack.sh ./cmd/gpuctx
 # Environment: PRESET (deepseek-v2-lite), TOKENS ("1 4096").
+# W8A8=1 (pack ./moe/internal/moekernels too): also the FP8 w8a8 persistent
+# tiles at DeepSeek-V2-Lite 4096 tokens (BenchmarkW8A8Expert): the stall
+# reasons per issued instruction, and the source counters per SASS
+# instruction as CSV ($OUT/w8a8-sass.csv.gz; bench/RESULTS.md, session 10,
+# call 6, reads it by SASS range: epilogue, wgmma + DEPBAR, scaling, waits).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 P=${PRESET:-deepseek-v2-lite}
@@ -27,3 +32,16 @@ for f in "$OUT"/ncu-experts-*.txt "$OUT"/ncu-peer-*.txt; do
   echo "#### $f"
   grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|L2 Hit" "$f" | head -40
 done
+if [ -n "${W8A8:-}" ]; then
+  K=gpuctx_moe_w8a8_up_m128n64s6p2\|gpuctx_moe_w8a8_down_m128n128s6p2
+  B=(-test.run '^$' -test.bench 'W8A8Expert/deepseek-v2-lite/T=4096$' -test.benchtime 1x)
+  (cd moe/internal/moekernels &&
+    timeout 150 ncu --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,gpu__time_duration.sum \
+      -k regex:"$K" -c 2 ../../../.gpu/moe_internal_moekernels.test "${B[@]}" > "$OUT/ncu-w8a8-stalls.txt" 2>&1
+    echo "== w8a8 stalls rc=$?"
+    timeout 150 ncu --section SourceCounters --section WarpStateStats --import-source no -k regex:"$K" -c 2 -o /tmp/w8a8 \
+      ../../../.gpu/moe_internal_moekernels.test "${B[@]}" > /dev/null 2>&1
+    echo "== w8a8 source counters rc=$?")
+  ncu -i /tmp/w8a8.ncu-rep --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/w8a8-sass.csv.gz"
+  grep -E "gpuctx_moe_w8a8|duration|stalled" "$OUT/ncu-w8a8-stalls.txt" | head -40
+fi
