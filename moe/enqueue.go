@@ -73,9 +73,9 @@ func (l *Layer) routeAndDispatch(p *plan, xv *gpuctx.Buffer) error {
 // rows, settling p's tiles (bf16 or FP8: settleTiles) first where they are
 // not known: the one-launch path routes and sorts with the rule's rows,
 // tunes on that routing, and sorts again; the other routes, tunes, and
-// sorts. Every forward of a one-launch
-// batch computes the router logits the same way (in that kernel, never in a
-// GEMM), so results do not depend on whether the tiles were tuned yet.
+// sorts. Every forward of a one-launch batch computes the router logits the
+// same way (in that kernel, never in a GEMM), so results do not depend on
+// whether the tiles were tuned yet.
 func (l *Layer) sortFused(p *plan, xv *gpuctx.Buffer) error {
 	if p.oneLaunch {
 		if err := l.ensureFused(p, p.sortBM); err != nil {

@@ -389,8 +389,8 @@ func (l *Layer) FusedSharedChunks() int { return l.ns }
 // DeviceWeightBytes returns the bytes of device memory the layer's weights
 // take (FP8 layers: the codes and their block scales included, and the FP8
 // chunks of a fusable shared expert beside its bf16 copy), not counting
-// scratch buffers (DeviceMemory counts everything); 0 once the layer is closed. It touches no device and is
-// safe for concurrent use.
+// scratch buffers (DeviceMemory counts everything); 0 once the layer is
+// closed. It touches no device and is safe for concurrent use.
 func (l *Layer) DeviceWeightBytes() int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
