@@ -91,6 +91,14 @@ var (
 	// (357 against 520 us).
 	w8a8SmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true}
 	w8a8SmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2}
+	// The same tiles multiplying each stage in two halves of columns
+	// (moekernels.W8A8Gemm.Halves), so that a warpgroup scales one half
+	// while the tensor cores run the other; the tuner times them beside the
+	// others.
+	w8a8HalvesUp        = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Halves: true, Up: true}
+	w8a8HalvesDown      = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2, Halves: true}
+	w8a8SmallHalvesUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 4, Producers: 2, Halves: true, Up: true}
+	w8a8SmallHalvesDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2, Halves: true}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs

@@ -76,27 +76,34 @@ func w8a8CheckDevice(t *testing.T, dev *device, shapes []fp8Shape, tokens []int)
 				for ri, c := range []*fp8MMACase{w.batch(T, sh.K, uint64(1000*si+T)), w8a8Skewed(w, T, sh.K, uint64(T))} {
 					for _, tile := range W8A8Gemms {
 						name := fmt.Sprintf("%s/exact=%v/T=%d/routing%d/%s", sh.name, exact, T, ri, tile.Name())
-						in := c.w8a8Inputs(tile.BM)
-						want := c.w8a8Run(t, cpu, cw, in, tile)
-						got := c.w8a8Run(t, dev, gw, in, tile)
-						diff := countDiff(got, want)
-						rel := relErr(bf16s64(got), bf16s64(want))
-						switch {
-						case exact && diff > 0:
-							i := 0
-							for got[i] == want[i] {
-								i++
-							}
-							t.Errorf("%s: %d of %d elements differ from the twin (relative %.3g); first %d: %#04x, twin %#04x", name, diff, len(got), rel, i, got[i], want[i])
-						case rel > 1e-2:
-							t.Errorf("%s: max|d|/max|twin| = %.3g, want <= 1e-2 (%d of %d elements differ)", name, rel, diff, len(got))
-						case !exact:
-							t.Logf("%s: %d of %d elements differ from the twin, relative %.3g", name, diff, len(got), rel)
-						}
+						// A subtest per case, so that -run can pick tiles.
+						t.Run(name, func(t *testing.T) { w8a8CheckCase(t, c, cpu, dev, cw, gw, tile, exact) })
 					}
 				}
 			}
 		}
+	}
+}
+
+// w8a8CheckCase runs one case of w8a8CheckDevice: tile on dev against its
+// twin on cpu, bit for bit on exact data, within 1e-2 otherwise.
+func w8a8CheckCase(t *testing.T, c *fp8MMACase, cpu, dev *device, cw, gw fp8WeightPtrs, tile W8A8Gemm, exact bool) {
+	in := c.w8a8Inputs(tile.BM)
+	want := c.w8a8Run(t, cpu, cw, in, tile)
+	got := c.w8a8Run(t, dev, gw, in, tile)
+	diff := countDiff(got, want)
+	rel := relErr(bf16s64(got), bf16s64(want))
+	switch {
+	case exact && diff > 0:
+		i := 0
+		for got[i] == want[i] {
+			i++
+		}
+		t.Errorf("%d of %d elements differ from the twin (relative %.3g); first %d: %#04x, twin %#04x", diff, len(got), rel, i, got[i], want[i])
+	case rel > 1e-2:
+		t.Errorf("max|d|/max|twin| = %.3g, want <= 1e-2 (%d of %d elements differ)", rel, diff, len(got))
+	case !exact:
+		t.Logf("%d of %d elements differ from the twin, relative %.3g", diff, len(got), rel)
 	}
 }
 
@@ -363,7 +370,7 @@ func w8a8Pairs() [][2]W8A8Gemm {
 	var out [][2]W8A8Gemm
 	for _, u := range W8A8Gemms {
 		for _, d := range W8A8Gemms {
-			if u.Up && !d.Up && u.Producers == d.Producers && u.BM == d.BM {
+			if u.Up && !d.Up && u.Producers == d.Producers && u.BM == d.BM && u.Halves == d.Halves {
 				out = append(out, [2]W8A8Gemm{u, d})
 			}
 		}
