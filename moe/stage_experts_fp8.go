@@ -80,6 +80,11 @@ var (
 	// The persistent warp-specialised w8a8 tiles: on the H200 (DeepSeek-V2-Lite,
 	// BenchmarkW8A8Expert, 2026-12-02) up 750 vs 839 us and down 266 vs 334 us at
 	// 4096 tokens against the plain tiles, faster at 1024 and 8192 too.
+	// Tried and dropped (session 11, commit 96e5288, then reverted): the same
+	// tiles multiplying each stage in two halves of 64 columns, each half
+	// scaled under the other's wgmma: slower everywhere on the H200 (up 912
+	// vs 752 us, down 338 vs 268 at DeepSeek-V2-Lite 4096; the one-warpgroup
+	// pair 1413 + 502 vs 1114 + 358), so the wgmma of a stage stay whole.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
 	// The one-warpgroup w8a8 tiles, for 17-63 rows per touched expert: on the
@@ -91,14 +96,6 @@ var (
 	// (357 against 520 us).
 	w8a8SmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true}
 	w8a8SmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2}
-	// The same tiles multiplying each stage in two halves of columns
-	// (moekernels.W8A8Gemm.Halves), so that a warpgroup scales one half
-	// while the tensor cores run the other; the tuner times them beside the
-	// others.
-	w8a8HalvesUp        = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Halves: true, Up: true}
-	w8a8HalvesDown      = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2, Halves: true}
-	w8a8SmallHalvesUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 4, Producers: 2, Halves: true, Up: true}
-	w8a8SmallHalvesDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2, Halves: true}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs

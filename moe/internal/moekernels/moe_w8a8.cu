@@ -92,7 +92,6 @@ static __device__ __forceinline__ unsigned long long w8_desc(unsigned addr) {
 static __device__ __forceinline__ void w8_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void w8_commit_mma() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void w8_wait_mma0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-static __device__ __forceinline__ void w8_wait_mma1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 // w8_mma<N>(d, a, b, acc): d[64 x N] = (acc ? d : 0) + A[64 x 32] * B[N x
 // 32]^T, E4M3 operands, for this warpgroup (generated specialisations, one
@@ -514,92 +513,7 @@ static __device__ __forceinline__ void w8p_produce(const unsigned char* __restri
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// w8p_halves is moe_w8p's consumer loop over one tile's K blocks when the
-// tile is HALVES: each stage's wgmma run as two of half the columns (the
-// gate's and the up's for UP, the two halves of the down's columns
-// otherwise), each half into its own registers of blk and committed as its
-// own group, so that one half's scaling runs while the other half's wgmma do:
-//
-//   issue half 0 and half 1 of block 0
-//   for kb: wait for half 0 of kb (wait_group 1); scale it into acc;
-//           issue half 0 of kb+1; wait for half 1 of kb (wait_group 1, or 0
-//           at the last block); release kb's stage; scale half 1 into acc;
-//           issue half 1 of kb+1.
-//
-// Each output still sums the same four k32 steps of its block and is scaled
-// and added in the same order (moe_w8a8.cu's contract): the tile changes no
-// result but for the tensor core's order within a block. The stage of kb+1
-// is awaited while kb's stage is held, which needs STAGES >= 2 (no deadlock:
-// the producers wait only for stages released before it).
-template <int BM, int NW, int STAGES, bool UP>
-static __device__ __forceinline__ void w8p_halves(float* acc, float* blk, const float* const* arow, const float* sg,
-                                                  const float* su, int KB, int grp, int lane, unsigned sbase,
-                                                  unsigned full0, unsigned empty0, int& slot, unsigned& ph) {
-    constexpr int HW = NW / 2;  // columns of one half's wgmma
-    constexpr int HR = HW / 2;  // its accumulator registers
-    constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NW) * 128;
-    static_assert(HW % 8 == 0 && HW >= 8, "halves of at least 8 columns");
-    // issue queues half h of the stage in slot sl (the stage is full).
-    auto issue = [&](int h, int sl) {
-        const unsigned st = sbase + (unsigned)sl * ST_BYTES;
-        const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES + (unsigned)(h * HW) * 128u;
-        w8_fence();
-        if (h == 0) {
-#pragma unroll
-            for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<HW>(blk, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
-        } else {
-#pragma unroll
-            for (int kk = 0; kk < W8_BK / 32; ++kk)
-                w8_mma<HW>(blk + HR, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
-        }
-        w8_commit_mma();
-    };
-    auto full = [&](int sl, unsigned p) {
-        w8p_wait(full0 + 8u * sl, p);
-        // The stage's cp.async writes went through the generic proxy; wgmma
-        // reads through the async proxy.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    };
-    full(slot, ph);
-    issue(0, slot);
-    issue(1, slot);
-    for (int kb = 0; kb < KB; ++kb) {
-        const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
-        const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
-        const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
-        // s[h][hr]: half h's scale of row half hr (UP: the gate's, then the
-        // up's block scale; down: its columns' one block scale for both).
-        const float s[2][2] = {{__fmul_rn(sa0, sbg), __fmul_rn(sa1, sbg)},
-                               {__fmul_rn(sa0, UP ? sbu : sbg), __fmul_rn(sa1, UP ? sbu : sbg)}};
-        const int cur = slot;
-        if (++slot == STAGES) {
-            slot = 0;
-            ph ^= 1u;
-        }
-        const bool more = kb + 1 < KB;
-        w8_wait_mma1();  // half 0 of kb is done (half 1 may run)
-#pragma unroll
-        for (int i = 0; i < HR; ++i) asm volatile("" : "+f"(blk[i])::"memory");
-#pragma unroll
-        for (int i = 0; i < HR; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(blk[i], s[0][(i >> 1) & 1]));
-        if (more) {
-            full(slot, ph);
-            issue(0, slot);
-            w8_wait_mma1();  // half 1 of kb is done (half 0 of kb+1 may run)
-        } else {
-            w8_wait_mma0();
-        }
-        // This warp's wgmma of stage kb are done: release it.
-        if (lane == 0) w8p_arrive(empty0 + 8u * cur);
-#pragma unroll
-        for (int i = HR; i < 2 * HR; ++i) asm volatile("" : "+f"(blk[i])::"memory");
-#pragma unroll
-        for (int i = HR; i < 2 * HR; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(blk[i], s[1][(i >> 1) & 1]));
-        if (more) issue(1, slot);
-    }
-}
-
-template <int BM, int BN, int STAGES, int PW, bool UP, bool HALVES>
+template <int BM, int BN, int STAGES, int PW, bool UP>
 static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__ A, const float* __restrict__ AS,
                                                const unsigned char* __restrict__ B, const float* __restrict__ S,
                                                const int* __restrict__ sorted, const int* __restrict__ block_expert,
@@ -670,38 +584,34 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
         const float* su = S + ((long long)(e * NB + NB - 1) * NBR + n0 / W8_BK) * KB;
 #pragma unroll
         for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
-        if (HALVES) {
-            w8p_halves<BM, NW, STAGES, UP>(acc, blk, arow, sg, su, KB, grp, lane, sbase, full0, empty0, slot, ph);
-        } else {
-            for (int kb = 0; kb < KB; ++kb) {
-                const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
-                const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
-                const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
-                w8p_wait(full0 + 8u * slot, ph);
-                // The stage's cp.async writes went through the generic proxy;
-                // wgmma reads through the async proxy.
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                const unsigned st = sbase + (unsigned)slot * ST_BYTES;
-                const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
-                w8_fence();
+        for (int kb = 0; kb < KB; ++kb) {
+            const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
+            const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
+            const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
+            w8p_wait(full0 + 8u * slot, ph);
+            // The stage's cp.async writes went through the generic proxy;
+            // wgmma reads through the async proxy.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+            const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
+            w8_fence();
 #pragma unroll
-                for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<NW>(blk, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
-                w8_commit_mma();
-                w8_wait_mma0();
-                // This warp's wgmma of the stage is done: release it.
-                if (lane == 0) w8p_arrive(empty0 + 8u * slot);
-                if (++slot == STAGES) {
-                    slot = 0;
-                    ph ^= 1u;
-                }
+            for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<NW>(blk, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
+            w8_commit_mma();
+            w8_wait_mma0();
+            // This warp's wgmma of the stage is done: release it.
+            if (lane == 0) w8p_arrive(empty0 + 8u * slot);
+            if (++slot == STAGES) {
+                slot = 0;
+                ph ^= 1u;
+            }
 #pragma unroll
-                for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(blk[i])::"memory");
-                const float s[2][2] = {{__fmul_rn(sa0, sbg), __fmul_rn(sa1, sbg)}, {__fmul_rn(sa0, sbu), __fmul_rn(sa1, sbu)}};
+            for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(blk[i])::"memory");
+            const float s[2][2] = {{__fmul_rn(sa0, sbg), __fmul_rn(sa1, sbg)}, {__fmul_rn(sa0, sbu), __fmul_rn(sa1, sbu)}};
 #pragma unroll
-                for (int i = 0; i < NW / 2; ++i) {
-                    const int h = UP && (i / 4) >= BN / 8 ? 1 : 0;
-                    acc[i] = __fadd_rn(acc[i], __fmul_rn(blk[i], s[h][(i >> 1) & 1]));
-                }
+            for (int i = 0; i < NW / 2; ++i) {
+                const int h = UP && (i / 4) >= BN / 8 ? 1 : 0;
+                acc[i] = __fadd_rn(acc[i], __fmul_rn(blk[i], s[h][(i >> 1) & 1]));
             }
         }
         // Epilogue (moe_w8's): register 4j + 2h + v is column 8j + 2*(lane%4)
