@@ -391,6 +391,11 @@ func (tm *fp8Timer) fp8Best(b testing.TB, ks []fp8Kernel) (up, down fp8Kernel, u
 			best[k.bm] = i
 		}
 	}
+	var log []string
+	for i, k := range ks {
+		log = append(log, fmt.Sprintf("%s %s %.1f", map[bool]string{true: "up", false: "down"}[k.up], k.tag, times[i]))
+	}
+	b.Logf("each kernel alone, us: %s", strings.Join(log, ", "))
 	us = math.Inf(1)
 	for bm, i := range bestUp {
 		if j, ok := bestDown[bm]; ok && times[i]+times[j] < us {

@@ -159,6 +159,69 @@ func (u *emuTile) block(sm []byte, w int) [][][][32][4]float64 {
 	return p
 }
 
+// blockT is block for a transposed tile (f8_block_t): [nb][mt][rg][lane][v]
+// with the weights as mma's A operand (rows g and g+8 of m-tile mt) and
+// token group rg's rows as its B operand, each mma's sum exact. Every group
+// is multiplied (the kernel skips groups without data, whose sums are 0).
+func (u *emuTile) blockT(sm []byte, w int) [][][][32][4]float64 {
+	c, NB := u.tile, 1
+	if u.up {
+		NB = 2
+	}
+	WN, aBytes := c.BN/c.WarpsN, c.BM*16*16
+	MW, RG := WN/16, c.BM/8
+	p := make([][][][32][4]float64, NB)
+	for nb := range NB {
+		p[nb] = make([][][32][4]float64, MW)
+		for mt := range MW {
+			p[nb][mt] = make([][32][4]float64, RG)
+		}
+	}
+	for q := range 2 {
+		for j := range 4 {
+			for nb := range NB {
+				for mt := range MW {
+					var Am [16][16]float64 // A[weight row][slot]
+					for lane := range 32 {
+						g, cc := lane>>2, lane&3
+						for hh := range 2 {
+							tileIdx := (w*WN+nb*c.BN)/8 + 2*mt + hh
+							wd := le32(sm[aBytes+((tileIdx*2+q)*32+lane)*16+4*j:])
+							lo, hi := e4m3Pair(wd, 0), e4m3Pair(wd, 1)
+							m := g + 8*hh
+							Am[m][2*cc], Am[m][2*cc+1], Am[m][2*cc+8], Am[m][2*cc+9] = lo[0], lo[1], hi[0], hi[1]
+						}
+					}
+					for rg := range RG {
+						var Bm [16][8]float64 // B[slot][token]
+						for lane := range 32 {
+							g, cc := lane>>2, lane&3
+							rd := func(pair int) [2]float64 {
+								off := (((((rg>>1)*2+q)*2+(rg&1))*2+pair/4)*32+lane)*16 + 4*(pair%4)
+								return bf16Pair(le32(sm[off:]))
+							}
+							b0, b1 := rd(2*j), rd(2*j+1)
+							Bm[2*cc][g], Bm[2*cc+1][g], Bm[2*cc+8][g], Bm[2*cc+9][g] = b0[0], b0[1], b1[0], b1[1]
+						}
+						for lane := range 32 {
+							g, cc := lane>>2, lane&3
+							for v := range 4 {
+								m, n := g+8*(v/2), 2*cc+v%2
+								var s float64
+								for k := range 16 {
+									s += Am[m][k] * Bm[k][n]
+								}
+								p[nb][mt][rg][lane][v] += s
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+	return p
+}
+
 // run returns the block's stores: output row -> column -> bf16.
 func (u *emuTile) run() map[int]map[int]uint16 {
 	c, NB := u.tile, 1
@@ -167,13 +230,23 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 	}
 	MT, WN := c.BM/16, c.BN/c.WarpsN
 	NT := WN / 8
+	block := u.block
+	if c.Trans { // (i, t) stand for (mt, rg): the accumulators of blockT
+		MT, NT, block = WN/16, c.BM/8, u.blockT
+	}
 	KB, NBR := (u.Kdim+127)/128, (u.N+127)/128
 	out := map[int]map[int]uint16{}
+	store := func(dst, n int, o uint16) {
+		if out[dst] == nil {
+			out[dst] = map[int]uint16{}
+		}
+		out[dst][n] = o
+	}
 	for w := range c.WarpsN {
 		acc := make([]float32, NB*MT*NT*32*4)
 		at := func(nb, i, t, lane, v int) *float32 { return &acc[(((nb*MT+i)*NT+t)*32+lane)*4+v] }
 		for kb := range KB {
-			p := u.block(u.stage(kb), w)
+			p := block(u.stage(kb), w)
 			for nb := range NB {
 				s := u.S[((u.ex*NB+nb)*NBR+u.n0/128)*KB+kb]
 				for i := range MT {
@@ -187,6 +260,32 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 					}
 				}
 			}
+		}
+		if c.Trans {
+			for mt := range MT {
+				for rg := range NT {
+					for lane := range 32 {
+						for v := range 4 {
+							r := 8*rg + 2*(lane&3) + v%2
+							n := u.n0 + w*WN + 16*mt + lane>>2 + 8*(v/2)
+							dst := u.rowDst[r]
+							if dst < 0 || n >= u.N {
+								continue
+							}
+							var o uint16
+							if u.up && u.rowSrc[r] >= 0 {
+								g := bf16ToF32(f32ToBF16(*at(0, mt, rg, lane, v)))
+								uu := bf16ToF32(f32ToBF16(*at(1, mt, rg, lane, v)))
+								o = f32ToBF16(fp8SwiGLU(g, uu))
+							} else if !u.up {
+								o = f32ToBF16(*at(0, mt, rg, lane, v))
+							}
+							store(dst, n, o)
+						}
+					}
+				}
+			}
+			continue
 		}
 		for i := range MT {
 			for lane := range 32 {
@@ -210,10 +309,7 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 							} else if !u.up {
 								o = f32ToBF16(*at(0, i, t, lane, hr*2+v))
 							}
-							if out[dst] == nil {
-								out[dst] = map[int]uint16{}
-							}
-							out[dst][n+v] = o
+							store(dst, n+v, o)
 						}
 					}
 				}

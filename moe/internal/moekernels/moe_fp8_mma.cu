@@ -213,7 +213,151 @@ static __device__ __forceinline__ void f8_block(const unsigned char* st, int a_b
     }
 }
 
-template <int BM, int BN, int WARPS_N, int STAGES, bool UP>
+// f8_block_t is f8_block for the transposed tiles (FP8Gemm.Trans): the
+// weights are mma.sync's A operand (16 weight rows, that is output columns,
+// by 16 k) and the activations its B operand (16 k by 8 token rows), so that
+// one mma covers 256 weights instead of 128, the converted weights go
+// straight into the A registers, and a group of 8 token rows without data
+// (live[rg] false: warp-uniform) costs no mma. The k order within a block is
+// f8_block's (each thread's slots {2c, 2c+1, 2c+8, 2c+9} of step j are
+// columns 16c + 4j + {0..3} of group q), read from the same shared-memory
+// layout. p[nb][mt][rg][v]: weight rows R0 + nb*BN + 16*mt + g + 8*(v/2),
+// token rows 8*rg + 2c + v%2.
+template <int MW, int RG, int NB, int BN>
+static __device__ __forceinline__ void f8_block_t(const unsigned char* st, int a_bytes, int R0, int lane,
+                                                  const bool (&live)[RG], float (&p)[NB][MW][RG][4]) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        unsigned xb[RG][8];  // [token group][column pairs 16c + 2k], k = 0..7
+#pragma unroll
+        for (int rg = 0; rg < RG; ++rg) {
+            if (!live[rg]) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4 v = *(const uint4*)(st + (((((rg >> 1) * 2 + q) * 2 + (rg & 1)) * 2 + h) * 32 + lane) * 16);
+                xb[rg][4 * h] = v.x;
+                xb[rg][4 * h + 1] = v.y;
+                xb[rg][4 * h + 2] = v.z;
+                xb[rg][4 * h + 3] = v.w;
+            }
+        }
+        uint4 bw[NB][MW][2];  // weight rows g and g + 8 of each m-tile
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int tile = (R0 + nb * BN) / 8 + 2 * mt + hh;
+                    bw[nb][mt][hh] = *(const uint4*)(st + a_bytes + ((tile * 2 + q) * 32 + lane) * 16);
+                }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int mt = 0; mt < MW; ++mt) {
+                    const uint4 w0 = bw[nb][mt][0], w1 = bw[nb][mt][1];
+                    const unsigned c0 = j == 0 ? w0.x : j == 1 ? w0.y : j == 2 ? w0.z : w0.w;
+                    const unsigned c1 = j == 0 ? w1.x : j == 1 ? w1.y : j == 2 ? w1.z : w1.w;
+                    unsigned a0, a1, a2, a3;
+                    f8_bf16x4(c0, a0, a2);
+                    f8_bf16x4(c1, a1, a3);
+#pragma unroll
+                    for (int rg = 0; rg < RG; ++rg)
+                        if (live[rg]) f8_mma(p[nb][mt][rg], a0, a1, a2, a3, xb[rg][2 * j], xb[rg][2 * j + 1]);
+                }
+        }
+    }
+}
+
+// fp8_main_t is fp8_gemm's loop and epilogue for the transposed tiles
+// (f8_block_t): the same stages, scaling order and stores, with the
+// accumulators of f8_block_t's layout.
+template <int BM, int BN, int WARPS_N, int STAGES, bool UP, typename Load>
+static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[FP8_MAX_KB], const int* row_src,
+                                                  const int* row_dst, unsigned short* __restrict__ C, int KB, int N,
+                                                  int n0) {
+    constexpr int WN = BN / WARPS_N, MW = WN / 16, RG = BM / 8;
+    constexpr int NB = UP ? 2 : 1;
+    constexpr int A_BYTES = BM * 16 * 16;
+    constexpr int ST_BYTES = A_BYTES + NB * BN * 8 * 16;
+    static_assert(WN % 16 == 0 && BM % 8 == 0, "transposed tiles: 16 weight rows per m-tile, 8 token rows per group");
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    bool live[RG];  // a group of 8 token rows with data (the row tables are filled: moe_tile_begin's barrier)
+#pragma unroll
+    for (int rg = 0; rg < RG; ++rg) {
+        bool any = false;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) any |= row_src[8 * rg + r] >= 0;
+        live[rg] = any;
+    }
+    float acc[NB][MW][RG][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+            for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[nb][mt][rg][v] = 0.0f;
+    for (int kb = 0; kb < KB; ++kb) {
+        f8_wait<STAGES - 2>();
+        __syncthreads();
+        const int nk = kb + STAGES - 1;
+        if (nk < KB) load(nk % STAGES, nk);
+        f8_commit();
+        float p[NB][MW][RG][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+                for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) p[nb][mt][rg][v] = 0.0f;
+        f8_block_t<MW, RG, NB, BN>(f8_dyn + (kb % STAGES) * ST_BYTES, A_BYTES, warp * WN, lane, live, p);
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const float s = sc[nb][kb];
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+                for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v)
+                        acc[nb][mt][rg][v] = __fadd_rn(acc[nb][mt][rg][v], __fmul_rn(p[nb][mt][rg][v], s));
+        }
+    }
+    f8_wait<0>();
+
+    // Epilogue: register v of (mt, rg) is weight row (output column) 16*mt +
+    // g + 8*(v/2) of the warp's columns and token row 8*rg + 2c + v%2.
+#pragma unroll
+    for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const int r = 8 * rg + 2 * (lane & 3) + (v & 1);
+            const int dst = row_dst[r];
+            if (dst < 0) continue;
+            const bool zero = UP && row_src[r] < 0;
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt) {
+                const int n = n0 + warp * WN + 16 * mt + (lane >> 2) + 8 * (v >> 1);
+                if (n >= N) continue;
+                unsigned short o;
+                if (UP) {
+                    const float g = moe_round(acc[0][mt][rg][v]), u = moe_round(acc[NB - 1][mt][rg][v]);
+                    o = zero ? 0 : moe_f2bf(fp8_swiglu(g, u));
+                } else {
+                    o = moe_f2bf(acc[0][mt][rg][v]);
+                }
+                C[(long long)dst * N + n] = o;
+            }
+        }
+}
+
+template <int BM, int BN, int WARPS_N, int STAGES, bool UP, bool TR>
 static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict__ A, const unsigned char* __restrict__ B,
                                                 const float* __restrict__ S, const int* __restrict__ sorted,
                                                 const int* __restrict__ block_expert, const int* __restrict__ npost,
@@ -306,6 +450,10 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     for (int i = tid; i < NB * KB; i += THREADS) {
         const int q = i / KB, kb = i - q * KB;
         sc[q][kb] = S[((long long)(e * NB + q) * NBR + n0 / FP8_BK) * KB + kb];
+    }
+    if constexpr (TR) {
+        fp8_main_t<BM, BN, WARPS_N, STAGES, UP>(load, sc, row_src, row_dst, C, KB, N, n0);
+        return;
     }
     for (int kb = 0; kb < KB; ++kb) {
         f8_wait<STAGES - 2>();
