@@ -74,9 +74,19 @@ func (tp fp8Pair) tags() string {
 
 // The FP8 tiles the rule (fp8Tiles) picks.
 var (
-	fp8SmallUp   = moekernels.FP8Gemm{BM: 16, BN: 64, WarpsN: 4, Stages: 4}
-	fp8SmallDown = moekernels.FP8Gemm{BM: 16, BN: 128, WarpsN: 8, Stages: 3}
-	fp8Large     = moekernels.FP8Gemm{BM: 32, BN: 64, WarpsN: 4, Stages: 4}
+	// The transposed w8a16 tiles (moekernels.FP8Gemm.Trans) won every cell
+	// of BenchmarkFP8Expert's sweep on the H200 (session 11, call 3:
+	// DeepSeek-V2-Lite and Qwen3-30B-A3B at 1, 8, 64 and 256 tokens), e.g.
+	// DeepSeek-V2-Lite at 64 tokens up 186.9 against 206.8 us for the plain
+	// m16n128w8s3, down 106.0 against 115.4. The 64-column up tile wins
+	// while a batch touches so few experts that the 128-column one leaves
+	// multiprocessors idle (one token: 16.5 against 20.0 us), the
+	// 128-column tile from there, up to 256 tokens (292.8 us for the pair
+	// against 314.0 for the 32-row m32n64w4s4).
+	fp8FewUp     = moekernels.FP8Gemm{BM: 16, BN: 64, WarpsN: 4, Stages: 4, Trans: true}
+	fp8SmallUp   = moekernels.FP8Gemm{BM: 16, BN: 128, WarpsN: 8, Stages: 3, Trans: true}
+	fp8SmallDown = moekernels.FP8Gemm{BM: 16, BN: 128, WarpsN: 8, Stages: 3, Trans: true}
+	fp8Large     = fp8SmallDown
 	// The persistent warp-specialised w8a8 tiles: on the H200 (DeepSeek-V2-Lite,
 	// BenchmarkW8A8Expert, 2026-12-02) up 750 vs 839 us and down 266 vs 334 us at
 	// 4096 tokens against the plain tiles, faster at 1024 and 8192 too.
@@ -114,10 +124,10 @@ const (
 // fp8Tiles picks the FP8 tiles of a batch of T tokens by a rule, by the rows
 // each touched expert gets on average: with w8 (the w8a8 tiles are loaded)
 // the w8a8 tiles from w8a8MinRows rows (64-row tiles, 128-row tiles from
-// w8a8LargeRows); else 16-row w8a16 tiles up to 16 rows (the sweep winners
-// of BenchmarkFP8Expert on the H200 at 1-64 tokens, bench/RESULTS.md), 32-row
-// tiles above, which read each expert's weights half as often. The w8a16
-// tile changes no result; the w8a8 tiles quantize the activations.
+// w8a8LargeRows); else the transposed 16-row w8a16 tiles (the sweep winners
+// of BenchmarkFP8Expert on the H200 at 1-256 tokens, bench/RESULTS.md), with
+// the 64-column up tile for at most fp8FewAssignments assignments. The
+// w8a16 tile changes no result; the w8a8 tiles quantize the activations.
 func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
 	m := rowsPerExpert(T, K, E)
 	switch {
@@ -127,9 +137,16 @@ func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
 		return fp8Pair{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown}
 	case m > 16:
 		return fp8Pair{up: fp8Large, down: fp8Large}
+	case T*K <= fp8FewAssignments:
+		return fp8Pair{up: fp8FewUp, down: fp8SmallDown}
 	}
 	return fp8Pair{up: fp8SmallUp, down: fp8SmallDown}
 }
+
+// fp8FewAssignments is the most routed assignments (tokens times top-k) for
+// which the rule runs the 64-column up tile: about one token's, whose few
+// touched experts give the 128-column tile too few blocks.
+const fp8FewAssignments = 16
 
 // checkFP8 checks the options of an FP8 layer of cfg; the error has no
 // prefix. The FP8 tiles run on the fused path only (bf16 activations) and
