@@ -77,12 +77,12 @@ var (
 	// The transposed w8a16 tiles (moekernels.FP8Gemm.Trans) won every cell
 	// of BenchmarkFP8Expert's sweep on the H200 (session 11, call 3:
 	// DeepSeek-V2-Lite and Qwen3-30B-A3B at 1, 8, 64 and 256 tokens), e.g.
-	// DeepSeek-V2-Lite at 64 tokens up 186.9 against 206.8 us for the plain
-	// m16n128w8s3, down 106.0 against 115.4. The 64-column up tile wins
-	// while a batch touches so few experts that the 128-column one leaves
-	// multiprocessors idle (one token: 16.5 against 20.0 us), the
-	// 128-column tile from there, up to 256 tokens (292.8 us for the pair
-	// against 314.0 for the 32-row m32n64w4s4).
+	// DeepSeek-V2-Lite at 64 tokens up 104.4 against 113.2 us for the plain
+	// m16n128w8s3, down 55.0 against 59.6. The 64-column up tile wins while
+	// a batch touches so few experts that the 128-column one leaves
+	// multiprocessors idle (one token of Qwen3-30B-A3B: 16.5 against 20.0
+	// us), the 128-column tile from there, up to 256 tokens (DeepSeek-V2-Lite:
+	// 292.8 us for the pair against 314.0 for the 32-row m32n64w4s4).
 	fp8FewUp     = moekernels.FP8Gemm{BM: 16, BN: 64, WarpsN: 4, Stages: 4, Trans: true}
 	fp8SmallUp   = moekernels.FP8Gemm{BM: 16, BN: 128, WarpsN: 8, Stages: 3, Trans: true}
 	fp8SmallDown = moekernels.FP8Gemm{BM: 16, BN: 128, WarpsN: 8, Stages: 3, Trans: true}
