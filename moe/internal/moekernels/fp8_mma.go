@@ -71,6 +71,8 @@ var FP8Gemms = []FP8Gemm{
 	{BM: 16, BN: 64, WarpsN: 4, Stages: 4, Trans: true},
 	{BM: 16, BN: 128, WarpsN: 8, Stages: 3, Trans: true},
 	{BM: 32, BN: 64, WarpsN: 4, Stages: 4, Trans: true},
+	{BM: 16, BN: 128, WarpsN: 4, Stages: 3, Trans: true}, // two m-tiles a warp
+	{BM: 16, BN: 64, WarpsN: 2, Stages: 4, Trans: true},
 }
 
 // Tag is the suffix of the tile's kernel names, e.g. "m16n32w2s6", or

@@ -301,11 +301,14 @@ static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[
             for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[nb][mt][rg][v] = 0.0f;
+    // The slots of stage kb and of the stage loaded during it (kb + STAGES -
+    // 1), kept as counters: a modulo by 3 stages costs a wide multiply per
+    // iteration.
+    int cur = 0, nxt = STAGES - 1;
     for (int kb = 0; kb < KB; ++kb) {
         f8_wait<STAGES - 2>();
         __syncthreads();
-        const int nk = kb + STAGES - 1;
-        if (nk < KB) load(nk % STAGES, nk);
+        if (kb + STAGES - 1 < KB) load(nxt, kb + STAGES - 1);
         f8_commit();
         float p[NB][MW][RG][4];
 #pragma unroll
@@ -316,7 +319,9 @@ static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[
                 for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
                     for (int v = 0; v < 4; ++v) p[nb][mt][rg][v] = 0.0f;
-        f8_block_t<MW, RG, NB, BN>(f8_dyn + (kb % STAGES) * ST_BYTES, A_BYTES, warp * WN, lane, live, p);
+        f8_block_t<MW, RG, NB, BN>(f8_dyn + cur * ST_BYTES, A_BYTES, warp * WN, lane, live, p);
+        cur = cur + 1 == STAGES ? 0 : cur + 1;
+        nxt = nxt + 1 == STAGES ? 0 : nxt + 1;
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
             const float s = sc[nb][kb];
@@ -416,14 +421,15 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     auto load = [&](int slot, int kb) {
         const unsigned st = sbase + (unsigned)(slot * ST_BYTES);
         const int k0 = kb * FP8_BK;
+        const bool whole = k0 + FP8_BK <= Kdim;  // every column of the block exists
 #pragma unroll
         for (int i = 0; i < A_PER; ++i) {
-            const bool ok = ga[i] >= 0 && k0 + ca[i] < Kdim;
+            const bool ok = ga[i] >= 0 && (whole || k0 + ca[i] < Kdim);
             f8_cp16(st + 16u * (unsigned)(i * THREADS), Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
-            const bool ok = gb[i] >= 0 && k0 + cb[i] < Kdim;
+            const bool ok = gb[i] >= 0 && (whole || k0 + cb[i] < Kdim);
             f8_cp16w(st + (unsigned)A_BYTES + 16u * (unsigned)(i * THREADS), Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
         }
     };
