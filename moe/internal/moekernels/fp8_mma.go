@@ -71,9 +71,13 @@ var FP8Gemms = []FP8Gemm{
 	{BM: 16, BN: 64, WarpsN: 4, Stages: 4, Trans: true},
 	{BM: 16, BN: 128, WarpsN: 8, Stages: 3, Trans: true},
 	{BM: 32, BN: 64, WarpsN: 4, Stages: 4, Trans: true},
-	{BM: 16, BN: 128, WarpsN: 4, Stages: 3, Trans: true}, // two m-tiles a warp
-	{BM: 16, BN: 64, WarpsN: 2, Stages: 4, Trans: true},
 }
+
+// Tried on the H200 and dropped (session 11, call 5: BenchmarkFP8Expert,
+// slower than m16n128w8s3t in every cell of DeepSeek-V2-Lite and
+// Qwen3-30B-A3B at 1-256 tokens, e.g. DeepSeek-V2-Lite 64 tokens up 127.4
+// and 173.2 us against 109.7): the transposed m16n128w4s3 (two m-tiles a
+// warp) and m16n64w2s4.
 
 // Tag is the suffix of the tile's kernel names, e.g. "m16n32w2s6", or
 // "m16n32w2s6t" for a transposed tile.
