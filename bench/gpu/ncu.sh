@@ -6,6 +6,12 @@
 # the Triton peer's GEMM kernel beside them.
 # Build first (here): bash bench/gpu/pack.sh ./cmd/gpuctx
 # Environment: PRESET (deepseek-v2-lite), TOKENS ("1 4096").
+# FP8=1 (pack ./moe/internal/moekernels too): also the w8a16 tiles at
+# DeepSeek-V2-Lite 8 and 64 tokens (BenchmarkFP8Expert): speed of light,
+# occupancy and warp state of the plain and the transposed m16n128w8s3 up tile
+# at 8 tokens, and the per-SASS source counters of the transposed one at 64
+# tokens as CSV ($OUT/fp8-sass.csv.gz; bench/RESULTS.md, session 11, calls 2
+# and 4, reads its instruction mix).
 # W8A8=1 (pack ./moe/internal/moekernels too): also the FP8 w8a8 persistent
 # tiles at DeepSeek-V2-Lite 4096 tokens (BenchmarkW8A8Expert): the stall
 # reasons per issued instruction, and the source counters per SASS
@@ -32,6 +38,20 @@ for f in "$OUT"/ncu-experts-*.txt "$OUT"/ncu-peer-*.txt; do
   echo "#### $f"
   grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|L2 Hit" "$f" | head -40
 done
+if [ -n "${FP8:-}" ]; then
+  B=(-test.run '^$' -test.benchtime 1x)
+  (cd moe/internal/moekernels &&
+    for k in gpuctx_moe_fp8_up_m16n128w8s3 gpuctx_moe_fp8_up_m16n128w8s3t; do
+      timeout 100 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats -k regex:"$k\$" -c 1 \
+        ../../../.gpu/moe_internal_moekernels.test "${B[@]}" -test.bench 'FP8Expert/deepseek-v2-lite/T=8$' > "$OUT/ncu-$k.txt" 2>&1
+      echo "== $k T=8 rc=$?"
+      grep -E "Duration|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" "$OUT/ncu-$k.txt"
+    done
+    timeout 120 ncu --clock-control none --section SourceCounters --section WarpStateStats --import-source no -k regex:'gpuctx_moe_fp8_up_m16n128w8s3t$' -c 1 -o /tmp/fp8t \
+      ../../../.gpu/moe_internal_moekernels.test "${B[@]}" -test.bench 'FP8Expert/deepseek-v2-lite/T=64$' > /dev/null 2>&1
+    echo "== fp8 source counters rc=$?")
+  ncu -i /tmp/fp8t.ncu-rep --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/fp8-sass.csv.gz"
+fi
 if [ -n "${W8A8:-}" ]; then
   K=gpuctx_moe_w8a8_up_m128n64s6p2\|gpuctx_moe_w8a8_down_m128n128s6p2
   B=(-test.run '^$' -test.bench 'W8A8Expert/deepseek-v2-lite/T=4096$' -test.benchtime 1x)
