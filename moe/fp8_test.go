@@ -818,3 +818,40 @@ func referenceW8A8(cfg *Config, w *Weights, x []float32, T int) []float32 {
 	})
 	return y
 }
+
+// TestFP8TilesRule pins fp8Tiles' w8a16 picks to the winners of the H200
+// sweep (bench/RESULTS.md, session 11, calls 3 and 5): transposed tiles
+// only, the 64-column up tile for one token's assignments, m16n128w8s3t
+// otherwise; and the w8a8 pairs where they are loaded and the batch has the
+// rows for them.
+func TestFP8TilesRule(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		T, K, E  int
+		w8       bool
+		up, down string
+	}{
+		{"deepseek-v2-lite 1 token", 1, 6, 64, true, "m16n64w4s4t", "m16n128w8s3t"},
+		{"deepseek-v3 1 token", 1, 8, 256, true, "m16n64w4s4t", "m16n128w8s3t"},
+		{"two tokens of top-8", 2, 8, 128, true, "m16n64w4s4t", "m16n128w8s3t"},
+		{"three tokens of top-6", 3, 6, 64, false, "m16n128w8s3t", "m16n128w8s3t"},
+		{"deepseek-v2-lite 64 tokens", 64, 6, 64, true, "m16n128w8s3t", "m16n128w8s3t"},
+		{"256 tokens without w8a8", 256, 6, 64, false, "m16n128w8s3t", "m16n128w8s3t"},
+		{"256 tokens with w8a8", 256, 6, 64, true, "w8a8 m64n64s4p2", "w8a8 m64n128s4p2"},
+		{"4096 tokens with w8a8", 4096, 6, 64, true, "w8a8 m128n64s6p2", "w8a8 m128n128s6p2"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := fp8Tiles(tc.T, tc.K, tc.E, tc.w8)
+			up, down := "w8a8 "+p.w8up.Tag(), "w8a8 "+p.w8down.Tag()
+			if !p.w8 {
+				up, down = p.up.Tag(), p.down.Tag()
+				if !p.up.Trans || !p.down.Trans {
+					t.Errorf("fp8Tiles(%d, %d, %d): %s / %s, want transposed w8a16 tiles", tc.T, tc.K, tc.E, up, down)
+				}
+			}
+			if up != tc.up || down != tc.down {
+				t.Errorf("fp8Tiles(%d, %d, %d, w8 %v) = %s / %s, want %s / %s", tc.T, tc.K, tc.E, tc.w8, up, down, tc.up, tc.down)
+			}
+		})
+	}
+}
