@@ -302,8 +302,8 @@ static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[
 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[nb][mt][rg][v] = 0.0f;
     // The slots of stage kb and of the stage loaded during it (kb + STAGES -
-    // 1), kept as counters: a modulo by 3 stages costs a wide multiply per
-    // iteration.
+    // 1), kept as counters (a modulo by 3 stages compiles to a wide multiply;
+    // dropping it changed no timing measurably on the H200).
     int cur = 0, nxt = STAGES - 1;
     for (int kb = 0; kb < KB; ++kb) {
         f8_wait<STAGES - 2>();
