@@ -148,17 +148,21 @@ func TestFP8MMAHarness(t *testing.T) {
 // shape and token count, on exact and general data.
 func fp8CheckDevice(t *testing.T, dev *device, shapes []fp8Shape, tokens []int) {
 	for si, sh := range shapes {
-		for _, exact := range []bool{true, false} {
+		for _, data := range []string{"exact", "wide", "general"} {
+			exact := data != "general"
 			w := newFP8MMAWeights(sh.E, sh.H, sh.I, exact, uint64(100+si))
 			cpu := newTestDevice(t)
 			gw, cw := w.upload(t, dev), w.upload(t, cpu)
 			for _, T := range tokens {
 				c := w.batch(T, sh.K, uint64(1000*si+T))
+				if data == "wide" {
+					c.widen(uint64(7 + T))
+				}
 				upRef, downRef := fp8TwinRefs(t, c, cpu, cw)
 				if T <= 8 && !exact {
 					fp8Float64(t, c, downRef)
 				}
-				fp8CheckTiles(t, dev, c, gw, [2][]uint16{downRef, upRef}, fmt.Sprintf("%s/exact=%v/T=%d", sh.name, exact, T))
+				fp8CheckTiles(t, dev, c, gw, [2][]uint16{downRef, upRef}, fmt.Sprintf("%s/%s/T=%d", sh.name, data, T))
 			}
 		}
 	}

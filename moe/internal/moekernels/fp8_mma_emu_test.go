@@ -2,8 +2,10 @@ package moekernels
 
 import (
 	"fmt"
+	"math"
 	"testing"
 
+	"github.com/gpuctx/gpuctx/half"
 	"github.com/gpuctx/gpuctx/moe/fp8"
 )
 
@@ -88,6 +90,54 @@ func (u *emuTile) stage(kb int) []byte {
 
 func le32(b []byte) uint32 {
 	return uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24
+}
+
+// toF16 is an F16 tile's f8_act_f16 over one stage, thread by thread: each
+// thread's A chunks are tid*A_PER + i in row order (fp8_gemm's da), the
+// lanes of a row agree on its largest magnitude through the butterfly of
+// shuffles, every value becomes f16(x * 2^k) in place, and the first lane of
+// the row stores 2^-k, which it returns per row.
+func (u *emuTile) toF16(sm []byte) []float32 {
+	th := u.tile.Threads()
+	aper := u.tile.BM * 16 / th
+	lanes := 16 / aper
+	da := func(tid, i int) int { L := tid*aper + i; return emuAChunk(L/16, L%16) }
+	m := make([]float32, th)
+	for tid := range th {
+		for i := range aper {
+			for j := range 8 {
+				d := 16*da(tid, i) + 2*j
+				m[tid] = max(m[tid], float32(math.Abs(float64(bf16ToF32(uint16(sm[d])|uint16(sm[d+1])<<8)))))
+			}
+		}
+	}
+	for off := 1; off < lanes; off <<= 1 {
+		prev := append([]float32(nil), m...)
+		for tid := range th {
+			m[tid] = max(prev[tid], prev[tid^off]) // lane ^ off: the same warp
+		}
+	}
+	rs := make([]float32, u.tile.BM)
+	for tid := range th {
+		k := min(141-int(math.Float32bits(m[tid])>>23&0xff), 126)
+		f := math.Float32frombits(uint32(k+127) << 23)
+		for i := range aper {
+			for j := range 8 {
+				d := 16*da(tid, i) + 2*j
+				h := half.F16(bf16ToF32(uint16(sm[d])|uint16(sm[d+1])<<8) * f)
+				sm[d], sm[d+1] = byte(h), byte(h>>8)
+			}
+		}
+		if tid%32%lanes == 0 {
+			rs[tid*aper/16] = math.Float32frombits(uint32(127-k) << 23)
+		}
+	}
+	return rs
+}
+
+// f16Pair is bf16Pair for f16 halves.
+func f16Pair(w uint32) [2]float64 {
+	return [2]float64{float64(half.FromF16(uint16(w))), float64(half.FromF16(uint16(w >> 16)))}
 }
 
 // bf16Pair returns the two bf16 values of a 32-bit register (low half first).
@@ -198,6 +248,9 @@ func (u *emuTile) blockT(sm []byte, w int) [][][][32][4]float64 {
 							g, cc := lane>>2, lane&3
 							rd := func(pair int) [2]float64 {
 								off := (((((rg>>1)*2+q)*2+(rg&1))*2+pair/4)*32+lane)*16 + 4*(pair%4)
+								if c.F16 {
+									return f16Pair(le32(sm[off:]))
+								}
 								return bf16Pair(le32(sm[off:]))
 							}
 							b0, b1 := rd(2*j), rd(2*j+1)
@@ -246,7 +299,12 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 		acc := make([]float32, NB*MT*NT*32*4)
 		at := func(nb, i, t, lane, v int) *float32 { return &acc[(((nb*MT+i)*NT+t)*32+lane)*4+v] }
 		for kb := range KB {
-			p := block(u.stage(kb), w)
+			sm := u.stage(kb)
+			var rs []float32
+			if c.F16 {
+				rs = u.toF16(sm)
+			}
+			p := block(sm, w)
 			for nb := range NB {
 				s := u.S[((u.ex*NB+nb)*NBR+u.n0/128)*KB+kb]
 				for i := range MT {
@@ -254,7 +312,11 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 						for lane := range 32 {
 							for v := range 4 {
 								a := at(nb, i, t, lane, v)
-								*a += float32(float32(p[nb][i][t][lane][v]) * s)
+								pb := float32(p[nb][i][t][lane][v])
+								if c.F16 { // (i, t) are (mt, rg): token row 8*rg + 2c + v%2
+									pb = float32(pb * rs[8*t+2*(lane&3)+v%2])
+								}
+								*a += float32(pb * s)
 							}
 						}
 					}
@@ -324,35 +386,40 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 // it stores the twin's bits exactly where the kernel must store.
 func TestFP8MMAEmulated(t *testing.T) {
 	w := newFP8MMAWeights(3, 272, 144, true, 5)
-	c := w.batch(20, 2, 6)
 	cpu := newTestDevice(t)
 	wp := w.upload(t, cpu)
-	for _, tile := range FP8Gemms {
-		for _, up := range []bool{true, false} {
-			t.Run(fmt.Sprintf("%s/up=%v", tile.Tag(), up), func(t *testing.T) {
-				want := c.run(t, cpu, wp, tile, up)
-				got := emuRun(c, tile, up)
-				ncol := map[bool]int{true: c.I, false: c.H}[up]
-				stored := 0
-				for row, cols := range got {
-					for n, v := range cols {
-						stored++
-						if want[row*ncol+n] != v {
-							t.Fatalf("row %d column %d: emulated kernel %#04x, twin %#04x", row, n, v, want[row*ncol+n])
+	for _, wide := range []bool{false, true} {
+		c := w.batch(20, 2, 6)
+		if wide {
+			c.widen(9)
+		}
+		for _, tile := range FP8Gemms {
+			for _, up := range []bool{true, false} {
+				t.Run(fmt.Sprintf("%s/up=%v/wide=%v", tile.Tag(), up, wide), func(t *testing.T) {
+					want := c.run(t, cpu, wp, tile, up)
+					got := emuRun(c, tile, up)
+					ncol := map[bool]int{true: c.I, false: c.H}[up]
+					stored := 0
+					for row, cols := range got {
+						for n, v := range cols {
+							stored++
+							if want[row*ncol+n] != v {
+								t.Fatalf("row %d column %d: emulated kernel %#04x, twin %#04x", row, n, v, want[row*ncol+n])
+							}
 						}
 					}
-				}
-				sorted, blockExpert, npost, _ := c.align(tile.BM)
-				rows := 0
-				for p := range int(npost) {
-					if blockExpert[p/tile.BM] >= 0 && (up || int(sorted[p]) < len(c.idx)) {
-						rows++
+					sorted, blockExpert, npost, _ := c.align(tile.BM)
+					rows := 0
+					for p := range int(npost) {
+						if blockExpert[p/tile.BM] >= 0 && (up || int(sorted[p]) < len(c.idx)) {
+							rows++
+						}
 					}
-				}
-				if stored != rows*ncol {
-					t.Errorf("the emulated kernel stored %d values, want %d rows of %d", stored, rows, ncol)
-				}
-			})
+					if stored != rows*ncol {
+						t.Errorf("the emulated kernel stored %d values, want %d rows of %d", stored, rows, ncol)
+					}
+				})
+			}
 		}
 	}
 }

@@ -138,6 +138,29 @@ func (w *fp8MMAWeights) batch(T, K int, seed uint64) *fp8MMACase {
 	return c
 }
 
+// widen multiplies each 128-column block of every row of x and actA by its
+// own power of two, 2^-30 to 2^30: exact data stays exactly summable (a
+// block's products share the factor), bf16 keeps every value, and the
+// magnitudes leave f16's range both ways, which the F16 tiles' per-row,
+// per-block scaling must undo (a scale per row, or none, fails here).
+func (c *fp8MMACase) widen(seed uint64) {
+	r := lcg(seed)
+	for _, m := range []struct {
+		v    []uint16
+		cols int
+	}{{c.x, c.H}, {c.actA, c.I}} {
+		for row := 0; row < len(m.v)/m.cols; row++ {
+			v := m.v[row*m.cols : (row+1)*m.cols]
+			for b := 0; b < m.cols; b += fp8.BlockSize {
+				s := int(r.next()*61) - 30
+				for j := b; j < min(b+fp8.BlockSize, m.cols); j++ {
+					v[j] = half.BF16(float32(math.Ldexp(float64(bf16ToF32(v[j])), s)))
+				}
+			}
+		}
+	}
+}
+
 // newFP8MMACase returns a batch of T tokens through new random weights.
 func newFP8MMACase(E, H, I, T, K int, exact bool, seed uint64) *fp8MMACase {
 	return newFP8MMAWeights(E, H, I, exact, seed).batch(T, K, seed+1)
@@ -474,11 +497,12 @@ func TestFP8MMAConfigs(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, bad := range []FP8Gemm{
-		{BM: 64, BN: 32, WarpsN: 2, Stages: 4},  // BM
-		{BM: 16, BN: 48, WarpsN: 2, Stages: 4},  // BN does not divide 128
-		{BM: 16, BN: 32, WarpsN: 8, Stages: 4},  // 4 columns per warp
-		{BM: 16, BN: 16, WarpsN: 1, Stages: 1},  // stages
-		{BM: 32, BN: 128, WarpsN: 8, Stages: 8}, // shared memory
+		{BM: 64, BN: 32, WarpsN: 2, Stages: 4},            // BM
+		{BM: 16, BN: 48, WarpsN: 2, Stages: 4},            // BN does not divide 128
+		{BM: 16, BN: 32, WarpsN: 8, Stages: 4},            // 4 columns per warp
+		{BM: 16, BN: 16, WarpsN: 1, Stages: 1},            // stages
+		{BM: 32, BN: 128, WarpsN: 8, Stages: 8},           // shared memory
+		{BM: 16, BN: 32, WarpsN: 2, Stages: 6, F16: true}, // F16 without Trans
 	} {
 		if bad.Check() == nil {
 			t.Errorf("fp8 tile %s passes Check", bad.Tag())
