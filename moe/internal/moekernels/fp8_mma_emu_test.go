@@ -2,10 +2,8 @@ package moekernels
 
 import (
 	"fmt"
-	"math"
 	"testing"
 
-	"github.com/gpuctx/gpuctx/half"
 	"github.com/gpuctx/gpuctx/moe/fp8"
 )
 
@@ -90,54 +88,6 @@ func (u *emuTile) stage(kb int) []byte {
 
 func le32(b []byte) uint32 {
 	return uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24
-}
-
-// toF16 is an F16 tile's f8_act_f16 over one stage, thread by thread: each
-// thread's A chunks are tid*A_PER + i in row order (fp8_gemm's da), the
-// lanes of a row agree on its largest magnitude through the butterfly of
-// shuffles, every value becomes f16(x * 2^k) in place, and the first lane of
-// the row stores 2^-k, which it returns per row.
-func (u *emuTile) toF16(sm []byte) []float32 {
-	th := u.tile.Threads()
-	aper := u.tile.BM * 16 / th
-	lanes := 16 / aper
-	da := func(tid, i int) int { L := tid*aper + i; return emuAChunk(L/16, L%16) }
-	m := make([]float32, th)
-	for tid := range th {
-		for i := range aper {
-			for j := range 8 {
-				d := 16*da(tid, i) + 2*j
-				m[tid] = max(m[tid], float32(math.Abs(float64(bf16ToF32(uint16(sm[d])|uint16(sm[d+1])<<8)))))
-			}
-		}
-	}
-	for off := 1; off < lanes; off <<= 1 {
-		prev := append([]float32(nil), m...)
-		for tid := range th {
-			m[tid] = max(prev[tid], prev[tid^off]) // lane ^ off: the same warp
-		}
-	}
-	rs := make([]float32, u.tile.BM)
-	for tid := range th {
-		k := min(141-int(math.Float32bits(m[tid])>>23&0xff), 126)
-		f := math.Float32frombits(uint32(k+127) << 23)
-		for i := range aper {
-			for j := range 8 {
-				d := 16*da(tid, i) + 2*j
-				h := half.F16(bf16ToF32(uint16(sm[d])|uint16(sm[d+1])<<8) * f)
-				sm[d], sm[d+1] = byte(h), byte(h>>8)
-			}
-		}
-		if tid%32%lanes == 0 {
-			rs[tid*aper/16] = math.Float32frombits(uint32(127-k) << 23)
-		}
-	}
-	return rs
-}
-
-// f16Pair is bf16Pair for f16 halves.
-func f16Pair(w uint32) [2]float64 {
-	return [2]float64{float64(half.FromF16(uint16(w))), float64(half.FromF16(uint16(w >> 16)))}
 }
 
 // bf16Pair returns the two bf16 values of a 32-bit register (low half first).
@@ -248,9 +198,6 @@ func (u *emuTile) blockT(sm []byte, w int) [][][][32][4]float64 {
 							g, cc := lane>>2, lane&3
 							rd := func(pair int) [2]float64 {
 								off := (((((rg>>1)*2+q)*2+(rg&1))*2+pair/4)*32+lane)*16 + 4*(pair%4)
-								if c.F16 {
-									return f16Pair(le32(sm[off:]))
-								}
 								return bf16Pair(le32(sm[off:]))
 							}
 							b0, b1 := rd(2*j), rd(2*j+1)
@@ -299,12 +246,7 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 		acc := make([]float32, NB*MT*NT*32*4)
 		at := func(nb, i, t, lane, v int) *float32 { return &acc[(((nb*MT+i)*NT+t)*32+lane)*4+v] }
 		for kb := range KB {
-			sm := u.stage(kb)
-			var rs []float32
-			if c.F16 {
-				rs = u.toF16(sm)
-			}
-			p := block(sm, w)
+			p := block(u.stage(kb), w)
 			for nb := range NB {
 				s := u.S[((u.ex*NB+nb)*NBR+u.n0/128)*KB+kb]
 				for i := range MT {
@@ -312,11 +254,7 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 						for lane := range 32 {
 							for v := range 4 {
 								a := at(nb, i, t, lane, v)
-								pb := float32(p[nb][i][t][lane][v])
-								if c.F16 { // (i, t) are (mt, rg): token row 8*rg + 2c + v%2
-									pb = float32(pb * rs[8*t+2*(lane&3)+v%2])
-								}
-								*a += float32(pb * s)
+								*a += float32(float32(p[nb][i][t][lane][v]) * s)
 							}
 						}
 					}

@@ -141,8 +141,9 @@ func (w *fp8MMAWeights) batch(T, K int, seed uint64) *fp8MMACase {
 // widen multiplies each 128-column block of every row of x and actA by its
 // own power of two, 2^-30 to 2^30: exact data stays exactly summable (a
 // block's products share the factor), bf16 keeps every value, and the
-// magnitudes leave f16's range both ways, which the F16 tiles' per-row,
-// per-block scaling must undo (a scale per row, or none, fails here).
+// magnitudes leave f16's range both ways (the F16 tiles tried in session 12
+// scaled each row's block into it; the f32 block sums and scales of every
+// tile must carry them).
 func (c *fp8MMACase) widen(seed uint64) {
 	r := lcg(seed)
 	for _, m := range []struct {
@@ -497,12 +498,11 @@ func TestFP8MMAConfigs(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, bad := range []FP8Gemm{
-		{BM: 64, BN: 32, WarpsN: 2, Stages: 4},            // BM
-		{BM: 16, BN: 48, WarpsN: 2, Stages: 4},            // BN does not divide 128
-		{BM: 16, BN: 32, WarpsN: 8, Stages: 4},            // 4 columns per warp
-		{BM: 16, BN: 16, WarpsN: 1, Stages: 1},            // stages
-		{BM: 32, BN: 128, WarpsN: 8, Stages: 8},           // shared memory
-		{BM: 16, BN: 32, WarpsN: 2, Stages: 6, F16: true}, // F16 without Trans
+		{BM: 64, BN: 32, WarpsN: 2, Stages: 4},  // BM
+		{BM: 16, BN: 48, WarpsN: 2, Stages: 4},  // BN does not divide 128
+		{BM: 16, BN: 32, WarpsN: 8, Stages: 4},  // 4 columns per warp
+		{BM: 16, BN: 16, WarpsN: 1, Stages: 1},  // stages
+		{BM: 32, BN: 128, WarpsN: 8, Stages: 8}, // shared memory
 	} {
 		if bad.Check() == nil {
 			t.Errorf("fp8 tile %s passes Check", bad.Tag())

@@ -78,24 +78,6 @@ static __device__ __forceinline__ void f8_mma(float* c, unsigned a0, unsigned a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// f8_mma16 is f8_mma with f16 operands (the F16 tiles: f8_block_t<..., true>).
-static __device__ __forceinline__ void f8_mma16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                                unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// f8_f16x2 packs two f32 into f16x2 (lo in the lower half), each rounded to
-// nearest even.
-static __device__ __forceinline__ unsigned f8_f16x2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 890
 // The value of E4M3 code b (bits 0..7), exact, for devices without the FP8
 // conversion instructions: the magnitude bits placed in an f32's exponent and
@@ -135,64 +117,6 @@ static __device__ __forceinline__ void f8_bf16x4(unsigned w, unsigned& lo, unsig
     hi = __byte_perm(__float_as_uint(f2), __float_as_uint(f3), 0x7632);
 }
 
-// f8_f16x4 is f8_bf16x4 to f16 (every E4M3 value is exact in f16): one
-// conversion per two codes on sm_89+, where f8_bf16x4 needs four
-// instructions per two.
-static __device__ __forceinline__ void f8_f16x4(unsigned w, unsigned& lo, unsigned& hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    asm("{\n.reg .b16 f8c0, f8c1;\nmov.b32 {f8c0, f8c1}, %2;\n"
-        "cvt.rn.f16x2.e4m3x2 %0, f8c0;\ncvt.rn.f16x2.e4m3x2 %1, f8c1;\n}\n"
-        : "=r"(lo), "=r"(hi)
-        : "r"(w));
-#else
-    lo = f8_f16x2(f8_value(w & 0xffu), f8_value((w >> 8) & 0xffu));
-    hi = f8_f16x2(f8_value((w >> 16) & 0xffu), f8_value(w >> 24));
-#endif
-}
-
-// f8_act_f16 converts, in place, the A_PER chunks (8 bf16 each) that this
-// thread copied into a stage's activation tile (st; at da[i]) to f16 times
-// 2^k, and returns 2^-k. The chunks of one row (16 per K block) are held by
-// 16/A_PER neighbouring lanes (fp8_gemm's F16 chunk assignment), which agree
-// on k through the row's largest magnitude m: k = 141 - m's biased exponent,
-// at most 126, so that m * 2^k lies in [2^14, 2^15) (below f16's 65504) and
-// every value within 2^31 of m converts exactly (the rest round to multiples of
-// 2^(-24-k), an error below m * 2^-39). Scaling by powers of two is exact, so
-// the block sum times 2^-k is the bf16 tiles' block sum, bit for bit, as long
-// as the tensor core sums both alike and nothing leaves f32's normal range.
-template <int A_PER>
-static __device__ __forceinline__ float f8_act_f16(unsigned char* st, const int (&da)[A_PER]) {
-    constexpr int LANES = 16 / A_PER;
-    uint4 v[A_PER];
-    float m = 0.0f;
-#pragma unroll
-    for (int i = 0; i < A_PER; ++i) {
-        v[i] = *(const uint4*)(st + 16 * da[i]);
-        const unsigned w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            m = fmaxf(m, fmaxf(fabsf(__uint_as_float(w[j] << 16)), fabsf(__uint_as_float(w[j] & 0xffff0000u))));
-    }
-#pragma unroll
-    for (int off = 1; off < LANES; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    int k = 141 - (int)((__float_as_uint(m) >> 23) & 0xffu);
-    k = k > 126 ? 126 : k;
-    const float f = __uint_as_float((unsigned)(k + 127) << 23);
-#pragma unroll
-    for (int i = 0; i < A_PER; ++i) {
-        unsigned w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            w[j] = f8_f16x2(__fmul_rn(__uint_as_float(w[j] << 16), f), __fmul_rn(__uint_as_float(w[j] & 0xffff0000u), f));
-        uint4 o;
-        o.x = w[0];
-        o.y = w[1];
-        o.z = w[2];
-        o.w = w[3];
-        *(uint4*)(st + 16 * da[i]) = o;
-    }
-    return __uint_as_float((unsigned)(127 - k) << 23);
-}
 
 // fp8_exp is exp(v) with explicitly rounded f32 operations (the Go twin's
 // fp8Exp repeats them): v clamped to [-87, 88], n = rint(v * log2(e)), r = v -
@@ -241,11 +165,6 @@ static __device__ __forceinline__ void f8_brow(int d, int& R, int& ch) {
     const int lane = d & 31, rest = d >> 5;
     R = 8 * (rest >> 1) + (lane >> 2);
     ch = 4 * (rest & 1) + (lane & 3);
-}
-
-// f8_apos is the A chunk of (row r, column chunk ch): f8_arow's inverse.
-static __device__ __forceinline__ int f8_apos(int r, int ch) {
-    return (((((r >> 4) * 2 + (ch >> 3)) * 2 + ((r >> 3) & 1)) * 2 + (ch & 1)) * 32) + 4 * (r & 7) + ((ch >> 1) & 3);
 }
 
 // f8_block multiplies one K block held in shared memory (st) into the block
@@ -305,7 +224,7 @@ static __device__ __forceinline__ void f8_block(const unsigned char* st, int a_b
 // columns 16c + 4j + {0..3} of group q), read from the same shared-memory
 // layout. p[nb][mt][rg][v]: weight rows R0 + nb*BN + 16*mt + g + 8*(v/2),
 // token rows 8*rg + 2c + v%2.
-template <int MW, int RG, int NB, int BN, bool F16>
+template <int MW, int RG, int NB, int BN>
 static __device__ __forceinline__ void f8_block_t(const unsigned char* st, int a_bytes, int R0, int lane,
                                                   const bool (&live)[RG], float (&p)[NB][MW][RG][4]) {
 #pragma unroll
@@ -343,22 +262,11 @@ static __device__ __forceinline__ void f8_block_t(const unsigned char* st, int a
                     const unsigned c0 = j == 0 ? w0.x : j == 1 ? w0.y : j == 2 ? w0.z : w0.w;
                     const unsigned c1 = j == 0 ? w1.x : j == 1 ? w1.y : j == 2 ? w1.z : w1.w;
                     unsigned a0, a1, a2, a3;
-                    if constexpr (F16) {
-                        f8_f16x4(c0, a0, a2);
-                        f8_f16x4(c1, a1, a3);
-                    } else {
-                        f8_bf16x4(c0, a0, a2);
-                        f8_bf16x4(c1, a1, a3);
-                    }
+                    f8_bf16x4(c0, a0, a2);
+                    f8_bf16x4(c1, a1, a3);
 #pragma unroll
-                    for (int rg = 0; rg < RG; ++rg) {
-                        if (!live[rg]) continue;
-                        if constexpr (F16) {
-                            f8_mma16(p[nb][mt][rg], a0, a1, a2, a3, xb[rg][2 * j], xb[rg][2 * j + 1]);
-                        } else {
-                            f8_mma(p[nb][mt][rg], a0, a1, a2, a3, xb[rg][2 * j], xb[rg][2 * j + 1]);
-                        }
-                    }
+                    for (int rg = 0; rg < RG; ++rg)
+                        if (live[rg]) f8_mma(p[nb][mt][rg], a0, a1, a2, a3, xb[rg][2 * j], xb[rg][2 * j + 1]);
                 }
         }
     }
@@ -368,20 +276,16 @@ static __device__ __forceinline__ void f8_block_t(const unsigned char* st, int a
 // (load(slot, kb) copies block kb into a slot), each block's sums p from
 // f8_block (acc[NB][X][Y] = [half][m-tile][n-tile]) or, for transposed tiles,
 // f8_block_t ([half][weight m-tile][token group]), then acc = acc + p *
-// scale in increasing block order. F16 tiles first convert each stage's
-// activations to f16 (f8_act_f16: the thread's own chunks da, as soon as its
-// copies have landed, before the barrier that publishes the stage) and scale
-// each row's block sum back by the row's 2^-k (rs) before the block scale.
-// The stage slots are counters (a modulo by 3 stages compiles to a wide
+// scale in increasing block order. The stage slots are counters (a modulo by 3 stages compiles to a wide
 // multiply; dropping it changed no timing measurably on the H200). Returns
 // once every copy has landed.
-template <int BM, int BN, int WARPS_N, int STAGES, int NB, bool TR, bool F16, int A_PER, int X, int Y, typename Load>
+template <int BM, int BN, int WARPS_N, int STAGES, int NB, bool TR, int X, int Y, typename Load>
 static __device__ __forceinline__ void fp8_loop(Load& load, const float (*sc)[FP8_MAX_KB], const int* row_src, int KB,
-                                                const int (&da)[A_PER], float (&acc)[NB][X][Y][4]) {
+                                                float (&acc)[NB][X][Y][4]) {
     constexpr int WN = BN / WARPS_N;
     constexpr int A_BYTES = BM * 16 * 16;
     constexpr int ST_BYTES = A_BYTES + NB * BN * 8 * 16;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     bool live[Y];  // transposed: a group of 8 token rows with data (the row tables are filled: moe_tile_begin's barrier)
     if constexpr (TR) {
 #pragma unroll
@@ -400,14 +304,9 @@ static __device__ __forceinline__ void fp8_loop(Load& load, const float (*sc)[FP
             for (int y = 0; y < Y; ++y)
 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[nb][x][y][v] = 0.0f;
-    __shared__ float rs[F16 ? STAGES : 1][BM];  // F16: 2^-k of each row of each stage
     int cur = 0, nxt = STAGES - 1;
     for (int kb = 0; kb < KB; ++kb) {
         f8_wait<STAGES - 2>();
-        if constexpr (F16) {
-            const float r = f8_act_f16<A_PER>(f8_dyn + cur * ST_BYTES, da);
-            if (lane % (16 / A_PER) == 0) rs[cur][tid * A_PER / 16] = r;
-        }
         __syncthreads();
         if (kb + STAGES - 1 < KB) load(nxt, kb + STAGES - 1);
         f8_commit();
@@ -421,21 +320,9 @@ static __device__ __forceinline__ void fp8_loop(Load& load, const float (*sc)[FP
 #pragma unroll
                     for (int v = 0; v < 4; ++v) p[nb][x][y][v] = 0.0f;
         if constexpr (TR) {
-            f8_block_t<X, Y, NB, BN, F16>(f8_dyn + cur * ST_BYTES, A_BYTES, warp * WN, lane, live, p);
+            f8_block_t<X, Y, NB, BN>(f8_dyn + cur * ST_BYTES, A_BYTES, warp * WN, lane, live, p);
         } else {
             f8_block<X, Y, NB, BN>(f8_dyn + cur * ST_BYTES, A_BYTES, warp * WN, lane, p);
-        }
-        if constexpr (F16) {  // token row 8*rg + 2c + v%2 back from its 2^k (exact)
-#pragma unroll
-            for (int rg = 0; rg < Y; ++rg) {
-                const float r0 = rs[cur][8 * rg + 2 * (lane & 3)], r1 = rs[cur][8 * rg + 2 * (lane & 3) + 1];
-#pragma unroll
-                for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-                    for (int x = 0; x < X; ++x)
-#pragma unroll
-                        for (int v = 0; v < 4; ++v) p[nb][x][rg][v] = __fmul_rn(p[nb][x][rg][v], (v & 1) ? r1 : r0);
-            }
         }
         cur = cur + 1 == STAGES ? 0 : cur + 1;
         nxt = nxt + 1 == STAGES ? 0 : nxt + 1;
@@ -520,7 +407,7 @@ static __device__ __forceinline__ void fp8_store(const float (&acc)[NB][MT][NT][
     }
 }
 
-template <int BM, int BN, int WARPS_N, int STAGES, bool UP, bool TR, bool F16>
+template <int BM, int BN, int WARPS_N, int STAGES, bool UP, bool TR>
 static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict__ A, const unsigned char* __restrict__ B,
                                                 const float* __restrict__ S, const int* __restrict__ sorted,
                                                 const int* __restrict__ block_expert, const int* __restrict__ npost,
@@ -540,7 +427,6 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     static_assert(BM % 16 == 0 && WN % 8 == 0 && 128 % BN == 0, "BM a multiple of 16, BN/WARPS_N of 8, BN divides 128");
     static_assert(A_PER >= 1 && A_CH % THREADS == 0 && B_PER >= 1 && B_CH % THREADS == 0,
                   "tile chunks must split evenly over the threads");
-    static_assert(!F16 || (TR && 16 % A_PER == 0), "F16 tiles are transposed, a row's 16 chunks on whole lanes");
 
     __shared__ int row_src[BM];
     __shared__ int row_dst[BM];
@@ -558,22 +444,11 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     // sources (element offsets, -1 for a zero row) and columns are computed once.
     const unsigned short* Ab = UP ? A : A + (long long)mb * BM * Kdim;
     const unsigned char* Be = B + (long long)e * NB * N * Kdim;
-    // A chunk i of the thread goes to chunk da[i] of the stage: tid + i *
-    // THREADS (a warp writes 512 contiguous bytes), or for F16 tiles the
-    // chunks tid * A_PER + i in row order, so that a row's chunks are on
-    // neighbouring lanes (f8_act_f16).
-    int ga[A_PER], gb[B_PER], ca[A_PER], cb[B_PER], da[A_PER];
+    int ga[A_PER], gb[B_PER], ca[A_PER], cb[B_PER];
 #pragma unroll
     for (int i = 0; i < A_PER; ++i) {
         int r, ch;
-        if constexpr (F16) {
-            r = (tid * A_PER + i) / 16;
-            ch = (tid * A_PER + i) % 16;
-            da[i] = f8_apos(r, ch);
-        } else {
-            f8_arow(tid + i * THREADS, r, ch);
-            da[i] = tid + i * THREADS;
-        }
+        f8_arow(tid + i * THREADS, r, ch);
         const int src = row_src[r];
         ca[i] = ch * 8;
         ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + ca[i] : -1;
@@ -590,13 +465,12 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     const unsigned sbase = f8_smem(f8_dyn) + 16u * (unsigned)tid;
     auto load = [&](int slot, int kb) {
         const unsigned st = sbase + (unsigned)(slot * ST_BYTES);
-        const unsigned sa = f8_smem(f8_dyn) + (unsigned)(slot * ST_BYTES);
         const int k0 = kb * FP8_BK;
         const bool whole = k0 + FP8_BK <= Kdim;  // every column of the block exists
 #pragma unroll
         for (int i = 0; i < A_PER; ++i) {
             const bool ok = ga[i] >= 0 && (whole || k0 + ca[i] < Kdim);
-            f8_cp16(sa + 16u * (unsigned)da[i], Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
+            f8_cp16(st + 16u * (unsigned)(i * THREADS), Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
@@ -622,7 +496,7 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     constexpr int X = TR ? WN / 16 : MT, Y = TR ? BM / 8 : NT;
     static_assert(!TR || (WN % 16 == 0 && BM % 8 == 0), "transposed tiles: 16 weight rows per m-tile, 8 token rows per group");
     float acc[NB][X][Y][4];
-    fp8_loop<BM, BN, WARPS_N, STAGES, NB, TR, F16, A_PER, X, Y>(load, sc, row_src, KB, da, acc);
+    fp8_loop<BM, BN, WARPS_N, STAGES, NB, TR, X, Y>(load, sc, row_src, KB, acc);
     if constexpr (TR) {
         fp8_store_t<BN, WARPS_N, UP, NB, X, Y>(acc, row_src, row_dst, C, N, n0);
     } else {
