@@ -117,7 +117,6 @@ static __device__ __forceinline__ void f8_bf16x4(unsigned w, unsigned& lo, unsig
     hi = __byte_perm(__float_as_uint(f2), __float_as_uint(f3), 0x7632);
 }
 
-
 // fp8_exp is exp(v) with explicitly rounded f32 operations (the Go twin's
 // fp8Exp repeats them): v clamped to [-87, 88], n = rint(v * log2(e)), r = v -
 // n * ln2 (Cody-Waite, two parts), a degree-6 Taylor polynomial in r (Horner),
@@ -272,82 +271,73 @@ static __device__ __forceinline__ void f8_block_t(const unsigned char* st, int a
     }
 }
 
-// fp8_loop runs a tile's K blocks into acc: STAGES-deep cp.async stages
-// (load(slot, kb) copies block kb into a slot), each block's sums p from
-// f8_block (acc[NB][X][Y] = [half][m-tile][n-tile]) or, for transposed tiles,
-// f8_block_t ([half][weight m-tile][token group]), then acc = acc + p *
-// scale in increasing block order. The stage slots are counters (a modulo by 3 stages compiles to a wide
-// multiply; dropping it changed no timing measurably on the H200). Returns
-// once every copy has landed.
-template <int BM, int BN, int WARPS_N, int STAGES, int NB, bool TR, int X, int Y, typename Load>
-static __device__ __forceinline__ void fp8_loop(Load& load, const float (*sc)[FP8_MAX_KB], const int* row_src, int KB,
-                                                float (&acc)[NB][X][Y][4]) {
-    constexpr int WN = BN / WARPS_N;
+// fp8_main_t is fp8_gemm's loop and epilogue for the transposed tiles
+// (f8_block_t): the same stages, scaling order and stores, with the
+// accumulators of f8_block_t's layout.
+template <int BM, int BN, int WARPS_N, int STAGES, bool UP, typename Load>
+static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[FP8_MAX_KB], const int* row_src,
+                                                  const int* row_dst, unsigned short* __restrict__ C, int KB, int N,
+                                                  int n0) {
+    constexpr int WN = BN / WARPS_N, MW = WN / 16, RG = BM / 8;
+    constexpr int NB = UP ? 2 : 1;
     constexpr int A_BYTES = BM * 16 * 16;
     constexpr int ST_BYTES = A_BYTES + NB * BN * 8 * 16;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    bool live[Y];  // transposed: a group of 8 token rows with data (the row tables are filled: moe_tile_begin's barrier)
-    if constexpr (TR) {
+    static_assert(WN % 16 == 0 && BM % 8 == 0, "transposed tiles: 16 weight rows per m-tile, 8 token rows per group");
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    bool live[RG];  // a group of 8 token rows with data (the row tables are filled: moe_tile_begin's barrier)
 #pragma unroll
-        for (int rg = 0; rg < Y; ++rg) {
-            bool any = false;
+    for (int rg = 0; rg < RG; ++rg) {
+        bool any = false;
 #pragma unroll
-            for (int r = 0; r < 8; ++r) any |= row_src[8 * rg + r] >= 0;
-            live[rg] = any;
-        }
+        for (int r = 0; r < 8; ++r) any |= row_src[8 * rg + r] >= 0;
+        live[rg] = any;
     }
+    float acc[NB][MW][RG][4];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int x = 0; x < X; ++x)
+        for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
-            for (int y = 0; y < Y; ++y)
+            for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
-                for (int v = 0; v < 4; ++v) acc[nb][x][y][v] = 0.0f;
+                for (int v = 0; v < 4; ++v) acc[nb][mt][rg][v] = 0.0f;
+    // The slots of stage kb and of the stage loaded during it (kb + STAGES -
+    // 1), kept as counters (a modulo by 3 stages compiles to a wide multiply;
+    // dropping it changed no timing measurably on the H200).
     int cur = 0, nxt = STAGES - 1;
     for (int kb = 0; kb < KB; ++kb) {
         f8_wait<STAGES - 2>();
         __syncthreads();
         if (kb + STAGES - 1 < KB) load(nxt, kb + STAGES - 1);
         f8_commit();
-        float p[NB][X][Y][4];
+        float p[NB][MW][RG][4];
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-            for (int x = 0; x < X; ++x)
+            for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
-                for (int y = 0; y < Y; ++y)
+                for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
-                    for (int v = 0; v < 4; ++v) p[nb][x][y][v] = 0.0f;
-        if constexpr (TR) {
-            f8_block_t<X, Y, NB, BN>(f8_dyn + cur * ST_BYTES, A_BYTES, warp * WN, lane, live, p);
-        } else {
-            f8_block<X, Y, NB, BN>(f8_dyn + cur * ST_BYTES, A_BYTES, warp * WN, lane, p);
-        }
+                    for (int v = 0; v < 4; ++v) p[nb][mt][rg][v] = 0.0f;
+        f8_block_t<MW, RG, NB, BN>(f8_dyn + cur * ST_BYTES, A_BYTES, warp * WN, lane, live, p);
         cur = cur + 1 == STAGES ? 0 : cur + 1;
         nxt = nxt + 1 == STAGES ? 0 : nxt + 1;
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
             const float s = sc[nb][kb];
 #pragma unroll
-            for (int x = 0; x < X; ++x)
+            for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
-                for (int y = 0; y < Y; ++y)
+                for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
-                    for (int v = 0; v < 4; ++v) acc[nb][x][y][v] = __fadd_rn(acc[nb][x][y][v], __fmul_rn(p[nb][x][y][v], s));
+                    for (int v = 0; v < 4; ++v)
+                        acc[nb][mt][rg][v] = __fadd_rn(acc[nb][mt][rg][v], __fmul_rn(p[nb][mt][rg][v], s));
         }
     }
     f8_wait<0>();
-}
 
-// fp8_store_t is the transposed tiles' epilogue: register v of acc[.][mt][rg]
-// is weight row (output column) 16*mt + g + 8*(v/2) of the warp's columns and
-// token row 8*rg + 2c + v%2.
-template <int BN, int WARPS_N, bool UP, int NB, int MW, int RG>
-static __device__ __forceinline__ void fp8_store_t(const float (&acc)[NB][MW][RG][4], const int* row_src,
-                                                   const int* row_dst, unsigned short* __restrict__ C, int N, int n0) {
-    constexpr int WN = BN / WARPS_N;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // Epilogue: register v of (mt, rg) is weight row (output column) 16*mt +
+    // g + 8*(v/2) of the warp's columns and token row 8*rg + 2c + v%2.
 #pragma unroll
     for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
@@ -370,41 +360,6 @@ static __device__ __forceinline__ void fp8_store_t(const float (&acc)[NB][MW][RG
                 C[(long long)dst * N + n] = o;
             }
         }
-}
-
-// fp8_store is the plain tiles' epilogue: the thread holds rows g and g+8
-// of each 16x8 tile (acc[.][i][t]), columns 2c, 2c+1.
-template <int BN, int WARPS_N, bool UP, int NB, int MT, int NT>
-static __device__ __forceinline__ void fp8_store(const float (&acc)[NB][MT][NT][4], const int* row_src,
-                                                 const int* row_dst, unsigned short* __restrict__ C, int N, int n0) {
-    constexpr int WN = BN / WARPS_N;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            const int r = i * 16 + (lane >> 2) + hr * 8;
-            const int dst = row_dst[r];
-            if (dst < 0) continue;
-            const bool zero = UP && row_src[r] < 0;
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                const int n = n0 + warp * WN + t * 8 + (lane & 3) * 2;
-                if (n >= N) continue;
-                unsigned short v0, v1;
-                if (UP) {
-                    const float g0 = moe_round(acc[0][i][t][hr * 2]), g1 = moe_round(acc[0][i][t][hr * 2 + 1]);
-                    const float u0 = moe_round(acc[NB - 1][i][t][hr * 2]), u1 = moe_round(acc[NB - 1][i][t][hr * 2 + 1]);
-                    v0 = zero ? 0 : moe_f2bf(fp8_swiglu(g0, u0));
-                    v1 = zero ? 0 : moe_f2bf(fp8_swiglu(g1, u1));
-                } else {
-                    v0 = moe_f2bf(acc[0][i][t][hr * 2]);
-                    v1 = moe_f2bf(acc[0][i][t][hr * 2 + 1]);
-                }
-                *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
-            }
-        }
-    }
 }
 
 template <int BM, int BN, int WARPS_N, int STAGES, bool UP, bool TR>
@@ -479,6 +434,17 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
         }
     };
 
+    const int warp = tid >> 5, lane = tid & 31;
+    float acc[NB][MT][NT][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[nb][i][t][v] = 0.0f;
+
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KB) load(s, s);
@@ -491,15 +457,64 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
         const int q = i / KB, kb = i - q * KB;
         sc[q][kb] = S[((long long)(e * NB + q) * NBR + n0 / FP8_BK) * KB + kb];
     }
-    // Transposed tiles: acc[half][weight m-tile][token group]; plain tiles:
-    // acc[half][m-tile][n-tile].
-    constexpr int X = TR ? WN / 16 : MT, Y = TR ? BM / 8 : NT;
-    static_assert(!TR || (WN % 16 == 0 && BM % 8 == 0), "transposed tiles: 16 weight rows per m-tile, 8 token rows per group");
-    float acc[NB][X][Y][4];
-    fp8_loop<BM, BN, WARPS_N, STAGES, NB, TR, X, Y>(load, sc, row_src, KB, acc);
     if constexpr (TR) {
-        fp8_store_t<BN, WARPS_N, UP, NB, X, Y>(acc, row_src, row_dst, C, N, n0);
-    } else {
-        fp8_store<BN, WARPS_N, UP, NB, X, Y>(acc, row_src, row_dst, C, N, n0);
+        fp8_main_t<BM, BN, WARPS_N, STAGES, UP>(load, sc, row_src, row_dst, C, KB, N, n0);
+        return;
+    }
+    for (int kb = 0; kb < KB; ++kb) {
+        f8_wait<STAGES - 2>();
+        __syncthreads();
+        const int nk = kb + STAGES - 1;
+        if (nk < KB) load(nk % STAGES, nk);
+        f8_commit();
+        float p[NB][MT][NT][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int t = 0; t < NT; ++t)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) p[nb][i][t][v] = 0.0f;
+        f8_block<MT, NT, NB, BN>(f8_dyn + (kb % STAGES) * ST_BYTES, A_BYTES, warp * WN, lane, p);
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const float s = sc[nb][kb];
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int t = 0; t < NT; ++t)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) acc[nb][i][t][v] = __fadd_rn(acc[nb][i][t][v], __fmul_rn(p[nb][i][t][v], s));
+        }
+    }
+    f8_wait<0>();
+
+    // Epilogue: the thread holds rows g and g+8 of each 16x8 tile, columns 2c, 2c+1.
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const int r = i * 16 + (lane >> 2) + hr * 8;
+            const int dst = row_dst[r];
+            if (dst < 0) continue;
+            const bool zero = UP && row_src[r] < 0;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                const int n = n0 + warp * WN + t * 8 + (lane & 3) * 2;
+                if (n >= N) continue;
+                unsigned short v0, v1;
+                if (UP) {
+                    const float g0 = moe_round(acc[0][i][t][hr * 2]), g1 = moe_round(acc[0][i][t][hr * 2 + 1]);
+                    const float u0 = moe_round(acc[NB - 1][i][t][hr * 2]), u1 = moe_round(acc[NB - 1][i][t][hr * 2 + 1]);
+                    v0 = zero ? 0 : moe_f2bf(fp8_swiglu(g0, u0));
+                    v1 = zero ? 0 : moe_f2bf(fp8_swiglu(g1, u1));
+                } else {
+                    v0 = moe_f2bf(acc[0][i][t][hr * 2]);
+                    v1 = moe_f2bf(acc[0][i][t][hr * 2 + 1]);
+                }
+                *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
+            }
+        }
     }
 }
