@@ -145,7 +145,8 @@ func TestFP8MMAHarness(t *testing.T) {
 }
 
 // fp8CheckDevice compares every FP8 tile on dev with the twins, for each
-// shape and token count, on exact and general data.
+// shape and token count, on exact, wide (exact, with per-block magnitudes
+// from 2^-30 to 2^30: fp8MMACase.widen) and general data.
 func fp8CheckDevice(t *testing.T, dev *device, shapes []fp8Shape, tokens []int) {
 	for si, sh := range shapes {
 		for _, data := range []string{"exact", "wide", "general"} {
