@@ -125,7 +125,8 @@ func fp8Float64(t *testing.T, c *fp8MMACase, down []uint16) {
 // TestFP8MMACUDA runs every FP8 tile's up and down kernels on the GPU at 1,
 // 8, 64 and 256 tokens of DeepSeek-V2-Lite's, Qwen3-30B-A3B's and a
 // partial-block shape, and compares them with their Go twins: bit for bit on
-// exactly summable data (where the tensor core's block sums cannot differ
+// exactly summable data, plain and widened to per-block magnitudes from
+// 2^-30 to 2^30 (where the tensor core's block sums cannot differ
 // from the twin's, so every other step, scale, order, conversion, epilogue,
 // is checked to the bit), and within 1e-2 (max|d|/max|twin|) on general
 // data, where the tensor core adds each block's products in its own order

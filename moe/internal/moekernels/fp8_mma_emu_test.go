@@ -320,7 +320,8 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 }
 
 // TestFP8MMAEmulated runs the emulated kernel over every block of every
-// FP8 tile, up and down, on exact data with partial blocks, and checks that
+// FP8 tile, up and down, on exact data with partial blocks (plain, then
+// widened: fp8MMACase.widen), and checks that
 // it stores the twin's bits exactly where the kernel must store.
 func TestFP8MMAEmulated(t *testing.T) {
 	w := newFP8MMAWeights(3, 272, 144, true, 5)

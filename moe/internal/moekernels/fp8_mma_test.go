@@ -140,10 +140,10 @@ func (w *fp8MMAWeights) batch(T, K int, seed uint64) *fp8MMACase {
 
 // widen multiplies each 128-column block of every row of x and actA by its
 // own power of two, 2^-30 to 2^30: exact data stays exactly summable (a
-// block's products share the factor), bf16 keeps every value, and the
-// magnitudes leave f16's range both ways (the F16 tiles tried in session 12
-// scaled each row's block into it; the f32 block sums and scales of every
-// tile must carry them).
+// block's products share the factor), bf16 keeps every value, and each
+// tile's f32 block sums, block scales and bf16 stores must carry magnitudes
+// far outside f16's range both ways (the F16 tiles tried in session 12 had
+// to scale each row's block into it; this data is what checked that).
 func (c *fp8MMACase) widen(seed uint64) {
 	r := lcg(seed)
 	for _, m := range []struct {
