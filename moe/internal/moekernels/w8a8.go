@@ -83,7 +83,14 @@ type W8A8Gemm struct {
 	// multiply, synchronised by mbarriers, so that one warpgroup's scaling
 	// overlaps the other's wgmma.
 	Producers int
-	Up        bool // the gate/up + SwiGLU kernel, else the down kernel
+	// Double (persistent tiles with a whole producer warpgroup, Producers
+	// 4, and 128-row blocks) gives each consumer warpgroup two block
+	// accumulators: block kb+1's wgmma run while block kb is scaled into the
+	// sums, instead of the warpgroup's tensor core idling through its own
+	// scaling. The extra 64 registers come from setmaxnreg: the producers
+	// drop to 40, the consumers rise to 232. Tag suffix "d".
+	Double bool
+	Up     bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
 // W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
@@ -99,14 +106,20 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 128, Stages: 6, Producers: 2},
 	{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true},
 	{BM: 64, BN: 128, Stages: 4, Producers: 2},
+	{BM: 128, BN: 64, Stages: 6, Producers: 4, Double: true, Up: true},
+	{BM: 128, BN: 128, Stages: 6, Producers: 4, Double: true},
 }
 
 // Tag is the suffix of the tile's kernel name, e.g. "m128n64s4", or
-// "m128n64s6p2" for a persistent tile with two producer warps.
+// "m128n64s6p2" for a persistent tile with two producer warps,
+// "m128n64s6p4d" for a double-buffered one.
 func (c W8A8Gemm) Tag() string {
 	p := ""
 	if c.Producers > 0 {
 		p = fmt.Sprintf("p%d", c.Producers)
+	}
+	if c.Double {
+		p += "d"
 	}
 	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
 }
@@ -168,6 +181,8 @@ func (c W8A8Gemm) Check() error {
 		return fmt.Errorf("w8a8 tile %s: %d producer warps, want 0 (not persistent), 1, 2 or 4", c.Tag(), c.Producers)
 	case c.Producers > 0 && (c.BN%(4*c.Producers) != 0 || c.BM%(4*c.Producers) != 0):
 		return fmt.Errorf("w8a8 tile %s: BM and BN must be multiples of %d rows (four per producer warp)", c.Tag(), 4*c.Producers)
+	case c.Double && (c.Producers != 4 || c.BM != 128):
+		return fmt.Errorf("w8a8 tile %s: double-buffered tiles take a whole producer warpgroup (4 producer warps) and 128 rows (the registers setmaxnreg shares out)", c.Tag())
 	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
 		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
 	}
@@ -198,7 +213,7 @@ func w8a8Instances() string {
 	for _, c := range W8A8Gemms {
 		fn, t := "moe_w8", fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
 		if c.Producers > 0 {
-			fn, t = "moe_w8p", t+fmt.Sprintf(", %d", c.Producers)
+			fn, t = "moe_w8p", t+fmt.Sprintf(", %d, %t", c.Producers, c.Double)
 		}
 		if c.Up {
 			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
@@ -396,7 +411,8 @@ func parallelRows(n int, fn func(r int)) {
 // and their scales xs (one per 128 columns) times w codes and w's block
 // scales ws along K = len(x), in moe_w8a8.cu's order: for each K block in
 // increasing order, p = the block's products summed in ascending k (f32), s =
-// xs[b] * ws[b], acc = acc + p * s, every operation rounded to float32.
+// xs[b] * ws[b], acc = p * s + acc (one fused multiply-add, FMA32), every
+// operation rounded to float32.
 func W8A8Dot(x []uint8, xs []float32, w []uint8, ws []float32) float32 {
 	const B = fp8.BlockSize
 	var acc float32
@@ -406,9 +422,40 @@ func W8A8Dot(x []uint8, xs []float32, w []uint8, ws []float32) float32 {
 			p += float32(fp8.FromE4M3(x[k]) * fp8.FromE4M3(w[k]))
 		}
 		s := float32(xs[b] * sw)
-		acc += float32(p * s)
+		acc = FMA32(p, s, acc)
 	}
 	return acc
+}
+
+// FMA32 returns x*y + z rounded once to float32, to nearest even: CUDA's
+// __fmaf_rn (fma.rn.f32). The product of two float32 values is exact in
+// float64; the float64 sum s is rounded, so its error e is recovered (Knuth's
+// two-sum) and decides the one case where rounding s to float32 would differ
+// from rounding the exact sum: s exactly halfway between two float32 values
+// with e != 0 (double rounding).
+func FMA32(x, y, z float32) float32 {
+	p, zz := float64(x)*float64(y), float64(z)
+	s := p + zz
+	r := float32(s)
+	if math.IsInf(s, 0) || math.IsNaN(s) || float64(r) == s {
+		// Exactly representable (the exact sum is within half a float64 ulp
+		// of r, far inside r's rounding interval), or not finite.
+		return r
+	}
+	bv := s - p
+	e := (p - (s - bv)) + (zz - bv)
+	if e == 0 {
+		return r
+	}
+	// The float32 neighbour of r on s's side; s halfway between them?
+	o := math.Nextafter32(r, float32(math.Copysign(math.Inf(1), s-float64(r))))
+	if s != (float64(r)+float64(o))/2 {
+		return r
+	}
+	if (e > 0) == (float64(o) > float64(r)) {
+		return o
+	}
+	return r
 }
 
 // moeW8A8Up is the twin of gpuctx_moe_w8a8_up_<tag> for tiles of BM rows.

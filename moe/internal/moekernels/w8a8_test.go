@@ -3,6 +3,7 @@ package moekernels
 import (
 	"fmt"
 	"math"
+	"math/big"
 	"slices"
 	"strings"
 	"testing"
@@ -215,7 +216,7 @@ func TestW8A8Dot(t *testing.T) {
 			if codes[0] == w8a8IntCodes[0] && (float64(p) != p64 || math.Abs(p64) > 2048 || p64 != math.Round(p64)) {
 				t.Errorf("exact data: block %d sums to %v (float64 %v), want the same integer of magnitude <= 2048", b, p, p64)
 			}
-			want += float32(p * float32(xs[b]*ws[b]))
+			want = exactFMA32(p, float32(xs[b]*ws[b]), want)
 		}
 		if got := W8A8Dot(x, xs, w, ws); math.Float32bits(got) != math.Float32bits(want) {
 			t.Errorf("W8A8Dot = %v, want %v", got, want)
@@ -379,4 +380,77 @@ func TestQuantReciprocalGuard(t *testing.T) {
 		t.Errorf("the midpoint group: v * (1/s) gives every code the division gives; it does not test the guard")
 	}
 	t.Logf("midpoint group: %d of %d codes wrong without the guard", wrong, len(g)-1)
+}
+
+// exactFMA32 is x*y + z rounded once to float32 (to nearest even), through
+// exact big.Float arithmetic: the restatement FMA32 is checked against.
+func exactFMA32(x, y, z float32) float32 {
+	if math.IsNaN(float64(x)) || math.IsNaN(float64(y)) || math.IsNaN(float64(z)) ||
+		math.IsInf(float64(x), 0) || math.IsInf(float64(y), 0) || math.IsInf(float64(z), 0) {
+		return float32(float64(x)*float64(y) + float64(z))
+	}
+	p := new(big.Float).SetPrec(200).Mul(big.NewFloat(float64(x)).SetPrec(200), big.NewFloat(float64(y)).SetPrec(200))
+	s := new(big.Float).SetPrec(400).Add(p, big.NewFloat(float64(z)).SetPrec(200))
+	f, _ := s.Float32()
+	return f
+}
+
+// TestFMA32 checks FMA32 (the w8a8 twin's __fmaf_rn) against exact
+// arithmetic: on random triples, cancellations, and sums whose float64
+// value lands exactly halfway between two float32 values while the exact sum
+// does not (where rounding the float64 sum again would be wrong, in both
+// directions and at several exponents).
+func TestFMA32(t *testing.T) {
+	type tc struct{ x, y, z float32 }
+	var cases []tc
+	// Double-rounding traps: z, and p = ±(ulp(z)/2)(1 + a 2^-23)(1 - a 2^-23),
+	// so that the exact sum is a midpoint of z's neighbours -+ a² ulp 2^-47.
+	for _, z0 := range []float32{1, 1 + 0x1p-23, 3 + 0x1p-22, 0x1p-100 * (1 + 0x1p-23), 0x1p100 * (1 + 3*0x1p-23), -1 - 0x1p-23} {
+		ulp := math.Nextafter32(z0, float32(math.Inf(1))) - z0
+		if z0 < 0 {
+			ulp = z0 - math.Nextafter32(z0, float32(math.Inf(-1)))
+		}
+		for a := float32(1); a <= 4; a++ {
+			x, y := (1+a*0x1p-23)*ulp/2, 1-a*0x1p-23
+			cases = append(cases, tc{x, y, z0}, tc{-x, y, z0})
+		}
+	}
+	naiveWrong := 0
+	for _, c := range cases {
+		if float32(float64(c.x)*float64(c.y)+float64(c.z)) != exactFMA32(c.x, c.y, c.z) {
+			naiveWrong++
+		}
+	}
+	if naiveWrong == 0 {
+		t.Fatal("no double-rounding case among the constructed ones: the test checks nothing there")
+	}
+	r := lcg(11)
+	f := func() float32 {
+		r.next()
+		v := math.Float32frombits(uint32(uint64(r) >> 32))
+		if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+			return 1.5
+		}
+		return v
+	}
+	for range 20000 {
+		x, y := f(), f()
+		z := f()
+		cases = append(cases, tc{x, y, z})
+		p := float32(float64(x) * float64(y))
+		cases = append(cases, tc{x, y, -p}, tc{x, y, -math.Nextafter32(p, 0)}) // cancellation
+	}
+	cases = append(cases, tc{0, 5, -0}, tc{float32(math.Inf(1)), 2, 1}, tc{3e38, 3e38, -1}, tc{1e-30, 1e-30, 1e-45})
+	bad := 0
+	for _, c := range cases {
+		got, want := FMA32(c.x, c.y, c.z), exactFMA32(c.x, c.y, c.z)
+		if math.Float32bits(got) != math.Float32bits(want) && !(got != got && want != want) {
+			if bad++; bad <= 5 {
+				t.Errorf("FMA32(%g, %g, %g) = %g (%#x), want %g (%#x)", c.x, c.y, c.z, got, math.Float32bits(got), want, math.Float32bits(want))
+			}
+		}
+	}
+	if bad > 0 {
+		t.Errorf("%d of %d cases wrong (%d constructed double-rounding traps)", bad, len(cases), naiveWrong)
+	}
 }
