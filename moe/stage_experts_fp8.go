@@ -106,12 +106,14 @@ var (
 	// (357 against 520 us).
 	w8a8SmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true}
 	w8a8SmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2}
-	// The 128-row tiles double-buffered (moekernels.W8A8Gemm.Double): each
+	// Both pairs double-buffered (moekernels.W8A8Gemm.Double): each
 	// consumer warpgroup's next K block multiplies while it scales the last
 	// one. The tuner times them beside the others (not yet measured: no
 	// rule picks them).
-	w8a8DoubleUp   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 4, Double: true, Up: true}
-	w8a8DoubleDown = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 4, Double: true}
+	w8a8DoubleUp        = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 4, Double: true, Up: true}
+	w8a8DoubleDown      = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 4, Double: true}
+	w8a8SmallDoubleUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 8, Producers: 4, Double: true, Up: true}
+	w8a8SmallDoubleDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 8, Producers: 4, Double: true}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs

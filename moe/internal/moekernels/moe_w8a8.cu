@@ -592,8 +592,12 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
                   "tile: BM a multiple of 64, NB*BN <= 256, BN divides 128");
     static_assert(STAGES >= 2, "at least two stages");
     static_assert(RSTEP % 4 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "producer rows");
-    static_assert(!DBL || (PW == 4 && BM == 128 && STAGES >= 3),
-                  "double-buffered: a producer warpgroup, two consumer warpgroups, three stages");
+    static_assert(!DBL || (PW == 4 && BM <= 128 && STAGES >= 3),
+                  "double-buffered: a producer warpgroup, one or two consumer warpgroups, three stages");
+    // DBL with two consumer warpgroups (384 threads, at most 168 registers
+    // each at entry) moves registers from the producers to the consumers;
+    // with one (256 threads) every thread may have 255 already.
+    constexpr bool SHARE_REGS = DBL && BM == 128;
 
     __shared__ __align__(8) unsigned long long w8p_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
 
@@ -615,14 +619,14 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     const int NBR = (N + W8_BK - 1) / W8_BK;
     const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
     if (tid >= CONSUMERS) {
-        // DBL: the producer warpgroup gives registers to the consumers (384
+        // The producer warpgroup gives registers to the consumers (384
         // threads: 128 * 40 + 256 * 232 <= 65536).
-        if (DBL) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (SHARE_REGS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         w8p_produce<BM, BN, STAGES, PW, UP>(A, B, sorted, block_expert, TK, topk, Kdim, N, ntiles, tid - CONSUMERS,
                                             sbase, full0, empty0);
         return;
     }
-    if (DBL) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if (SHARE_REGS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
     // Consumers: warpgroup grp multiplies tile rows 64*grp .. 64*grp+63;
     // this thread holds rows r0 and r0 + 8.

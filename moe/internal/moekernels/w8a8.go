@@ -84,11 +84,12 @@ type W8A8Gemm struct {
 	// overlaps the other's wgmma.
 	Producers int
 	// Double (persistent tiles with a whole producer warpgroup, Producers
-	// 4, and 128-row blocks) gives each consumer warpgroup two block
-	// accumulators: block kb+1's wgmma run while block kb is scaled into the
-	// sums, instead of the warpgroup's tensor core idling through its own
-	// scaling. The extra 64 registers come from setmaxnreg: the producers
-	// drop to 40, the consumers rise to 232. Tag suffix "d".
+	// 4) gives each consumer warpgroup two block accumulators: block kb+1's
+	// wgmma run while block kb is scaled into the sums, instead of the
+	// warpgroup's wgmma idling through its own scaling. With 128 rows the
+	// extra registers come from setmaxnreg (the producers drop to 40, the
+	// two consumer warpgroups rise to 232); with 64 rows (256 threads)
+	// every thread has enough. Tag suffix "d".
 	Double bool
 	Up     bool // the gate/up + SwiGLU kernel, else the down kernel
 }
@@ -108,6 +109,8 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 64, BN: 128, Stages: 4, Producers: 2},
 	{BM: 128, BN: 64, Stages: 6, Producers: 4, Double: true, Up: true},
 	{BM: 128, BN: 128, Stages: 6, Producers: 4, Double: true},
+	{BM: 64, BN: 64, Stages: 8, Producers: 4, Double: true, Up: true},
+	{BM: 64, BN: 128, Stages: 8, Producers: 4, Double: true},
 }
 
 // Tag is the suffix of the tile's kernel name, e.g. "m128n64s4", or
@@ -181,8 +184,8 @@ func (c W8A8Gemm) Check() error {
 		return fmt.Errorf("w8a8 tile %s: %d producer warps, want 0 (not persistent), 1, 2 or 4", c.Tag(), c.Producers)
 	case c.Producers > 0 && (c.BN%(4*c.Producers) != 0 || c.BM%(4*c.Producers) != 0):
 		return fmt.Errorf("w8a8 tile %s: BM and BN must be multiples of %d rows (four per producer warp)", c.Tag(), 4*c.Producers)
-	case c.Double && (c.Producers != 4 || c.BM != 128):
-		return fmt.Errorf("w8a8 tile %s: double-buffered tiles take a whole producer warpgroup (4 producer warps) and 128 rows (the registers setmaxnreg shares out)", c.Tag())
+	case c.Double && (c.Producers != 4 || c.BM > 128 || c.Stages < 3):
+		return fmt.Errorf("w8a8 tile %s: double-buffered tiles take a whole producer warpgroup (4 producer warps), at most 128 rows (the registers) and 3 stages", c.Tag())
 	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
 		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
 	}
