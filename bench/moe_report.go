@@ -107,7 +107,8 @@ func (r *MoEReport) Tokens() []int {
 func FmtSpeedup(s float64) string { return fmt.Sprintf("%.2fx", s) }
 
 // PeerSummary is the one-line summary of the speed against the peer ("" with
-// no peer).
+// no peer), naming the precision the peer ran and saying when it is not
+// gpuctx's.
 func (r *MoEReport) PeerSummary() string {
 	p := r.Peer
 	if p == nil {
@@ -119,13 +120,20 @@ func (r *MoEReport) PeerSummary() string {
 			n++
 		}
 	}
+	name := p.Name
+	if p.DType != "" {
+		name += " " + p.DType
+	}
 	var s string
 	switch {
 	case p.MinSpeedup == nil:
-		s = fmt.Sprintf("speed vs peer (%s, preset %s): no token count to compare", p.Name, p.Preset)
+		s = fmt.Sprintf("speed vs peer (%s, preset %s): no token count to compare", name, p.Preset)
 	default:
 		s = fmt.Sprintf("speed vs peer (%s, preset %s): %s to %s over %d of %d token counts (peer best / gpuctx best, median of %d round(s); >1 = gpuctx faster)",
-			p.Name, p.Preset, FmtSpeedup(*p.MinSpeedup), FmtSpeedup(*p.MaxSpeedup), n, len(r.Rows), max(r.Rounds, 1))
+			name, p.Preset, FmtSpeedup(*p.MinSpeedup), FmtSpeedup(*p.MaxSpeedup), n, len(r.Rows), max(r.Rounds, 1))
+	}
+	if p.DType != "" && p.DType != r.DType {
+		s += fmt.Sprintf("; not like for like: the peer ran %s, gpuctx %s", p.DType, r.DType)
 	}
 	if !p.OK {
 		s += "; the peer FAILED: " + p.Error

@@ -23,10 +23,22 @@ import (
 // failed its check. It draws its weights from N(0, 0.02²) (moe.InitNormal),
 // rotates --sets weight and input sets, and runs vLLM's tuned tile table
 // where vLLM ships one for the shape (its "graph tuned" mode).
+//
+// bench/peers/triton_fused_moe_fp8.py is the same peer with the routed
+// experts in vLLM's fp8_w8a8 path with 128x128 block scales (the peer of
+// --dtype fp8): the same command line and output. Which precision a peer ran
+// is what its "env: {...}" line says in "dtype" ("bf16" or "fp8"); a peer
+// whose env line has no "dtype" ran bf16 (the bf16 peer predates the field).
 const (
 	PeerName          = "vLLM Triton fused MoE"
 	PeerDefaultScript = "bench/peers/triton_fused_moe.py"
+	PeerFP8Script     = "bench/peers/triton_fused_moe_fp8.py"
+	// peerEnvDefaultDType is the precision of a peer whose env line names none.
+	peerEnvDefaultDType = "bf16"
 )
+
+// PeerScripts names the peer script of each --dtype that has one.
+var PeerScripts = map[string]string{"bf16": PeerDefaultScript, "fp8": PeerFP8Script}
 
 // PeerPresets maps gpuctx preset names to the peer's --preset names.
 var PeerPresets = map[string]string{
@@ -56,6 +68,7 @@ type PeerReport struct {
 	OK         bool     `json:"ok"`
 	Error      string   `json:"error,omitempty"`
 	Runs       int      `json:"runs"`                  // peer invocations (one per round while it passes)
+	DType      string   `json:"dtype,omitempty"`       // the precision the peer ran, from its env line; "" if no run printed one
 	MinSpeedup *float64 `json:"min_speedup,omitempty"` // over token counts, of the median per token count
 	MaxSpeedup *float64 `json:"max_speedup,omitempty"`
 }
@@ -145,6 +158,23 @@ type peerOutput struct {
 	verdict string   // the last "PASS: ..." or "FAIL: ..." line
 	fails   []string // every line starting with FAIL
 	sets    int      // the weight sets it rotated ("weights: N set(s) ..."), 0: not said
+	dtype   string   // the precision its env line names (see peerEnvDType), "": no env line
+}
+
+// peerEnvDType returns the precision the peer's env line (the JSON after
+// "env: ") names in "dtype", peerEnvDefaultDType if it names none, and ""
+// if the line is not a JSON object.
+func peerEnvDType(env string) string {
+	var e struct {
+		DType string `json:"dtype"`
+	}
+	if json.Unmarshal([]byte(env), &e) != nil {
+		return ""
+	}
+	if e.DType == "" {
+		return peerEnvDefaultDType
+	}
+	return e.DType
 }
 
 // readPeerOutput reads the peer's stdout: JSON lines (starting with '{') are
@@ -170,6 +200,11 @@ func readPeerOutput(r io.Reader, progress io.Writer) (peerOutput, error) {
 		if _, err := fmt.Sscanf(s, "weights: %d set(s)", &n); err == nil {
 			out.sets = n
 		}
+		if env, ok := strings.CutPrefix(s, "env: "); ok {
+			if d := peerEnvDType(env); d != "" {
+				out.dtype = d
+			}
+		}
 		if strings.HasPrefix(s, "PASS") || strings.HasPrefix(s, "FAIL: ") {
 			out.verdict = s
 		}
@@ -180,15 +215,24 @@ func readPeerOutput(r io.Reader, progress io.Writer) (peerOutput, error) {
 	return out, sc.Err()
 }
 
+// PeerRun is what one run of the peer gave: its passing rows, the number of
+// weight sets it said it rotated (0: it did not say) and the precision its
+// env line named ("": it printed none).
+type PeerRun struct {
+	Rows  map[int]PeerRow
+	Sets  int
+	DType string
+}
+
 // runPeer runs the peer script with python, its stderr streamed to errOut and
-// its stdout's progress lines copied there too, and returns its rows and the
-// number of weight sets it said it rotated (0: it did not say). err says why
-// the peer failed: python or the script missing, a non-zero exit, a FAIL
-// verdict, a token count without a passing row; rows holds whatever passed.
-func runPeer(ctx context.Context, python string, args []string, tokens []int, errOut io.Writer) (map[int]PeerRow, int, error) {
+// its stdout's progress lines copied there too, and returns what it gave. err
+// says why the peer failed: python or the script missing, a non-zero exit, a
+// FAIL verdict, a token count without a passing row; the rows hold whatever
+// passed.
+func runPeer(ctx context.Context, python string, args []string, tokens []int, errOut io.Writer) (PeerRun, error) {
 	exe, err := exec.LookPath(python)
 	if err != nil {
-		return nil, 0, fmt.Errorf("--peer-python %s: %w", python, err)
+		return PeerRun{}, fmt.Errorf("--peer-python %s: %w", python, err)
 	}
 	// the peer's stderr (copied by exec's goroutine) and its progress lines
 	// (copied here) go to the same writer
@@ -198,10 +242,10 @@ func runPeer(ctx context.Context, python string, args []string, tokens []int, er
 	cmd.Stderr = errOut
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		return nil, 0, err
+		return PeerRun{}, err
 	}
 	if err := cmd.Start(); err != nil {
-		return nil, 0, fmt.Errorf("starting %s: %w", python, err)
+		return PeerRun{}, fmt.Errorf("starting %s: %w", python, err)
 	}
 	out, rerr := readPeerOutput(stdout, errOut)
 	if rerr != nil {
@@ -209,7 +253,33 @@ func runPeer(ctx context.Context, python string, args []string, tokens []int, er
 	}
 	werr := cmd.Wait()
 	rows, err := judgePeer(out, tokens, werr, rerr)
-	return rows, out.sets, err
+	return PeerRun{Rows: rows, Sets: out.sets, DType: out.dtype}, err
+}
+
+// PeerDTypeNote returns the report's note when the peer ran another
+// precision (peer, from its env line) than gpuctx (ours, the report's
+// dtype: bf16, f32 or fp8), naming the peer script of ours where there is
+// one; "" when they match or the peer's is unknown.
+func PeerDTypeNote(ours, peer string) string {
+	if peer == "" || peer == ours {
+		return ""
+	}
+	s := fmt.Sprintf("the peer runs %s weights while gpuctx runs %s: the comparison is not like for like", peer, ours)
+	if script, ok := PeerScripts[ours]; ok {
+		s += fmt.Sprintf(" (the %s peer is --peer %s)", ours, script)
+	}
+	return s
+}
+
+// PeerDTypeText describes the precision a peer ran, for the report.
+func PeerDTypeText(dtype string) string {
+	switch dtype {
+	case "":
+		return "precision not reported"
+	case "fp8":
+		return "fp8 weights (w8a8, 128x128 block scales)"
+	}
+	return dtype + " weights"
 }
 
 // judgePeer returns the passing rows of out for tokens, and an error that

@@ -2,6 +2,8 @@ package bench
 
 import (
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -110,6 +112,85 @@ func TestRelDiff(t *testing.T) {
 	for _, c := range cases {
 		if got := RelDiff(c.got, c.want, gpuctx.F32); math.Abs(got-c.rel) > 1e-12 && got != c.rel {
 			t.Errorf("%s: %v, want %v", c.name, got, c.rel)
+		}
+	}
+}
+
+// TestPeerEnvDType: the precision a peer ran is what its env line names in
+// "dtype", bf16 when its env line names none (the bf16 peer), unknown
+// without an env line or with one that is not JSON; the last env line wins,
+// and every env line still streams as progress.
+func TestPeerEnvDType(t *testing.T) {
+	cases := []struct {
+		name, stdout, want string
+	}{
+		{"no env line", "weights: 1 set(s) of 0.01 GB\nPASS: ok\n", ""},
+		{"bf16 peer", `env: {"device": "NVIDIA H200", "torch": "2.11.0"}` + "\nPASS: ok\n", "bf16"},
+		{"fp8 peer", `env: {"device": "NVIDIA H200", "dtype": "fp8", "configs": ["default", "tuned"]}` + "\nPASS: ok\n", "fp8"},
+		{"empty dtype", `env: {"dtype": ""}` + "\n", "bf16"},
+		{"not JSON", "env: device NVIDIA H200\n", ""},
+		{"last env line wins", `env: {"dtype": "fp8"}` + "\n" + `env: {"device": "x"}` + "\n", "bf16"},
+		{"a bad env line keeps the last good one", `env: {"dtype": "fp8"}` + "\nenv: {\n", "fp8"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			var progress strings.Builder
+			out, err := readPeerOutput(strings.NewReader(c.stdout), &progress)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if out.dtype != c.want {
+				t.Errorf("dtype %q, want %q", out.dtype, c.want)
+			}
+			if n := strings.Count(c.stdout, "env: "); strings.Count(progress.String(), "peer: env: ") != n {
+				t.Errorf("progress lacks the env line(s):\n%s", progress.String())
+			}
+		})
+	}
+}
+
+// TestPeerDTypeNote: a note only when the peer's precision is known and is
+// not gpuctx's, naming the peer script of gpuctx's precision where there is
+// one; and the summary line names the peer's precision and the mismatch.
+func TestPeerDTypeNote(t *testing.T) {
+	cases := []struct {
+		ours, peer string
+		note       string // "" : none
+	}{
+		{"bf16", "bf16", ""},
+		{"fp8", "fp8", ""},
+		{"fp8", "", ""},
+		{"fp8", "bf16", "the peer runs bf16 weights while gpuctx runs fp8: the comparison is not like for like (the fp8 peer is --peer bench/peers/triton_fused_moe_fp8.py)"},
+		{"bf16", "fp8", "the peer runs fp8 weights while gpuctx runs bf16: the comparison is not like for like (the bf16 peer is --peer bench/peers/triton_fused_moe.py)"},
+		{"f32", "bf16", "the peer runs bf16 weights while gpuctx runs f32: the comparison is not like for like"},
+	}
+	for _, c := range cases {
+		t.Run(c.ours+" vs "+c.peer, func(t *testing.T) {
+			if got := PeerDTypeNote(c.ours, c.peer); got != c.note {
+				t.Errorf("note %q, want %q", got, c.note)
+			}
+			one := 1.2
+			rep := &MoEReport{DType: c.ours, Rounds: 1, Rows: []MoERow{{Tokens: 1, SpeedupVsPeer: &one}},
+				Peer: &PeerReport{Name: PeerName, Preset: "deepseek-v3", OK: true, DType: c.peer, MinSpeedup: &one, MaxSpeedup: &one}}
+			s := rep.PeerSummary()
+			wantName := "speed vs peer (" + PeerName + ", preset"
+			if c.peer != "" {
+				wantName = "speed vs peer (" + PeerName + " " + c.peer + ", preset"
+			}
+			mismatch := "; not like for like: the peer ran " + c.peer + ", gpuctx " + c.ours
+			if !strings.HasPrefix(s, wantName) || strings.Contains(s, mismatch) != (c.note != "") {
+				t.Errorf("summary %q, want it to start with %q and to say %q: %v", s, wantName, mismatch, c.note != "")
+			}
+		})
+	}
+	for d, want := range map[string]string{"": "precision not reported", "bf16": "bf16 weights", "fp8": "fp8 weights (w8a8, 128x128 block scales)"} {
+		if got := PeerDTypeText(d); got != want {
+			t.Errorf("PeerDTypeText(%q) = %q, want %q", d, got, want)
+		}
+	}
+	for dt, script := range PeerScripts {
+		if _, err := os.Stat(filepath.Join("..", script)); err != nil {
+			t.Errorf("the %s peer script: %v", dt, err)
 		}
 	}
 }

@@ -34,18 +34,19 @@ func (p *PeerSpec) Command(tokens []int, iters, warmup int) string {
 	return p.Python + " " + strings.Join(p.Args(tokens, iters, warmup), " ")
 }
 
-// Run runs the peer once and returns its passing rows and the number of
-// weight sets it rotated (see runPeer).
-func (p *PeerSpec) Run(ctx context.Context, tokens []int, iters, warmup int) (map[int]PeerRow, int, error) {
+// Run runs the peer once and returns its passing rows, the number of weight
+// sets it rotated and the precision it ran (see runPeer).
+func (p *PeerSpec) Run(ctx context.Context, tokens []int, iters, warmup int) (PeerRun, error) {
 	return runPeer(ctx, p.Python, p.Args(tokens, iters, warmup), tokens, p.ErrOut)
 }
 
 // RunRounds runs rounds of one gpuctx pass and one peer run each (without a
 // peer, passes only), alternating the order: gpuctx first in the first
 // round, the peer first in the next, and so on. It sets rep.Rows (medians
-// over the passes, floors) and, with a peer, rep.Peer's runs and every row's
-// peer columns. A peer failure stops the peer's later runs (gpuctx's passes
-// go on) and comes back as peerErr; err is gpuctx's own failure.
+// over the passes, floors) and, with a peer, rep.Peer's runs and precision
+// (a note when it is not rep.DType: PeerDTypeNote) and every row's peer
+// columns. A peer failure stops the peer's later runs (gpuctx's passes go
+// on) and comes back as peerErr; err is gpuctx's own failure.
 func (b *MoEBench) RunRounds(ctx context.Context, peer *PeerSpec, rounds int, rep *MoEReport) (peerErr, err error) {
 	var runs []map[int]PeerRow
 	runPeer := func(r int) {
@@ -53,10 +54,13 @@ func (b *MoEBench) RunRounds(ctx context.Context, peer *PeerSpec, rounds int, re
 			return
 		}
 		fmt.Fprintf(peer.ErrOut, "moe bench: round %d of %d: running the peer: %s\n", r+1, rounds, peer.Command(b.o.Tokens, b.o.Iters, b.o.Warmup))
-		rows, sets, perr := peer.Run(ctx, b.o.Tokens, b.o.Iters, b.o.Warmup)
-		runs = append(runs, rows)
-		if sets > 0 && sets != len(b.layers) {
-			rep.Notes = append(rep.Notes, fmt.Sprintf("round %d: the peer rotated %d weight set(s), gpuctx %d (the peer drops sets that do not fit in 60%% of its free device memory)", r+1, sets, len(b.layers)))
+		run, perr := peer.Run(ctx, b.o.Tokens, b.o.Iters, b.o.Warmup)
+		runs = append(runs, run.Rows)
+		if run.Sets > 0 && run.Sets != len(b.layers) {
+			rep.Notes = append(rep.Notes, fmt.Sprintf("round %d: the peer rotated %d weight set(s), gpuctx %d (the peer drops sets that do not fit in 60%% of its free device memory)", r+1, run.Sets, len(b.layers)))
+		}
+		if run.DType != "" && rep.Peer != nil {
+			rep.Peer.DType = run.DType
 		}
 		if perr != nil {
 			peerErr = perr
@@ -84,6 +88,9 @@ func (b *MoEBench) RunRounds(ctx context.Context, peer *PeerSpec, rounds int, re
 	if rep.Peer != nil {
 		rep.Peer.Runs = len(runs)
 		applyPeer(rep, b.passes, runs)
+		if note := PeerDTypeNote(rep.DType, rep.Peer.DType); note != "" {
+			rep.Notes = append(rep.Notes, note)
+		}
 	}
 	return peerErr, nil
 }

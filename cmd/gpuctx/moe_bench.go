@@ -113,6 +113,14 @@ batches touched, and "vs peer" = peer best / gpuctx best of each round
 token counts. If the peer fails, its later rounds are skipped, the table is
 printed without it and the exit status is 1.
 
+--peer bench/peers/triton_fused_moe_fp8.py is the same peer with the routed
+experts in vLLM's fp8_w8a8 path (128x128 block scales, the weights quantized
+as gpuctx quantizes them, activations per token per 128 columns): the peer of
+--dtype fp8. The peer's env line says which precision it ran (the header's
+peer line and the summary name it; a peer that names none ran bf16); when it
+is not --dtype's, the run goes on and the report adds a note saying so (e.g.
+"the peer runs bf16 weights while gpuctx runs fp8").
+
 --dtype fp8 times the layer with its routed experts' weights in FP8 on the
 device (moe.LayerOptions.FP8: E4M3 codes and 128x128 block scales, the w8a16
 tiles, or on compute capability 9.0 the w8a8 tiles over activations quantized
@@ -134,7 +142,8 @@ func newMoeBenchCmd(a *app) *cobra.Command {
 		Example: `  gpuctx moe bench
   gpuctx moe bench --preset qwen1.5-moe --tokens 1,64,1024 --plot moe.png --out moe.md
   gpuctx moe bench --model ./DeepSeek-V2-Lite --layer 1 --mode single,dual,auto --json
-  gpuctx moe bench --preset qwen1.5-moe --peer bench/peers/triton_fused_moe.py --rounds 3 --out moe.md`,
+  gpuctx moe bench --preset qwen1.5-moe --peer bench/peers/triton_fused_moe.py --rounds 3 --out moe.md
+  gpuctx moe bench --preset deepseek-v3 --dtype fp8 --peer bench/peers/triton_fused_moe_fp8.py --out moe-fp8.md`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return a.runMoeBench(cmd, o) },
 	}
@@ -155,7 +164,7 @@ func newMoeBenchCmd(a *app) *cobra.Command {
 	f.StringVar(&o.tile, "tile", "", "force one tile of the fused expert GEMMs instead of tuning per token bucket: an mma.sync tile (e.g. m16n64k64w1x4s6) or, on compute capability 9.0, a warpgroup tile (e.g. m128n128k64g2s4)")
 	f.BoolVar(&o.noGraphs, "no-graphs", false, "run every forward eagerly (by default small batches replay a captured graph)")
 	f.StringVar(&o.trace, "trace", "", traceHelp+"; after the timings, one eager forward per token count and mode is traced (implies --no-graphs)")
-	f.StringVar(&o.peer, "peer", "", "time this peer script with the same preset, tokens and weight sets (e.g. "+bench.PeerDefaultScript+"; CUDA only)")
+	f.StringVar(&o.peer, "peer", "", "time this peer script with the same preset, tokens and weight sets (e.g. "+bench.PeerDefaultScript+", or "+bench.PeerFP8Script+" with --dtype fp8; CUDA only)")
 	f.IntVar(&o.rounds, "rounds", 1, "alternate gpuctx and the peer this many times (order swapped each round); without --peer, gpuctx's passes")
 	f.IntVar(&o.sets, "sets", 0, "weight and input sets rotated between forwards (a Layer each); 0: the peer's number (3; 2 for deepseek-v3), 1 on the CPU backend")
 	f.StringVar(&o.weights, "weights", "", "random weight distribution: uniform (U(±1/sqrt(fan_in)), bias U(±0.05)) or normal (N(0, 0.02²), the peer's); default normal with --peer, else uniform")

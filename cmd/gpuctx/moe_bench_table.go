@@ -131,7 +131,8 @@ func markdownHeader(b *strings.Builder, r *moeBenchReport) {
 		if !p.OK {
 			status = "FAILED: " + p.Error
 		}
-		fmt.Fprintf(b, "- peer: %s, %d run(s) alternating with gpuctx's (gpuctx first in odd rounds, the peer first in even ones): `%s`; %s\n", p.Name, p.Runs, p.Command, status)
+		fmt.Fprintf(b, "- peer: %s, %s, %d run(s) alternating with gpuctx's (gpuctx first in odd rounds, the peer first in even ones): `%s`; %s\n",
+			p.Name, bench.PeerDTypeText(p.DType), p.Runs, p.Command, status)
 	}
 	b.WriteString("\n")
 }

@@ -148,3 +148,65 @@ func TestMoeBenchPeerRefused(t *testing.T) {
 	code, stdout, stderr := execute(t, "moe", "bench", "--preset", "qwen3-30b-a3b", "--peer", fakePeer)
 	wantOneLineFailure(t, code, stdout, stderr, "the peer has no preset for qwen3-30b-a3b")
 }
+
+// TestMoeBenchPeerDType runs --dtype bf16 and fp8 against a fake peer whose
+// env line says bf16 (no "dtype", as triton_fused_moe.py) or fp8 (as
+// triton_fused_moe_fp8.py): the run goes on either way, the report names the
+// peer's precision (JSON, header, summary), and only a mismatch adds the note.
+func TestMoeBenchPeerDType(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	allowPeerOnCPU = true
+	defer func() { allowPeerOnCPU = false }()
+	dir := t.TempDir()
+	cases := []struct {
+		name, dtype, peerDType string // gpuctx's --dtype, FAKE_PEER_DTYPE
+		wantPeer, header, note string // note "": none
+	}{
+		{"bf16 against the bf16 peer", "bf16", "", "bf16", "bf16 weights", ""},
+		{"fp8 against the fp8 peer", "fp8", "fp8", "fp8", "fp8 weights (w8a8, 128x128 block scales)", ""},
+		{"fp8 against the bf16 peer", "fp8", "", "bf16", "bf16 weights",
+			"the peer runs bf16 weights while gpuctx runs fp8: the comparison is not like for like (the fp8 peer is --peer " + bench.PeerFP8Script + ")"},
+		{"bf16 against the fp8 peer", "bf16", "fp8", "fp8", "fp8 weights (w8a8, 128x128 block scales)",
+			"the peer runs fp8 weights while gpuctx runs bf16: the comparison is not like for like (the bf16 peer is --peer " + bench.PeerDefaultScript + ")"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Setenv("FAKE_PEER_DTYPE", c.peerDType)
+			md := filepath.Join(dir, strings.ReplaceAll(c.name, " ", "-")+".md")
+			code, stdout, stderr := execute(t, "moe", "bench", "--tokens", "1,4", "--iters", "2", "--warmup", "0", "--dtype", c.dtype,
+				"--peer", fakePeer, "--peer-python", fakePeer, "--json", "--out", md)
+			if code != 0 {
+				t.Fatalf("exit %d, stderr %s", code, stderr)
+			}
+			var rep moeBenchReport
+			if err := json.Unmarshal([]byte(stdout), &rep); err != nil {
+				t.Fatal(err)
+			}
+			if rep.DType != c.dtype || rep.Peer == nil || !rep.Peer.OK || rep.Peer.DType != c.wantPeer {
+				t.Fatalf("report dtype %q, peer %+v; want %q and a peer that ran %q", rep.DType, rep.Peer, c.dtype, c.wantPeer)
+			}
+			var notes []string
+			for _, n := range rep.Notes {
+				if strings.Contains(n, "not like for like") {
+					notes = append(notes, n)
+				}
+			}
+			if c.note == "" && len(notes) > 0 || c.note != "" && (len(notes) != 1 || notes[0] != c.note) {
+				t.Errorf("precision notes %q, want %q", notes, c.note)
+			}
+			b, err := os.ReadFile(md)
+			if err != nil {
+				t.Fatal(err)
+			}
+			text := string(b)
+			for _, w := range []string{"- peer: " + bench.PeerName + ", " + c.header + ", 1 run(s)", "speed vs peer (" + bench.PeerName + " " + c.wantPeer + ", preset"} {
+				if !strings.Contains(text, w) {
+					t.Errorf("--out lacks %q:\n%s", w, text)
+				}
+			}
+			if mismatch := strings.Contains(text, "; not like for like: the peer ran"); mismatch != (c.note != "") || (c.note != "" && !strings.Contains(text, "- note: "+c.note)) {
+				t.Errorf("--out's summary and notes do not say the mismatch (%v):\n%s", c.note != "", text)
+			}
+		})
+	}
+}
