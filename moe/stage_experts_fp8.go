@@ -95,6 +95,13 @@ var (
 	// scaled under the other's wgmma: slower everywhere on the H200 (up 912
 	// vs 752 us, down 338 vs 268 at DeepSeek-V2-Lite 4096; the one-warpgroup
 	// pair 1413 + 502 vs 1114 + 358), so the wgmma of a stage stay whole.
+	// Tried and dropped (session 13, commit 3c56e2f): double-buffered tiles
+	// (a producer warpgroup, setmaxnreg 40/232 for the consumers, block kb+1's
+	// wgmma issued before block kb is scaled, wgmma.wait_group 1): correct on
+	// the H200 but slower, up 743.9 vs 705.8 us and down 263.1 vs 245.9 at
+	// DeepSeek-V2-Lite 4096, and the 64-row ones (one block per SM) 1198 +
+	// 370 vs 1068 + 339. What did pay in the same call: the scaled add as one
+	// FMA (705.8 + 245.9 against 752.5 + 267.6 in session 11).
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
 	// The one-warpgroup w8a8 tiles, for 17-63 rows per touched expert: on the
@@ -106,14 +113,6 @@ var (
 	// (357 against 520 us).
 	w8a8SmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true}
 	w8a8SmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2}
-	// Both pairs double-buffered (moekernels.W8A8Gemm.Double): each
-	// consumer warpgroup's next K block multiplies while it scales the last
-	// one. The tuner times them beside the others (not yet measured: no
-	// rule picks them).
-	w8a8DoubleUp        = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 4, Double: true, Up: true}
-	w8a8DoubleDown      = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 4, Double: true}
-	w8a8SmallDoubleUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 8, Producers: 4, Double: true, Up: true}
-	w8a8SmallDoubleDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 8, Producers: 4, Double: true}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs

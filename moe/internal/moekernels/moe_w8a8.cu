@@ -513,69 +513,7 @@ static __device__ __forceinline__ void w8p_produce(const unsigned char* __restri
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// w8p_mma4 waits for stage slot (parity ph) to be full and issues this
-// warpgroup's four wgmma of it into d (the stage's A rows 64*grp.. and its
-// B tile), committed as one wgmma group; it does not wait for them.
-template <int NW>
-static __device__ __forceinline__ void w8p_mma4(float* d, unsigned st, unsigned a_bytes, unsigned full, unsigned ph,
-                                                int grp) {
-    w8p_wait(full, ph);
-    // The stage's cp.async writes went through the generic proxy; wgmma
-    // reads through the async proxy.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + a_bytes;
-    w8_fence();
-#pragma unroll
-    for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<NW>(d, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
-    w8_commit_mma();
-}
-
-// w8p_scale adds block sums p (a completed wgmma group) into acc with their
-// scales, acc = p * s + acc (register 4j + 2hr + v: row half hr, column 8j
-// + 2*(lane%4) + v; for UP, j < BN/8 the gate's columns, then the up's).
-template <int NW, int BN, bool UP>
-static __device__ __forceinline__ void w8p_scale(float* acc, float* p, float sa0, float sa1, float sbg, float sbu) {
-    // p's registers are read only after the wgmma.wait_group before this.
-#pragma unroll
-    for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(p[i])::"memory");
-    const float s[2][2] = {{__fmul_rn(sa0, sbg), __fmul_rn(sa1, sbg)}, {__fmul_rn(sa0, sbu), __fmul_rn(sa1, sbu)}};
-#pragma unroll
-    for (int i = 0; i < NW / 2; ++i) {
-        const int h = UP && (i / 4) >= BN / 8 ? 1 : 0;
-        acc[i] = __fmaf_rn(p[i], s[h][(i >> 1) & 1], acc[i]);
-    }
-}
-
-// w8p_step is one K block kb of a double-buffered consumer (moe_w8p with
-// DBL): cur holds block kb's wgmma group, in flight; it issues block kb+1's
-// into nxt (when there is one), waits for cur's group only, releases kb's
-// stage and scales cur into acc while nxt's wgmma run.
-template <int NW, int BN, int STAGES, bool UP>
-static __device__ __forceinline__ void w8p_step(int kb, int KB, float* acc, float* cur, float* nxt,
-                                                const float* const* arow, const float* sg, const float* su,
-                                                unsigned sbase, unsigned st_bytes, unsigned a_bytes, unsigned full0,
-                                                unsigned empty0, int& islot, unsigned& iph, int& rslot, int grp,
-                                                int lane) {
-    const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
-    const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
-    const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
-    if (kb + 1 < KB) {
-        w8p_mma4<NW>(nxt, sbase + (unsigned)islot * st_bytes, a_bytes, full0 + 8u * islot, iph, grp);
-        if (++islot == STAGES) {
-            islot = 0;
-            iph ^= 1u;
-        }
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    } else {
-        w8_wait_mma0();
-    }
-    // This warp's wgmma of block kb are done: release its stage.
-    if (lane == 0) w8p_arrive(empty0 + 8u * rslot);
-    if (++rslot == STAGES) rslot = 0;
-    w8p_scale<NW, BN, UP>(acc, cur, sa0, sa1, sbg, sbu);
-}
-
-template <int BM, int BN, int STAGES, int PW, bool DBL, bool UP>
+template <int BM, int BN, int STAGES, int PW, bool UP>
 static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__ A, const float* __restrict__ AS,
                                                const unsigned char* __restrict__ B, const float* __restrict__ S,
                                                const int* __restrict__ sorted, const int* __restrict__ block_expert,
@@ -592,12 +530,6 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
                   "tile: BM a multiple of 64, NB*BN <= 256, BN divides 128");
     static_assert(STAGES >= 2, "at least two stages");
     static_assert(RSTEP % 4 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "producer rows");
-    static_assert(!DBL || (PW == 4 && BM <= 128 && STAGES >= 3),
-                  "double-buffered: a producer warpgroup, one or two consumer warpgroups, three stages");
-    // DBL with two consumer warpgroups (384 threads, at most 168 registers
-    // each at entry) moves registers from the producers to the consumers;
-    // with one (256 threads) every thread may have 255 already.
-    constexpr bool SHARE_REGS = DBL && BM == 128;
 
     __shared__ __align__(8) unsigned long long w8p_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
 
@@ -619,29 +551,20 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     const int NBR = (N + W8_BK - 1) / W8_BK;
     const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
     if (tid >= CONSUMERS) {
-        // The producer warpgroup gives registers to the consumers (384
-        // threads: 128 * 40 + 256 * 232 <= 65536).
-        if (SHARE_REGS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         w8p_produce<BM, BN, STAGES, PW, UP>(A, B, sorted, block_expert, TK, topk, Kdim, N, ntiles, tid - CONSUMERS,
                                             sbase, full0, empty0);
         return;
     }
-    if (SHARE_REGS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
     // Consumers: warpgroup grp multiplies tile rows 64*grp .. 64*grp+63;
     // this thread holds rows r0 and r0 + 8.
     const int grp = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31;
     const int r0 = grp * 64 + w * 16 + (lane >> 2);
-    int slot = 0;  // the next stage to multiply (DBL: to issue)
+    int slot = 0;
     unsigned ph = 0;
-    int rslot = 0;  // DBL: the next stage to release
-    // blk (and DBL's blk2) are written whole by each block's first wgmma
-    // (scale-d = 0); zeroed once only so that no register is read undefined.
-    float acc[NW / 2], blk[NW / 2], blk2[DBL ? NW / 2 : 1];
+    float acc[NW / 2], blk[NW / 2];
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) blk[i] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < (DBL ? NW / 2 : 1); ++i) blk2[i] = 0.0f;
     for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
         const int e = block_expert[mb];
@@ -661,35 +584,34 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
         const float* su = S + ((long long)(e * NB + NB - 1) * NBR + n0 / W8_BK) * KB;
 #pragma unroll
         for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
-        if constexpr (DBL) {
-            // Block kb's wgmma go into blk for even kb, blk2 for odd kb;
-            // block kb+1's are issued before block kb is scaled.
-            w8p_mma4<NW>(blk, sbase + (unsigned)slot * ST_BYTES, A_BYTES, full0 + 8u * slot, ph, grp);
+        for (int kb = 0; kb < KB; ++kb) {
+            const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
+            const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
+            const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
+            w8p_wait(full0 + 8u * slot, ph);
+            // The stage's cp.async writes went through the generic proxy;
+            // wgmma reads through the async proxy.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+            const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
+            w8_fence();
+#pragma unroll
+            for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<NW>(blk, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
+            w8_commit_mma();
+            w8_wait_mma0();
+            // This warp's wgmma of the stage is done: release it.
+            if (lane == 0) w8p_arrive(empty0 + 8u * slot);
             if (++slot == STAGES) {
                 slot = 0;
                 ph ^= 1u;
             }
-            for (int kb = 0; kb < KB; kb += 2) {
-                w8p_step<NW, BN, STAGES, UP>(kb, KB, acc, blk, blk2, arow, sg, su, sbase, ST_BYTES, A_BYTES, full0,
-                                              empty0, slot, ph, rslot, grp, lane);
-                if (kb + 1 < KB)
-                    w8p_step<NW, BN, STAGES, UP>(kb + 1, KB, acc, blk2, blk, arow, sg, su, sbase, ST_BYTES, A_BYTES,
-                                                  full0, empty0, slot, ph, rslot, grp, lane);
-            }
-        } else {
-            for (int kb = 0; kb < KB; ++kb) {
-                const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
-                const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
-                const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
-                w8p_mma4<NW>(blk, sbase + (unsigned)slot * ST_BYTES, A_BYTES, full0 + 8u * slot, ph, grp);
-                w8_wait_mma0();
-                // This warp's wgmma of the stage are done: release it.
-                if (lane == 0) w8p_arrive(empty0 + 8u * slot);
-                if (++slot == STAGES) {
-                    slot = 0;
-                    ph ^= 1u;
-                }
-                w8p_scale<NW, BN, UP>(acc, blk, sa0, sa1, sbg, sbu);
+#pragma unroll
+            for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(blk[i])::"memory");
+            const float s[2][2] = {{__fmul_rn(sa0, sbg), __fmul_rn(sa1, sbg)}, {__fmul_rn(sa0, sbu), __fmul_rn(sa1, sbu)}};
+#pragma unroll
+            for (int i = 0; i < NW / 2; ++i) {
+                const int h = UP && (i / 4) >= BN / 8 ? 1 : 0;
+                acc[i] = __fmaf_rn(blk[i], s[h][(i >> 1) & 1], acc[i]);
             }
         }
         // Epilogue (moe_w8's): register 4j + 2h + v is column 8j + 2*(lane%4)

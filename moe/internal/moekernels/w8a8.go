@@ -83,15 +83,7 @@ type W8A8Gemm struct {
 	// multiply, synchronised by mbarriers, so that one warpgroup's scaling
 	// overlaps the other's wgmma.
 	Producers int
-	// Double (persistent tiles with a whole producer warpgroup, Producers
-	// 4) gives each consumer warpgroup two block accumulators: block kb+1's
-	// wgmma run while block kb is scaled into the sums, instead of the
-	// warpgroup's wgmma idling through its own scaling. With 128 rows the
-	// extra registers come from setmaxnreg (the producers drop to 40, the
-	// two consumer warpgroups rise to 232); with 64 rows (256 threads)
-	// every thread has enough. Tag suffix "d".
-	Double bool
-	Up     bool // the gate/up + SwiGLU kernel, else the down kernel
+	Up        bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
 // W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
@@ -107,22 +99,14 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 128, Stages: 6, Producers: 2},
 	{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true},
 	{BM: 64, BN: 128, Stages: 4, Producers: 2},
-	{BM: 128, BN: 64, Stages: 6, Producers: 4, Double: true, Up: true},
-	{BM: 128, BN: 128, Stages: 6, Producers: 4, Double: true},
-	{BM: 64, BN: 64, Stages: 8, Producers: 4, Double: true, Up: true},
-	{BM: 64, BN: 128, Stages: 8, Producers: 4, Double: true},
 }
 
 // Tag is the suffix of the tile's kernel name, e.g. "m128n64s4", or
-// "m128n64s6p2" for a persistent tile with two producer warps,
-// "m128n64s6p4d" for a double-buffered one.
+// "m128n64s6p2" for a persistent tile with two producer warps.
 func (c W8A8Gemm) Tag() string {
 	p := ""
 	if c.Producers > 0 {
 		p = fmt.Sprintf("p%d", c.Producers)
-	}
-	if c.Double {
-		p += "d"
 	}
 	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
 }
@@ -184,8 +168,6 @@ func (c W8A8Gemm) Check() error {
 		return fmt.Errorf("w8a8 tile %s: %d producer warps, want 0 (not persistent), 1, 2 or 4", c.Tag(), c.Producers)
 	case c.Producers > 0 && (c.BN%(4*c.Producers) != 0 || c.BM%(4*c.Producers) != 0):
 		return fmt.Errorf("w8a8 tile %s: BM and BN must be multiples of %d rows (four per producer warp)", c.Tag(), 4*c.Producers)
-	case c.Double && (c.Producers != 4 || c.BM > 128 || c.Stages < 3):
-		return fmt.Errorf("w8a8 tile %s: double-buffered tiles take a whole producer warpgroup (4 producer warps), at most 128 rows (the registers) and 3 stages", c.Tag())
 	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
 		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
 	}
@@ -216,7 +198,7 @@ func w8a8Instances() string {
 	for _, c := range W8A8Gemms {
 		fn, t := "moe_w8", fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
 		if c.Producers > 0 {
-			fn, t = "moe_w8p", t+fmt.Sprintf(", %d, %t", c.Producers, c.Double)
+			fn, t = "moe_w8p", t+fmt.Sprintf(", %d", c.Producers)
 		}
 		if c.Up {
 			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
