@@ -624,3 +624,242 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
         }
     }
 }
+
+// ---- mma.sync tiles (W8A8Gemm.Warps > 0), for batches of a few rows per
+// expert, where a wgmma's 64 rows would be mostly padding.
+//
+// moe_w8s: moe_w8's kernel (same arguments, grid (ceil(N/BN), cap/BM), rows,
+// padding, outputs and accumulation order) for BM = 16 or 32 token rows, on
+// mma.sync m16n8k32 e4m3 (every E4M3 GPU: sm_89 and later) instead of
+// wgmma, with WARPS warps and block (32 * WARPS, 1, 1). As in moe_fp8_mma.cu's
+// transposed tiles the weights are the mma's A operand (16 weight rows, that
+// is output columns, by 32 k) and the token rows its B operand (32 k by 8
+// tokens): warp w owns output columns n0 + w*BN/WARPS .. (for UP, the gate's
+// and the up's rows of them), every token row of the tile, and multiplies no
+// group of 8 token rows that holds none. The stages are moe_w8's (128-byte
+// K-major rows, chunk c of row r at chunk c ^ (r & 7), so that ldmatrix's
+// eight row addresses hit eight bank groups: the A tile is the BM token
+// rows, the B tile the weight rows); ldmatrix of an 8 x 16-byte matrix gives
+// lane l the four codes of row l/4 at bytes 4*(l%4): mma.sync e4m3's
+// fragment of both operands. Each K block's four k32 steps sum into p (from
+// zero), then acc = p * s + acc as moe_w8.
+
+static __device__ __forceinline__ void w8s_ldsm4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void w8s_ldsm2(unsigned (&r)[2], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+// w8s_mma: d = A * B + d, A 16 x 32 and B 32 x 8 E4M3, f32 d.
+static __device__ __forceinline__ void w8s_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// w8s_row is the shared address of the 16-byte chunk ch of tile row r (128
+// bytes a row, swizzled) from the tile's start t.
+static __device__ __forceinline__ unsigned w8s_row(unsigned t, int r, int ch) {
+    return t + (unsigned)(r * 128 + ((ch ^ (r & 7)) << 4));
+}
+
+template <int BM, int BN, int WARPS, int STAGES, bool UP>
+static __device__ __forceinline__ void moe_w8s(const unsigned char* __restrict__ A, const float* __restrict__ AS,
+                                               const unsigned char* __restrict__ B, const float* __restrict__ S,
+                                               const int* __restrict__ sorted, const int* __restrict__ block_expert,
+                                               const int* __restrict__ npost, unsigned short* __restrict__ C, int TK,
+                                               int topk, int Kdim, int N) {
+    constexpr int CH = 8;  // 16-byte chunks of a 128-code row
+    constexpr int THREADS = 32 * WARPS;
+    constexpr int NB = UP ? 2 : 1;
+    constexpr int NW = NB * BN;  // weight rows of a stage: gate and up, or down
+    constexpr int WN = BN / WARPS, MW = WN / 16, RG = BM / 8;
+    constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NW) * 128;
+    constexpr int A_ROUNDS = (BM * CH + THREADS - 1) / THREADS;
+    constexpr int B_ROUNDS = (NW * CH + THREADS - 1) / THREADS;
+    static_assert(BM % 8 == 0 && WN % 16 == 0 && W8_BK % BN == 0, "BM a multiple of 8, BN/WARPS of 16, BN divides 128");
+    static_assert(STAGES >= 2, "at least two stages");
+
+    __shared__ int row_src[BM];  // A row of each tile row (-1: zero)
+    __shared__ int row_dst[BM];  // C row of each tile row (-1: not stored)
+    __shared__ float sc[NB][FP8_MAX_KB];
+
+    const int mb = blockIdx.y;
+    const int n0 = blockIdx.x * BN;
+    if (n0 >= N) return;
+    int e;
+    if (!moe_tile_begin<BM, THREADS, UP>(sorted, block_expert, npost, TK, topk, 0, 0, mb, row_src, row_dst, e))
+        return;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int KB = (Kdim + W8_BK - 1) / W8_BK;
+    const int kch = (tid % CH) * 16;  // byte column of this thread's chunks (THREADS is a multiple of 8)
+
+    // The chunks this thread copies: tile row tid/8 + i*THREADS/8 (i <
+    // A_ROUNDS of the A tile, then B_ROUNDS of the B tile), -1: none or zeros.
+    const unsigned char* Ab = UP ? A : A + (long long)mb * BM * Kdim;
+    const unsigned char* Be = B + (long long)e * NB * N * Kdim;
+    int ga[A_ROUNDS], gb[B_ROUNDS];
+#pragma unroll
+    for (int i = 0; i < A_ROUNDS; ++i) {
+        const int r = (tid + i * THREADS) / CH;
+        const int src = r < BM ? row_src[r] : -1;  // DOWN: -1 or mb*BM + r
+        ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + kch : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < B_ROUNDS; ++i) {
+        const int r = (tid + i * THREADS) / CH;
+        const int n = n0 + (UP ? r % BN : r);
+        gb[i] = r < NW && n < N ? ((UP ? r / BN : 0) * N + n) * Kdim + kch : -1;
+    }
+    const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
+    auto load = [&](int slot, int kb) {
+        const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+        const int k0 = kb * W8_BK;
+        const bool kok = k0 + kch < Kdim;  // Kdim is a multiple of 16: whole chunks
+#pragma unroll
+        for (int i = 0; i < A_ROUNDS; ++i) {
+            const int r = (tid + i * THREADS) / CH;
+            if (BM * CH % THREADS != 0 && r >= BM) break;
+            const bool ok = kok && ga[i] >= 0;
+            w8_cp16(w8s_row(st, r, tid % CH), Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < B_ROUNDS; ++i) {
+            const int r = (tid + i * THREADS) / CH;
+            if (NW * CH % THREADS != 0 && r >= NW) break;
+            const bool ok = kok && gb[i] >= 0;
+            w8_cp16(w8s_row(st + A_BYTES, r, tid % CH), Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KB) load(s, s);
+        w8_commit();
+    }
+    // The weight block scales of this tile's columns (BN divides 128: one
+    // block row), staged once the first loads are in flight; the loop's first
+    // barrier orders these stores before their reads.
+    const int NBR = (N + W8_BK - 1) / W8_BK;
+    for (int i = tid; i < NB * KB; i += THREADS) {
+        const int q = i / KB, kb = i - q * KB;
+        sc[q][kb] = S[((long long)(e * NB + q) * NBR + n0 / W8_BK) * KB + kb];
+    }
+
+    // The groups of 8 token rows with data, and this thread's token rows'
+    // activation scales (8*rg + 2*(lane%4) + h; nullptr: padding).
+    bool live[RG];
+    const float* arow[RG][2];
+#pragma unroll
+    for (int rg = 0; rg < RG; ++rg) {
+        bool any = false;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) any |= row_src[8 * rg + r] >= 0;
+        live[rg] = any;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int src = row_src[8 * rg + 2 * (lane & 3) + h];
+            arow[rg][h] = src >= 0 ? AS + (long long)src * KB : nullptr;
+        }
+    }
+    // ldmatrix row addresses: A (weights, x4) lane l: row (l/8 % 2)*8 + l%8 of
+    // the m-tile, chunk l/16 of the k32 step; B (tokens, x2) lanes 0-15: row
+    // l%8 of the group, chunk l/8 % 2 (lanes 16-31 repeat 0-15).
+    const int ar = ((lane >> 3) & 1) * 8 + (lane & 7), ac = lane >> 4;
+    const int br = lane & 7, bc = (lane >> 3) & 1;
+
+    float acc[NB][MW][RG][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+            for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) acc[nb][mt][rg][v] = 0.0f;
+    int cur = 0, nxt = STAGES - 1;
+    for (int kb = 0; kb < KB; ++kb) {
+        float sa[RG][2];
+#pragma unroll
+        for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) sa[rg][h] = arow[rg][h] ? __ldg(arow[rg][h] + kb) : 0.0f;
+        w8_cpwait<STAGES - 2>();
+        __syncthreads();
+        if (kb + STAGES - 1 < KB) load(nxt, kb + STAGES - 1);
+        w8_commit();
+        const unsigned st = sbase + (unsigned)cur * ST_BYTES;
+        cur = cur + 1 == STAGES ? 0 : cur + 1;
+        nxt = nxt + 1 == STAGES ? 0 : nxt + 1;
+        float p[NB][MW][RG][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+                for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) p[nb][mt][rg][v] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < W8_BK / 32; ++kk) {
+            unsigned b[RG][2];
+#pragma unroll
+            for (int rg = 0; rg < RG; ++rg)
+                if (live[rg]) w8s_ldsm2(b[rg], w8s_row(st, 8 * rg + br, 2 * kk + bc));
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int mt = 0; mt < MW; ++mt) {
+                    unsigned a[4];
+                    w8s_ldsm4(a, w8s_row(st + A_BYTES, nb * BN + warp * WN + 16 * mt + ar, 2 * kk + ac));
+#pragma unroll
+                    for (int rg = 0; rg < RG; ++rg)
+                        if (live[rg]) w8s_mma(p[nb][mt][rg], a, b[rg]);
+                }
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const float sb = sc[nb][kb];
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+                for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v)
+                        acc[nb][mt][rg][v] = __fmaf_rn(p[nb][mt][rg][v], __fmul_rn(sa[rg][v & 1], sb), acc[nb][mt][rg][v]);
+        }
+    }
+    w8_cpwait<0>();
+
+    // Epilogue (moe_fp8_mma.cu's fp8_main_t): register v of (mt, rg) is
+    // weight row (output column) 16*mt + g + 8*(v/2) of the warp's columns
+    // and token row 8*rg + 2c + v%2.
+#pragma unroll
+    for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const int r = 8 * rg + 2 * (lane & 3) + (v & 1);
+            const int dst = row_dst[r];
+            if (dst < 0) continue;
+            const bool zero = UP && row_src[r] < 0;
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt) {
+                const int n = n0 + warp * WN + 16 * mt + (lane >> 2) + 8 * (v >> 1);
+                if (n >= N) continue;
+                unsigned short o;
+                if (UP) {
+                    const float g = moe_round(acc[0][mt][rg][v]), u = moe_round(acc[NB - 1][mt][rg][v]);
+                    o = zero ? 0 : moe_f2bf(fp8_swiglu(g, u));
+                } else {
+                    o = moe_f2bf(acc[0][mt][rg][v]);
+                }
+                C[(long long)dst * N + n] = o;
+            }
+        }
+}
