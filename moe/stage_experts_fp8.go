@@ -113,15 +113,6 @@ var (
 	// (357 against 520 us).
 	w8a8SmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true}
 	w8a8SmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2}
-	// The mma.sync w8a8 tiles (moekernels.W8A8Gemm.Warps), 16 and 32 rows,
-	// for w8a8SyncMinRows rows per touched expert and more: the activations
-	// in E4M3 (half the bytes of the w8a16 tiles' bf16) and no conversion of
-	// the weights, without the wgmma tiles' padding to 64 rows. The tuner
-	// times them; no rule picks them.
-	w8a8SyncUp     = moekernels.W8A8Gemm{BM: 16, BN: 128, Warps: 8, Stages: 3, Up: true}
-	w8a8SyncDown   = moekernels.W8A8Gemm{BM: 16, BN: 128, Warps: 8, Stages: 3}
-	w8a8Sync32Up   = moekernels.W8A8Gemm{BM: 32, BN: 64, Warps: 4, Stages: 4, Up: true}
-	w8a8Sync32Down = moekernels.W8A8Gemm{BM: 32, BN: 128, Warps: 8, Stages: 3}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs
@@ -135,11 +126,6 @@ var (
 const (
 	w8a8MinRows   = 17
 	w8a8LargeRows = 64
-	// w8a8SyncMinRows is the average rows per touched expert from which the
-	// tuner also times the mma.sync w8a8 pairs (below, a batch is a few
-	// rows spread over many experts: the two quantizer launches cost more
-	// than half the activation bytes save).
-	w8a8SyncMinRows = 2
 )
 
 // fp8Tiles picks the FP8 tiles of a batch of T tokens by a rule, by the rows

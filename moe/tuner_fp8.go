@@ -19,17 +19,11 @@ import (
 // between w8a16 and w8a8, as the rule (fp8Tiles) does by the batch size.
 
 // w8a8Pairs are the w8a8 tile pairs an FP8 layer loads (fp8Experts.loadKernels)
-// and the tuner times: the one-warpgroup pair, the 128-row pair, then the
-// mma.sync pairs of 16 and 32 rows (w8a8SyncPairs of them).
+// and the tuner times: the one-warpgroup pair, then the 128-row pair.
 var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown},
 	{w8: true, w8up: w8a8Up, w8down: w8a8Down},
-	{w8: true, w8up: w8a8SyncUp, w8down: w8a8SyncDown},
-	{w8: true, w8up: w8a8Sync32Up, w8down: w8a8Sync32Down},
 }
-
-// w8a8SyncPairs is the number of mma.sync pairs that end w8a8Pairs.
-const w8a8SyncPairs = 2
 
 // fp8Rule is the rule's FP8 tiles for p (fp8Tiles): the w8a8 tiles where the
 // layer has them and the shared expert is not fused (they take no shared
@@ -94,19 +88,14 @@ func (l *Layer) fp8Cands(p *plan, x *gpuctx.Buffer, withRoute bool) []tileCand[m
 	return cands
 }
 
-// fp8W8A8Cands are the w8a8 pairs tuneFP8 times for p, where the layer has
-// the w8a8 tiles (fp8Experts.w8) and the shared expert is not fused (they
-// take no shared chunks): every pair of w8a8Pairs when the touched experts
-// get at least w8a8MinRows rows each on average, the mma.sync pairs only
-// from w8a8SyncMinRows (below w8a8MinRows the wgmma tiles' 64-row blocks
-// are mostly padding); else none.
+// fp8W8A8Cands are the w8a8 pairs tuneFP8 times for p: w8a8Pairs where the
+// layer has the w8a8 tiles (fp8Experts.w8), the shared expert is not fused
+// (they take no shared chunks), and the touched experts get at least
+// w8a8MinRows rows each on average (below, their 64-row blocks are mostly
+// padding); else none.
 func (l *Layer) fp8W8A8Cands(p *plan) []fp8Pair {
-	rows := rowsPerExpert(p.T, p.ks, p.experts)
-	switch {
-	case !l.experts.q.w8 || p.fusedShared() || rows < w8a8SyncMinRows:
+	if !l.experts.q.w8 || p.fusedShared() || rowsPerExpert(p.T, p.ks, p.experts) < w8a8MinRows {
 		return nil
-	case rows < w8a8MinRows:
-		return w8a8Pairs[len(w8a8Pairs)-w8a8SyncPairs:]
 	}
 	return w8a8Pairs[:]
 }

@@ -70,18 +70,13 @@ func FP8QuantBlocks(R, K int) int {
 // Both take block (Threads(), 1, 1) and SmemBytes() bytes of dynamic shared
 // memory, run on the stream they are launched on and call MOE_GRID_WAIT
 // before they read anything (they may be launched early, after the
-// quantizer). Each output sums its K blocks in increasing order, acc =
-// fma(p, sa * sb, acc) with p the block's tensor-core sum (moe_w8a8.cu states the
+// quantizer). Each output sums its K blocks in increasing order, acc = acc +
+// p * (sa * sb) with p the block's tensor-core sum (moe_w8a8.cu states the
 // contract; the twins, w8a8Up and w8a8Down, follow it). The tile changes no
 // result but for the tensor core's order within a block.
 type W8A8Gemm struct {
-	BM, BN int // tile rows (64 per warpgroup, or 16/32 for Warps > 0) and columns (of each half for Up; BN divides 128)
+	BM, BN int // tile rows (64 per warpgroup) and columns (of each half for Up; BN divides 128)
 	Stages int // cp.async pipeline depth, one 128-column K block per stage
-	// Warps > 0 makes the tile an mma.sync one (moe_w8a8.cu's moe_w8s:
-	// m16n8k32 e4m3, weights as the A operand, BM = 16 or 32 token rows,
-	// BN/Warps output columns a warp) for batches of a few rows per expert,
-	// where a wgmma's 64 rows are mostly padding.
-	Warps int
 	// Producers > 0 makes the tile persistent and warp-specialised
 	// (moe_w8a8.cu's moe_w8p): one block per multiprocessor loops over the
 	// tiles, Producers warps load the stages, the consumer warpgroups
@@ -96,9 +91,7 @@ type W8A8Gemm struct {
 // moe_wg's form, the same as persistent tiles, and persistent tiles of one
 // warpgroup (64 rows: for batches of 16-64 rows per expert, where a 128-row
 // block would be mostly padding; four stages, so that two blocks share a
-// multiprocessor); then mma.sync tiles of 16 and 32 rows (for a few rows
-// per expert: no padding to 64 rows, and every group of 8 token rows without
-// data skipped).
+// multiprocessor).
 var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 64, Stages: 4, Up: true},
 	{BM: 128, BN: 128, Stages: 4},
@@ -106,22 +99,14 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 128, Stages: 6, Producers: 2},
 	{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true},
 	{BM: 64, BN: 128, Stages: 4, Producers: 2},
-	{BM: 16, BN: 128, Warps: 8, Stages: 3, Up: true},
-	{BM: 16, BN: 128, Warps: 8, Stages: 3},
-	{BM: 32, BN: 64, Warps: 4, Stages: 4, Up: true},
-	{BM: 32, BN: 128, Warps: 8, Stages: 3},
 }
 
 // Tag is the suffix of the tile's kernel name, e.g. "m128n64s4", or
-// "m128n64s6p2" for a persistent tile with two producer warps, or
-// "m16n128w8s3" for an mma.sync tile of 8 warps.
+// "m128n64s6p2" for a persistent tile with two producer warps.
 func (c W8A8Gemm) Tag() string {
 	p := ""
 	if c.Producers > 0 {
 		p = fmt.Sprintf("p%d", c.Producers)
-	}
-	if c.Warps > 0 {
-		return fmt.Sprintf("m%dn%dw%ds%d", c.BM, c.BN, c.Warps, c.Stages)
 	}
 	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
 }
@@ -135,12 +120,7 @@ func (c W8A8Gemm) Name() string {
 }
 
 // Threads is the block size: a warpgroup per 64 rows, and the producer warps.
-func (c W8A8Gemm) Threads() int {
-	if c.Warps > 0 {
-		return 32 * c.Warps
-	}
-	return 128*(c.BM/64) + 32*c.Producers
-}
+func (c W8A8Gemm) Threads() int { return 128*(c.BM/64) + 32*c.Producers }
 
 // Grid is the launch grid over n output columns (I for up, H for down) and
 // cap sorted rows on a device of sms multiprocessors: (ceil(n/BN), cap/BM),
@@ -178,11 +158,7 @@ func (c W8A8Gemm) staticSmem() int {
 // assertions and the shared-memory limit), or nil.
 func (c W8A8Gemm) Check() error {
 	switch {
-	case c.Warps > 0 && c.BM != 16 && c.BM != 32:
-		return fmt.Errorf("w8a8 tile %s: BM = %d, want 16 or 32 for an mma.sync tile", c.Tag(), c.BM)
-	case c.Warps > 0 && (c.Producers != 0 || c.BN%(16*c.Warps) != 0):
-		return fmt.Errorf("w8a8 tile %s: an mma.sync tile has no producers and 16 columns or a multiple a warp (BN = %d, %d warps)", c.Tag(), c.BN, c.Warps)
-	case c.Warps == 0 && (c.BM < 64 || c.BM%64 != 0 || c.BM > 256):
+	case c.BM < 64 || c.BM%64 != 0 || c.BM > 256:
 		return fmt.Errorf("w8a8 tile %s: BM = %d, want 64, 128, 192 or 256", c.Tag(), c.BM)
 	case c.BN < 8 || fp8.BlockSize%c.BN != 0 || c.width() > 256:
 		return fmt.Errorf("w8a8 tile %s: BN = %d, want a divisor of 128 of at least 8 (a wgmma of %d columns at most 256)", c.Tag(), c.BN, c.width())
@@ -221,9 +197,6 @@ func w8a8Instances() string {
 	}
 	for _, c := range W8A8Gemms {
 		fn, t := "moe_w8", fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
-		if c.Warps > 0 {
-			fn, t = "moe_w8s", fmt.Sprintf("%d, %d, %d, %d", c.BM, c.BN, c.Warps, c.Stages)
-		}
 		if c.Producers > 0 {
 			fn, t = "moe_w8p", t+fmt.Sprintf(", %d", c.Producers)
 		}

@@ -370,7 +370,7 @@ func w8a8Pairs() [][2]W8A8Gemm {
 	var out [][2]W8A8Gemm
 	for _, u := range W8A8Gemms {
 		for _, d := range W8A8Gemms {
-			if u.Up && !d.Up && u.Producers == d.Producers && u.BM == d.BM && (u.Warps > 0) == (d.Warps > 0) {
+			if u.Up && !d.Up && u.Producers == d.Producers && u.BM == d.BM {
 				out = append(out, [2]W8A8Gemm{u, d})
 			}
 		}
