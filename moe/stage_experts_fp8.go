@@ -102,6 +102,15 @@ var (
 	// DeepSeek-V2-Lite 4096, and the 64-row ones (one block per SM) 1198 +
 	// 370 vs 1068 + 339. What did pay in the same call: the scaled add as one
 	// FMA (705.8 + 245.9 against 752.5 + 267.6 in session 11).
+	// Tried and dropped (session 13, commit f86dcb5, reverted): mma.sync
+	// m16n8k32 e4m3 tiles of 16 and 32 rows for a few rows per expert
+	// (weights as the A operand, as the transposed w8a16 tiles): correct on
+	// the H200 but slower than the tiles the tuner kept, every time it timed
+	// them (their chains with both quantizers, µs: Qwen3-30B-A3B 64 tokens
+	// 198.4 against the w8a16 pair's 174.3, 256 tokens 298.4 against 264.0;
+	// DeepSeek-V2-Lite 256 tokens 371.0 against the m64 wgmma pair's 255.4).
+	// Likely cause, not checked in the SASS: sm_90 runs FP8 on its tensor
+	// cores through wgmma only, so mma.sync e4m3 pays conversions as well.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
 	// The one-warpgroup w8a8 tiles, for 17-63 rows per touched expert: on the
