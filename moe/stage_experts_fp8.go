@@ -122,6 +122,12 @@ var (
 	// (357 against 520 us).
 	w8a8SmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true}
 	w8a8SmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2}
+	// The one-warpgroup tiles not persistent (three blocks a multiprocessor),
+	// the shape of the FP8 peer's kernel where it beat gpuctx (256 tokens,
+	// 16-24 rows per touched expert: bench/RESULTS.md, session 13); the
+	// tuner times them beside the others.
+	w8a8PlainSmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 3, Up: true}
+	w8a8PlainSmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 3}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs

@@ -19,10 +19,12 @@ import (
 // between w8a16 and w8a8, as the rule (fp8Tiles) does by the batch size.
 
 // w8a8Pairs are the w8a8 tile pairs an FP8 layer loads (fp8Experts.loadKernels)
-// and the tuner times: the one-warpgroup pair, then the 128-row pair.
+// and the tuner times: the one-warpgroup pair, the 128-row pair, then the
+// one-warpgroup pair not persistent.
 var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown},
 	{w8: true, w8up: w8a8Up, w8down: w8a8Down},
+	{w8: true, w8up: w8a8PlainSmallUp, w8down: w8a8PlainSmallDown},
 }
 
 // fp8Rule is the rule's FP8 tiles for p (fp8Tiles): the w8a8 tiles where the

@@ -91,7 +91,9 @@ type W8A8Gemm struct {
 // moe_wg's form, the same as persistent tiles, and persistent tiles of one
 // warpgroup (64 rows: for batches of 16-64 rows per expert, where a 128-row
 // block would be mostly padding; four stages, so that two blocks share a
-// multiprocessor).
+// multiprocessor); then one-warpgroup tiles in moe_wg's form (three
+// stages: three blocks a multiprocessor), the shape of vLLM's FP8 Triton
+// kernel at 256 tokens (64 rows, 128 columns, 4 warps).
 var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 64, Stages: 4, Up: true},
 	{BM: 128, BN: 128, Stages: 4},
@@ -99,6 +101,8 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 128, Stages: 6, Producers: 2},
 	{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true},
 	{BM: 64, BN: 128, Stages: 4, Producers: 2},
+	{BM: 64, BN: 64, Stages: 3, Up: true},
+	{BM: 64, BN: 128, Stages: 3},
 }
 
 // Tag is the suffix of the tile's kernel name, e.g. "m128n64s4", or
