@@ -124,8 +124,11 @@ var (
 	w8a8SmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 4, Producers: 2}
 	// The one-warpgroup tiles not persistent (three blocks a multiprocessor),
 	// the shape of the FP8 peer's kernel where it beat gpuctx (256 tokens,
-	// 16-24 rows per touched expert: bench/RESULTS.md, session 13); the
-	// tuner times them beside the others.
+	// 16-24 rows per touched expert). On the H200 (session 13, call 6) the
+	// tuner kept them at DeepSeek-V2-Lite 256 tokens (chain 217.3 us against
+	// 256.0 for the persistent m64 pair; the layer went from 0.87x to 1.02x
+	// of the FP8 peer) and Qwen3-30B-A3B 1024 (287.9 against 306.0 for the
+	// m128 pair; 1.05x to 1.12x). No rule picks them yet.
 	w8a8PlainSmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 3, Up: true}
 	w8a8PlainSmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 3}
 )
