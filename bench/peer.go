@@ -37,8 +37,8 @@ const (
 	peerEnvDefaultDType = "bf16"
 )
 
-// PeerScripts names the peer script of each --dtype that has one.
-var PeerScripts = map[string]string{"bf16": PeerDefaultScript, "fp8": PeerFP8Script}
+// peerScripts names the peer script of each --dtype that has one.
+var peerScripts = map[string]string{"bf16": PeerDefaultScript, "fp8": PeerFP8Script}
 
 // PeerPresets maps gpuctx preset names to the peer's --preset names.
 var PeerPresets = map[string]string{
@@ -265,7 +265,7 @@ func PeerDTypeNote(ours, peer string) string {
 		return ""
 	}
 	s := fmt.Sprintf("the peer runs %s weights while gpuctx runs %s: the comparison is not like for like", peer, ours)
-	if script, ok := PeerScripts[ours]; ok {
+	if script, ok := peerScripts[ours]; ok {
 		s += fmt.Sprintf(" (the %s peer is --peer %s)", ours, script)
 	}
 	return s

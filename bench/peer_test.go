@@ -188,7 +188,7 @@ func TestPeerDTypeNote(t *testing.T) {
 			t.Errorf("PeerDTypeText(%q) = %q, want %q", d, got, want)
 		}
 	}
-	for dt, script := range PeerScripts {
+	for dt, script := range peerScripts {
 		if _, err := os.Stat(filepath.Join("..", script)); err != nil {
 			t.Errorf("the %s peer script: %v", dt, err)
 		}
