@@ -6,6 +6,10 @@
 #   the peer's weight distribution N(0, 0.02^2) and its number of rotated weight
 #   sets (3; 2 for deepseek-v3), ROUNDS rounds alternating gpuctx and the peer,
 #   every mode, the CLI's default token list (1-16384); tables, plots and logs in $OUT.
+#   DTYPE=fp8: the layer with FP8 routed experts (--dtype fp8) against the FP8
+#   peer (bench/peers/triton_fused_moe_fp8.py: vLLM's fp8_w8a8 Triton path);
+#   the files are named moe-fp8-PRESET.*. The FP8 layer has no small-batch
+#   kernels, so --small-batch is left out there.
 #   GEMM=1: also `gpuctx gemm` against torch.matmul (bench/peers/torch_gemm.py).
 # Build first (here): bash bench/gpu/pack.sh ./cmd/gpuctx   -- then on the GPU
 # machine, from the checkout root, with .gpu carried:  bash bench/gpu/peer.sh
@@ -17,16 +21,21 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t0=$(date +%s)
 table() { sed -n '/^| tokens/,/^$/p' "$1"; grep -E "^speed vs peer" "$1"; }
+case "${DTYPE:-bf16}" in
+  bf16) dt=(--small-batch -1); peer=.gpu/peers/triton_fused_moe.py; tag= ;;
+  fp8) dt=(--dtype fp8); peer=.gpu/peers/triton_fused_moe_fp8.py; tag=fp8- ;;
+  *) echo "peer.sh: DTYPE=$DTYPE: want bf16 or fp8" >&2; exit 2 ;;
+esac
 for p in ${PRESETS:-deepseek-v2-lite qwen3-30b-a3b deepseek-v3}; do
   modes=single,dual,auto,fused
   [ "$p" = qwen3-30b-a3b ] && modes=single,auto   # no shared expert: dual and fused are single
-  timeout "${LIMIT:-590}" .gpu/gpuctx moe bench --preset "$p" --mode "$modes" --small-batch -1 --rounds "${ROUNDS:-3}" \
-    ${TOKENS:+--tokens "$TOKENS"} ${ITERS:+--iters "$ITERS"} --peer .gpu/peers/triton_fused_moe.py \
-    --out "$OUT/moe-$p.md" --plot "$OUT/moe-$p.png" > /dev/null 2> "$OUT/bench-$p.log"
-  echo "== $p rc=$? after $(( $(date +%s) - t0 )) s"; table "$OUT/moe-$p.md"
-  grep -E "^gpuctx: " "$OUT/bench-$p.log"
+  timeout "${LIMIT:-590}" .gpu/gpuctx moe bench --preset "$p" --mode "$modes" "${dt[@]}" --rounds "${ROUNDS:-3}" \
+    ${TOKENS:+--tokens "$TOKENS"} ${ITERS:+--iters "$ITERS"} --peer "$peer" \
+    --out "$OUT/moe-$tag$p.md" --plot "$OUT/moe-$tag$p.png" > /dev/null 2> "$OUT/bench-$tag$p.log"
+  echo "== $p ${DTYPE:-bf16} rc=$? after $(( $(date +%s) - t0 )) s"; table "$OUT/moe-$tag$p.md"
+  grep -E "^gpuctx: " "$OUT/bench-$tag$p.log"
 done
-rm -f "$OUT/triton_moe_anchor.json"
+rm -f "$OUT/triton_moe_anchor.json" "$OUT/triton_moe_fp8_anchor.json"
 if [ -n "${GEMM:-}" ]; then
   {
     for args in "--m 8192 --n 8192 --k 8192 --dtype bf16" "--m 8192 --n 8192 --k 8192 --dtype bf16 --lt" \
