@@ -131,6 +131,16 @@ var (
 	// m128 pair; 1.05x to 1.12x). No rule picks them yet.
 	w8a8PlainSmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 3, Up: true}
 	w8a8PlainSmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 3}
+	// The transposed w8a8 tiles (moekernels.W8A8Gemm.Trans: the weights as
+	// wgmma's A operand, 64 columns a warpgroup by 8, 16 or 32 rows), for a
+	// few rows per touched expert, where the w8a16 tiles convert every
+	// weight in registers. Timed by the tuner only; no rule picks them.
+	w8a8T8Up    = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true}
+	w8a8T8Down  = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true}
+	w8a8T16Up   = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 4, Trans: true, Up: true}
+	w8a8T16Down = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 4, Trans: true}
+	w8a8T32Up   = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 4, Trans: true, Up: true}
+	w8a8T32Down = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 4, Trans: true}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs

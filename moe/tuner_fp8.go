@@ -19,12 +19,34 @@ import (
 // between w8a16 and w8a8, as the rule (fp8Tiles) does by the batch size.
 
 // w8a8Pairs are the w8a8 tile pairs an FP8 layer loads (fp8Experts.loadKernels)
-// and the tuner times: the one-warpgroup pair, the 128-row pair, then the
-// one-warpgroup pair not persistent.
+// and the tuner times: the one-warpgroup pair, the 128-row pair, the
+// one-warpgroup pair not persistent, then the transposed pairs of 8, 16 and
+// 32 rows.
 var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown},
 	{w8: true, w8up: w8a8Up, w8down: w8a8Down},
 	{w8: true, w8up: w8a8PlainSmallUp, w8down: w8a8PlainSmallDown},
+	{w8: true, w8up: w8a8T8Up, w8down: w8a8T8Down},
+	{w8: true, w8up: w8a8T16Up, w8down: w8a8T16Down},
+	{w8: true, w8up: w8a8T32Up, w8down: w8a8T32Down},
+}
+
+// w8a8TuneRows is the fewest rows per touched expert at which the tuner
+// times the w8a8 pairs of 64 and 128 rows (fewer rows than the rule's
+// w8a8MinRows: at 8-16 rows a 64-row block is mostly padding, but its
+// products run at FP8's rate and its activations are half the bytes, so
+// whether it wins is measured, not assumed).
+const w8a8TuneRows = 8
+
+// timedAt reports whether the tuner times w8a8 pair tp for batches of m rows
+// per touched expert: a transposed pair of BM rows up to 2*BM rows (a
+// second block per expert re-reads its weights), the others from
+// w8a8TuneRows.
+func (tp fp8Pair) timedAt(m int) bool {
+	if tp.w8up.Trans {
+		return m <= 2*tp.w8up.BM
+	}
+	return m >= w8a8TuneRows
 }
 
 // fp8Rule is the rule's FP8 tiles for p (fp8Tiles): the w8a8 tiles where the
@@ -90,16 +112,22 @@ func (l *Layer) fp8Cands(p *plan, x *gpuctx.Buffer, withRoute bool) []tileCand[m
 	return cands
 }
 
-// fp8W8A8Cands are the w8a8 pairs tuneFP8 times for p: w8a8Pairs where the
-// layer has the w8a8 tiles (fp8Experts.w8), the shared expert is not fused
-// (they take no shared chunks), and the touched experts get at least
-// w8a8MinRows rows each on average (below, their 64-row blocks are mostly
-// padding); else none.
+// fp8W8A8Cands are the w8a8 pairs tuneFP8 times for p: those of w8a8Pairs
+// timed at p's rows per touched expert (fp8Pair.timedAt), where the layer
+// has the w8a8 tiles (fp8Experts.w8) and the shared expert is not fused
+// (they take no shared chunks); else none.
 func (l *Layer) fp8W8A8Cands(p *plan) []fp8Pair {
-	if !l.experts.q.w8 || p.fusedShared() || rowsPerExpert(p.T, p.ks, p.experts) < w8a8MinRows {
+	if !l.experts.q.w8 || p.fusedShared() {
 		return nil
 	}
-	return w8a8Pairs[:]
+	m := rowsPerExpert(p.T, p.ks, p.experts)
+	var out []fp8Pair
+	for _, tp := range w8a8Pairs {
+		if tp.timedAt(m) {
+			out = append(out, tp)
+		}
+	}
+	return out
 }
 
 // timeW8A8 sorts p's routing in blocks of tp's rows and times tp's chain

@@ -114,13 +114,16 @@ func TestLayerFP8Tune(t *testing.T) {
 		rowsMin int  // rows per touched expert, at least
 		reduced bool // also under the race detector or -short
 	}
+	t8, t16 := w8a8Pairs[3], w8a8Pairs[4]
 	cases := []tuneCase{
-		{"1 token", 1, Single, small16, small16, false, 1, true},
-		{"few rows: no w8a8", 20, Dual, w8a8Pairs[0], first, false, 1, true},
+		{"1 token", 1, Single, small16, small16, true, 1, true},
+		{"1 token: m64 not timed", 1, Dual, w8a8Pairs[0], t8, true, 1, false},
+		{"transposed w8a8", 20, Dual, t16, t16, true, w8a8TuneRows, true},
 		{"w8a16 beats w8a8", 48, Dual, w32, w32, true, w8a8MinRows, false},
 		{"w8a8 m64", 48, Single, w8a8Pairs[0], w8a8Pairs[0], true, w8a8MinRows, true},
 		{"w8a8 m128", 200, Dual, w8a8Pairs[1], w8a8Pairs[1], true, w8a8LargeRows, false},
 		{"w8a8 m64 at many rows", 200, Single, w8a8Pairs[0], w8a8Pairs[0], true, w8a8LargeRows, false},
+		{"t8 not timed at many rows", 200, Single, t8, w8a8Pairs[0], true, w8a8LargeRows, false},
 		{"fused shared: no w8a8", 200, FusedShared, w8a8Pairs[1], first, false, w8a8LargeRows, false},
 	}
 	if raceEnabled || testing.Short() {
@@ -221,9 +224,11 @@ func checkFP8TuneLine(t *testing.T, l *Layer, T int, fused bool, want fp8Pair, w
 	if got := strings.Contains(line, "w8a8 chains us: "); got != w8a8 {
 		t.Errorf("TileChoices line %q: w8a8 chains listed %v, want %v", line, got, w8a8)
 	}
+	m := rowsPerExpert(T, l.cfg.TopK, l.cfg.NumExperts)
 	for _, tp := range w8a8Pairs {
-		if w8a8 && !strings.Contains(line, tp.w8up.Tag()+"/"+tp.w8down.Tag()+" ") {
-			t.Errorf("TileChoices line %q lacks w8a8 pair %s", line, tp.tags())
+		want := w8a8 && tp.timedAt(m)
+		if got := strings.Contains(line, tp.w8up.Tag()+"/"+tp.w8down.Tag()+" "); got != want {
+			t.Errorf("TileChoices line %q: w8a8 pair %s listed %v, want %v (%d rows per expert)", line, tp.tags(), got, want, m)
 		}
 	}
 }

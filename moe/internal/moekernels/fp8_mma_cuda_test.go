@@ -316,7 +316,7 @@ func newFP8BenchBatch(b testing.TB, d *device, E, H, I, K, T int) *fp8BenchBatch
 	}
 	bb := &fp8BenchBatch{T: T, TK: T * K, touched: len(used), plans: map[int]fp8Plan{}}
 	maxCap := 0
-	for _, bm := range []int{16, 32, 64, 128, 192} {
+	for _, bm := range []int{8, 16, 32, 64, 128, 192} {
 		sorted, blockExpert, npost, cp := c.align(bm)
 		bb.plans[bm] = fp8Plan{upload(b, d, asBytes(sorted)), upload(b, d, asBytes(blockExpert)),
 			upload(b, d, asBytes([]int32{npost})), cp}

@@ -624,3 +624,188 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
         }
     }
 }
+
+// ---- Transposed tiles (W8A8Gemm.Trans): the weights as wgmma's A operand.
+//
+// moe_w8t: moe_w8's kernel (same arguments, grid (ceil(N/BN), cap/BM), rows,
+// padding, outputs and accumulation order) for batches of a few rows per
+// expert, as the transposed w8a16 tiles: each warpgroup multiplies 64 weight
+// rows (64 output columns; for UP the gate's and the same columns of the
+// up's, two wgmma) by the block's BM sorted rows, wgmma m64nBMk32 with the
+// weight tile as A and the row tile as B (both K-major in shared memory,
+// moe_w8's swizzled layout). A block of a few rows then costs wgmma of BM
+// columns, not of 64 padded rows, and each weight byte is read once per
+// row block. Block (128 * BN/64, 1, 1); dynamic shared memory STAGES * (NB*BN
+// + BM) * 128 + 1024 (W8A8Gemm.SmemBytes); static: the row tables, the
+// weight block scales of the tile's columns and the row scales [KB][BM].
+//
+// Register 4j + 2hr + v of a warp's wgmma accumulator is weight row 16w +
+// lane/4 + 8hr of its warpgroup's 64 and tile row (token) 8j + 2(lane%4) + v.
+template <int BM, int BN, int STAGES, bool UP>
+static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__ A, const float* __restrict__ AS,
+                                               const unsigned char* __restrict__ B, const float* __restrict__ S,
+                                               const int* __restrict__ sorted, const int* __restrict__ block_expert,
+                                               const int* __restrict__ npost, unsigned short* __restrict__ C, int TK,
+                                               int topk, int Kdim, int N) {
+    constexpr int CH = 8;  // 16-byte chunks per 128-code tile row
+    constexpr int GROUPS = BN / 64;
+    constexpr int THREADS = 128 * GROUPS;
+    constexpr int NB = UP ? 2 : 1;
+    constexpr int WR = NB * BN;  // weight rows of a stage: the gate's BN then the up's, or the down's
+    constexpr unsigned W_BYTES = WR * 128, ST_BYTES = (WR + BM) * 128;
+    static_assert(BN % 64 == 0 && W8_BK % BN == 0, "tile: BN 64 or 128 (a warpgroup per 64 columns, one scale block)");
+    static_assert(BM % 8 == 0 && BM >= 8 && BM <= 64, "tile: BM a multiple of 8 of at most 64 (the wgmma's N)");
+    static_assert(STAGES >= 2, "at least two stages");
+    constexpr int W_PER = WR * CH / THREADS;
+    constexpr int A_PER = (BM * CH + THREADS - 1) / THREADS;  // the last round may be partial
+    static_assert(W_PER * THREADS == WR * CH, "weight tile chunks must split evenly");
+
+    __shared__ int row_src[BM];
+    __shared__ int row_dst[BM];
+    __shared__ float sc[NB][FP8_MAX_KB];
+    __shared__ float rsc[FP8_MAX_KB][BM];  // the rows' scales (0: padding)
+
+    const int mb = blockIdx.y;
+    const int n0 = blockIdx.x * BN;
+    if (n0 >= N) return;
+    int e;
+    if (!moe_tile_begin<BM, THREADS, UP>(sorted, block_expert, npost, TK, topk, 0, 0, mb, row_src, row_dst, e))
+        return;
+    const int tid = threadIdx.x;
+    const int KB = (Kdim + W8_BK - 1) / W8_BK;
+    const int kch = (tid % CH) * 16;
+
+    // Weight chunks: tile row r (UP: r / BN the gate or the up, column n0 +
+    // r % BN), 64-bit offsets from this expert's B.
+    const unsigned char* Be = B + (long long)e * NB * N * Kdim;
+    long long gw[W_PER];
+    unsigned ow[W_PER];
+#pragma unroll
+    for (int i = 0; i < W_PER; ++i) {
+        const int c = tid + i * THREADS, r = c / CH;
+        const int half = UP ? r / BN : 0;
+        const int n = n0 + (UP ? r % BN : r);
+        gw[i] = n < N ? ((long long)half * N + n) * Kdim + kch : -1;
+        ow[i] = (unsigned)(r * 128 + (((c % CH) ^ (r & 7)) << 4));
+    }
+    // Row chunks (the A rows of moe_w8: UP token rows of xq, DOWN rows of aq).
+    const unsigned char* Ab = UP ? A : A + (long long)mb * BM * Kdim;
+    int ga[A_PER];
+    unsigned oa[A_PER];
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+        const int c = tid + i * THREADS, r = c / CH;
+        const int src = c < BM * CH ? row_src[r] : -1;
+        ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + kch : -1;
+        oa[i] = c < BM * CH ? W_BYTES + (unsigned)(r * 128 + (((c % CH) ^ (r & 7)) << 4)) : ~0u;
+    }
+    const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
+    auto load = [&](int slot, int kb) {
+        const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+        const int k0 = kb * W8_BK;
+        const bool kok = k0 + kch < Kdim;  // Kdim is a multiple of 16: whole chunks
+#pragma unroll
+        for (int i = 0; i < W_PER; ++i) {
+            const bool ok = kok && gw[i] >= 0;
+            w8_cp16(st + ow[i], Be + (ok ? gw[i] + k0 : 0), ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < A_PER; ++i) {
+            if ((BM * CH) % THREADS != 0 && oa[i] == ~0u) break;
+            const bool ok = kok && ga[i] >= 0;
+            w8_cp16(st + oa[i], Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KB) load(s, s);
+        w8_commit();
+    }
+    // The weight block scales of the tile's columns (one block row) and the
+    // rows' scales, staged once the first loads are in flight; the loop's
+    // first barrier orders these stores before their reads.
+    const int NBR = (N + W8_BK - 1) / W8_BK;
+    for (int i = tid; i < NB * KB; i += THREADS) {
+        const int q = i / KB, kb = i - q * KB;
+        sc[q][kb] = S[((long long)(e * NB + q) * NBR + n0 / W8_BK) * KB + kb];
+    }
+    for (int i = tid; i < BM * KB; i += THREADS) {
+        const int r = i / KB, kb = i - r * KB;
+        const int src = row_src[r];
+        rsc[kb][r] = src >= 0 ? AS[(long long)src * KB + kb] : 0.0f;
+    }
+
+    const int grp = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
+    const int c0 = 2 * (lane & 3);  // this thread's first tile row (token) of each 8
+    constexpr int R = BM / 2;       // accumulator registers of one wgmma
+    float acc[NB][R], blk[NB][R];
+#pragma unroll
+    for (int h = 0; h < NB; ++h)
+#pragma unroll
+        for (int i = 0; i < R; ++i) acc[h][i] = blk[h][i] = 0.0f;
+    for (int kb = 0; kb < KB; ++kb) {
+        w8_cpwait<STAGES - 2>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        const int nk = kb + STAGES - 1;
+        if (nk < KB) load(nk % STAGES, nk);
+        w8_commit();
+        const unsigned st = sbase + (unsigned)(kb % STAGES) * ST_BYTES;
+        const unsigned sr = st + W_BYTES;
+        w8_fence();
+#pragma unroll
+        for (int h = 0; h < NB; ++h) {
+            const unsigned sw = st + (unsigned)(h * BN + grp * 64) * 128u;
+#pragma unroll
+            for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<BM>(blk[h], w8_desc(sw + kk * 32), w8_desc(sr + kk * 32), kk);
+        }
+        w8_commit_mma();
+        w8_wait_mma0();
+#pragma unroll
+        for (int h = 0; h < NB; ++h)
+#pragma unroll
+            for (int i = 0; i < R; ++i) asm volatile("" : "+f"(blk[h][i])::"memory");
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                const float sa = rsc[kb][8 * j + c0 + v];
+#pragma unroll
+                for (int h = 0; h < NB; ++h) {
+                    const float s = __fmul_rn(sa, sc[h][kb]);
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {
+                        const int i = 4 * j + 2 * hr + v;
+                        acc[h][i] = __fmaf_rn(blk[h][i], s, acc[h][i]);
+                    }
+                }
+            }
+        }
+    }
+    w8_cpwait<0>();
+
+    // Epilogue: column n of tile row (token) r, as moe_w8's w8_store_half.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int n = n0 + grp * 64 + w * 16 + (lane >> 2) + 8 * hr;
+        if (n >= N) continue;
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                const int r = 8 * j + c0 + v, i = 4 * j + 2 * hr + v;
+                const int dst = row_dst[r];
+                if (dst < 0) continue;
+                unsigned short o;
+                if (UP) {
+                    const float g = moe_round(acc[0][i]), u = moe_round(acc[NB - 1][i]);
+                    o = row_src[r] < 0 ? 0 : moe_f2bf(fp8_swiglu(g, u));
+                } else {
+                    o = moe_f2bf(acc[0][i]);
+                }
+                C[(long long)dst * N + n] = o;
+            }
+        }
+    }
+}

@@ -83,7 +83,13 @@ type W8A8Gemm struct {
 	// multiply, synchronised by mbarriers, so that one warpgroup's scaling
 	// overlaps the other's wgmma.
 	Producers int
-	Up        bool // the gate/up + SwiGLU kernel, else the down kernel
+	// Trans makes the weights the wgmma's A operand (moe_w8a8.cu's moe_w8t):
+	// each warpgroup multiplies 64 weight rows by the block's BM sorted rows
+	// (wgmma N = BM: 8 to 64, a multiple of 8), for batches of a few rows per
+	// expert; BN is then 64 or 128 (a warpgroup per 64 columns). Tag suffix
+	// "t".
+	Trans bool
+	Up    bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
 // W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
@@ -93,7 +99,9 @@ type W8A8Gemm struct {
 // block would be mostly padding; four stages, so that two blocks share a
 // multiprocessor); then one-warpgroup tiles in moe_wg's form (three
 // stages: three blocks a multiprocessor), the shape of vLLM's FP8 Triton
-// kernel at 256 tokens (64 rows, 128 columns, 4 warps).
+// kernel at 256 tokens (64 rows, 128 columns, 4 warps); then transposed
+// tiles of 8, 16 and 32 rows (one warpgroup, 64 columns) for a few rows per
+// expert.
 var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 64, Stages: 4, Up: true},
 	{BM: 128, BN: 128, Stages: 4},
@@ -103,14 +111,24 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 64, BN: 128, Stages: 4, Producers: 2},
 	{BM: 64, BN: 64, Stages: 3, Up: true},
 	{BM: 64, BN: 128, Stages: 3},
+	{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true},
+	{BM: 8, BN: 64, Stages: 4, Trans: true},
+	{BM: 16, BN: 64, Stages: 4, Trans: true, Up: true},
+	{BM: 16, BN: 64, Stages: 4, Trans: true},
+	{BM: 32, BN: 64, Stages: 4, Trans: true, Up: true},
+	{BM: 32, BN: 64, Stages: 4, Trans: true},
 }
 
-// Tag is the suffix of the tile's kernel name, e.g. "m128n64s4", or
-// "m128n64s6p2" for a persistent tile with two producer warps.
+// Tag is the suffix of the tile's kernel name, e.g. "m128n64s4",
+// "m128n64s6p2" for a persistent tile with two producer warps, or
+// "m16n64s4t" for a transposed one.
 func (c W8A8Gemm) Tag() string {
 	p := ""
 	if c.Producers > 0 {
 		p = fmt.Sprintf("p%d", c.Producers)
+	}
+	if c.Trans {
+		p += "t"
 	}
 	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
 }
@@ -123,8 +141,14 @@ func (c W8A8Gemm) Name() string {
 	return "gpuctx_moe_w8a8_down_" + c.Tag()
 }
 
-// Threads is the block size: a warpgroup per 64 rows, and the producer warps.
-func (c W8A8Gemm) Threads() int { return 128*(c.BM/64) + 32*c.Producers }
+// Threads is the block size: a warpgroup per 64 rows (Trans: per 64
+// columns), and the producer warps.
+func (c W8A8Gemm) Threads() int {
+	if c.Trans {
+		return 128 * (c.BN / 64)
+	}
+	return 128*(c.BM/64) + 32*c.Producers
+}
 
 // Grid is the launch grid over n output columns (I for up, H for down) and
 // cap sorted rows on a device of sms multiprocessors: (ceil(n/BN), cap/BM),
@@ -150,17 +174,25 @@ func (c W8A8Gemm) width() int {
 func (c W8A8Gemm) SmemBytes() int { return c.Stages*(c.BM+c.width())*fp8.BlockSize + 1024 }
 
 // staticSmem is the static shared memory: the row tables and the staged
-// weight scales, or a persistent tile's mbarriers.
+// weight scales (Trans: and the rows' scales), or a persistent tile's
+// mbarriers.
 func (c W8A8Gemm) staticSmem() int {
 	if c.Producers > 0 {
 		return 16 * c.Stages
 	}
-	return 8*c.BM + 2*4*FP8MaxK/fp8.BlockSize
+	n := 8*c.BM + 2*4*FP8MaxK/fp8.BlockSize
+	if c.Trans {
+		n += 4 * c.BM * FP8MaxK / fp8.BlockSize
+	}
+	return n
 }
 
 // Check reports why c cannot be instantiated (moe_w8a8.cu's static
 // assertions and the shared-memory limit), or nil.
 func (c W8A8Gemm) Check() error {
+	if c.Trans {
+		return c.checkTrans()
+	}
 	switch {
 	case c.BM < 64 || c.BM%64 != 0 || c.BM > 256:
 		return fmt.Errorf("w8a8 tile %s: BM = %d, want 64, 128, 192 or 256", c.Tag(), c.BM)
@@ -178,6 +210,32 @@ func (c W8A8Gemm) Check() error {
 	return nil
 }
 
+// checkTrans is Check for a transposed tile (moe_w8t's static assertions).
+func (c W8A8Gemm) checkTrans() error {
+	switch {
+	case c.BM < 8 || c.BM%8 != 0 || c.BM > 64:
+		return fmt.Errorf("w8a8 tile %s: BM = %d, want a multiple of 8 from 8 to 64 (the wgmma's N)", c.Tag(), c.BM)
+	case c.BN != 64 && c.BN != 128:
+		return fmt.Errorf("w8a8 tile %s: BN = %d, want 64 or 128 (a warpgroup per 64 columns)", c.Tag(), c.BN)
+	case c.Stages < 2:
+		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
+	case c.Producers != 0:
+		return fmt.Errorf("w8a8 tile %s: a transposed tile has no producer warps", c.Tag())
+	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
+		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
+	}
+	return nil
+}
+
+// mmaWidth is the N of the tile's wgmma: width() (the columns), or BM (the
+// rows) for a transposed tile.
+func (c W8A8Gemm) mmaWidth() int {
+	if c.Trans {
+		return c.BM
+	}
+	return c.width()
+}
+
 // W8A8Source returns moe_w8a8.cu as it is compiled: the grid-dependency
 // macros, moe_tile.cuh, moe_fp8_mma.cu's helpers and templates (fp8_swiglu,
 // FP8_MAX_KB; none of its instances), the file, then the wgmma wrappers and
@@ -191,8 +249,8 @@ func w8a8Instances() string {
 	b.WriteString("\n// ---- Generated by moekernels.w8a8Instances from moekernels.W8A8Gemms.\n")
 	var ws []int
 	for _, c := range W8A8Gemms {
-		if !slices.Contains(ws, c.width()) {
-			ws = append(ws, c.width())
+		if !slices.Contains(ws, c.mmaWidth()) {
+			ws = append(ws, c.mmaWidth())
 		}
 	}
 	slices.Sort(ws)
@@ -201,8 +259,11 @@ func w8a8Instances() string {
 	}
 	for _, c := range W8A8Gemms {
 		fn, t := "moe_w8", fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
-		if c.Producers > 0 {
+		switch {
+		case c.Producers > 0:
 			fn, t = "moe_w8p", t+fmt.Sprintf(", %d", c.Producers)
+		case c.Trans:
+			fn = "moe_w8t"
 		}
 		if c.Up {
 			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {

@@ -298,8 +298,9 @@ func TestW8A8BenchHarness(t *testing.T) {
 }
 
 // BenchmarkW8A8Expert times the routed experts of DeepSeek-V2-Lite (H=2048,
-// I=1408, E=64, top-6) at 256, 1024, 4096 and 8192 tokens and of
-// DeepSeek-V3 (H=7168, I=2048, E=256, top-8) at 1024 tokens, on a GPU of
+// I=1408, E=64, top-6) at 8, 64, 256, 1024, 4096 and 8192 tokens, of
+// Qwen3-30B-A3B (H=2048, I=768, E=128, top-8) at 8, 64 and 256 and of
+// DeepSeek-V3 (H=7168, I=2048, E=256, top-8) at 64 and 1024 tokens, on a GPU of
 // compute capability 9.0 (random routing, two weight sets rotating): the
 // fastest w8a8 chain (quantize x, up tile, quantize act, down tile; every
 // pair of w8a8Pairs) against the fastest bf16 tile pair and the fastest w8a16
@@ -312,8 +313,9 @@ func BenchmarkW8A8Expert(b *testing.B) {
 		sh     fp8Shape
 		tokens []int
 	}{
-		{fp8BenchShapes[0], []int{256, 1024, 4096, 8192}},
-		{fp8BenchShapes[2], []int{1024}},
+		{fp8BenchShapes[0], []int{8, 64, 256, 1024, 4096, 8192}},
+		{fp8BenchShapes[1], []int{8, 64, 256}},
+		{fp8BenchShapes[2], []int{64, 1024}},
 	} {
 		benchW8A8Shape(b, d, sc.sh, sc.tokens)
 	}
@@ -370,7 +372,7 @@ func w8a8Pairs() [][2]W8A8Gemm {
 	var out [][2]W8A8Gemm
 	for _, u := range W8A8Gemms {
 		for _, d := range W8A8Gemms {
-			if u.Up && !d.Up && u.Producers == d.Producers && u.BM == d.BM {
+			if u.Up && !d.Up && u.Producers == d.Producers && u.Trans == d.Trans && u.BM == d.BM {
 				out = append(out, [2]W8A8Gemm{u, d})
 			}
 		}
