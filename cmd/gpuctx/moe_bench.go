@@ -125,7 +125,9 @@ is not --dtype's, the run goes on and the report adds a note saying so (e.g.
 device (moe.LayerOptions.FP8: E4M3 codes and 128x128 block scales, the w8a16
 tiles, or on compute capability 9.0 the w8a8 tiles over activations quantized
 to E4M3 on the device; timed per token bucket as the bf16 tiles, the w8a8
-chains against the w8a16 tiles from 17 rows per touched expert), the rest bf16; its floor counts the FP8 bytes and scales the batch
+chains against the w8a16 tiles: the transposed pairs of BM = 8, 16, 32 rows
+up to 2*BM rows per touched expert, the 64- and 128-row pairs from 8), the
+rest bf16; its floor counts the FP8 bytes and scales the batch
 touches (and the shared expert's bf16 bytes, in every mode). Mode fused (and
 auto up to 16 tokens) runs the shared expert's FP8 chunks inside the FP8
 tiles, so its output check against single allows 1e-1 instead of 2e-2. Run
