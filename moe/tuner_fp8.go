@@ -29,6 +29,12 @@ var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8T8Up, w8down: w8a8T8Down},
 	{w8: true, w8up: w8a8T16Up, w8down: w8a8T16Down},
 	{w8: true, w8up: w8a8T32Up, w8down: w8a8T32Down},
+	// Under trial (session 14).
+	{w8: true, w8up: moekernels.W8A8Gemm{BM: 8, BN: 128, Stages: 3, Trans: true, Up: true}, w8down: moekernels.W8A8Gemm{BM: 8, BN: 128, Stages: 4, Trans: true}},
+	{w8: true, w8up: moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true}, w8down: w8a8T16Down},
+	{w8: true, w8up: moekernels.W8A8Gemm{BM: 16, BN: 128, Stages: 3, Trans: true, Up: true}, w8down: moekernels.W8A8Gemm{BM: 16, BN: 128, Stages: 4, Trans: true}},
+	{w8: true, w8up: moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true}, w8down: w8a8T32Down},
+	{w8: true, w8up: moekernels.W8A8Gemm{BM: 32, BN: 128, Stages: 3, Trans: true, Up: true}, w8down: moekernels.W8A8Gemm{BM: 32, BN: 128, Stages: 4, Trans: true}},
 }
 
 // w8a8TuneRows is the fewest rows per touched expert at which the tuner

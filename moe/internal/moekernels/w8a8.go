@@ -117,6 +117,16 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 16, BN: 64, Stages: 4, Trans: true},
 	{BM: 32, BN: 64, Stages: 4, Trans: true, Up: true},
 	{BM: 32, BN: 64, Stages: 4, Trans: true},
+	// Variants under trial (session 14): three stages (three up blocks a
+	// multiprocessor instead of two), two warpgroups (128 columns).
+	{BM: 8, BN: 128, Stages: 3, Trans: true, Up: true},
+	{BM: 8, BN: 128, Stages: 4, Trans: true},
+	{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true},
+	{BM: 16, BN: 128, Stages: 3, Trans: true, Up: true},
+	{BM: 16, BN: 128, Stages: 4, Trans: true},
+	{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true},
+	{BM: 32, BN: 128, Stages: 3, Trans: true, Up: true},
+	{BM: 32, BN: 128, Stages: 4, Trans: true},
 }
 
 // Tag is the suffix of the tile's kernel name, e.g. "m128n64s4",
