@@ -13,6 +13,7 @@ import (
 
 	"github.com/gpuctx/gpuctx"
 	"github.com/gpuctx/gpuctx/moe/fp8"
+	"github.com/gpuctx/gpuctx/moe/internal/moekernels"
 	"github.com/gpuctx/gpuctx/moe/safetensors"
 )
 
@@ -688,8 +689,9 @@ func TestLayerFP8Fixtures(t *testing.T) {
 const w8a8DeviceTol = 2.5e-2
 
 // TestLayerFP8W8A8 runs FP8 layers at batches that take the w8a8 tiles
-// (w8a8MinRows rows per touched expert, the one-warpgroup pair, and from
-// w8a8LargeRows the 128-row pair: fp8Tiles) on every backend
+// (from w8a8MinRows rows per touched expert the transposed 32-row pair,
+// above w8a8TransRows the one-warpgroup pair, from w8a8LargeRows the
+// 128-row pair: fp8Tiles) on every backend
 // that has them (the CPU backend's twins; a CUDA device of compute
 // capability 9.0), and checks them against two float64 references on the
 // dequantized weights: referenceW8A8, which quantizes the routed experts'
@@ -722,21 +724,26 @@ func TestLayerFP8W8A8(t *testing.T) {
 				}
 				E, K := cfg.NumExperts, cfg.TopK
 				// The first batches that take them: ceil(T*K/E) >= w8a8MinRows
-				// (the one-warpgroup pair) and >= w8a8LargeRows (the 128-row pair).
-				tMin, tLarge := 1, 1
-				for !fp8Tiles(tMin, K, E, true).w8 {
-					tMin++
+				// (the transposed 32-row pair), > w8a8TransRows (the
+				// one-warpgroup pair) and >= w8a8LargeRows (the 128-row pair).
+				first := func(up moekernels.W8A8Gemm) int {
+					T := 1
+					for fp8Tiles(T, K, E, true).w8up != up {
+						T++
+					}
+					return T
 				}
-				for fp8Tiles(tLarge, K, E, true).w8up != w8a8Up {
-					tLarge++
+				tMin, tSmall, tLarge := first(w8a8T32Up), first(w8a8SmallUp), first(w8a8Up)
+				if (tMin*K+E-1)/E != w8a8MinRows || fp8Tiles(tMin, K, E, false).w8 || fp8Tiles(tMin-1, K, E, true).w8 {
+					t.Fatalf("fp8Tiles: the w8a8 tiles start at %d tokens of %d experts over %d (%s), not at %d rows per expert with %s", tMin, K, E, fp8Tiles(tMin, K, E, true).tags(), w8a8MinRows, w8a8T32Up.Tag())
 				}
-				if (tMin*K+E-1)/E != w8a8MinRows || fp8Tiles(tMin, K, E, false).w8 || fp8Tiles(tMin, K, E, true).w8up != w8a8SmallUp {
-					t.Fatalf("fp8Tiles: the w8a8 tiles start at %d tokens of %d experts over %d (%s), not at %d rows per expert with %s", tMin, K, E, fp8Tiles(tMin, K, E, true).tags(), w8a8MinRows, w8a8SmallUp.Tag())
+				if (tSmall*K+E-1)/E != w8a8TransRows+1 {
+					t.Fatalf("fp8Tiles: the one-warpgroup w8a8 tiles start at %d tokens of %d experts over %d, not at %d rows per expert", tSmall, K, E, w8a8TransRows+1)
 				}
 				if (tLarge*K+E-1)/E != w8a8LargeRows {
 					t.Fatalf("fp8Tiles: the 128-row w8a8 tiles start at %d tokens of %d experts over %d, not at %d rows per expert", tLarge, K, E, w8a8LargeRows)
 				}
-				for _, T := range heavyShapes([]int{tMin, tLarge, 300}, []int{tMin, tLarge}) {
+				for _, T := range heavyShapes([]int{tMin, tSmall, tLarge, 300}, []int{tMin, tLarge}) {
 					x := randomX(T, cfg.HiddenSize, uint64(T)+5)
 					want, err := Reference(cfg, wq, roundAll(x), T)
 					if err != nil {
@@ -823,7 +830,8 @@ func referenceW8A8(cfg *Config, w *Weights, x []float32, T int) []float32 {
 // sweep (bench/RESULTS.md, session 11, calls 3 and 5): transposed tiles
 // only, the 64-column up tile for one token's assignments, m16n128w8s3t
 // otherwise; and the w8a8 pairs where they are loaded and the batch has the
-// rows for them.
+// rows for them (session 14's tuner winners: the transposed 32-row pair at
+// 9-32 rows per touched expert).
 func TestFP8TilesRule(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
@@ -837,7 +845,10 @@ func TestFP8TilesRule(t *testing.T) {
 		{"three tokens of top-6", 3, 6, 64, false, "m16n128w8s3t", "m16n128w8s3t"},
 		{"deepseek-v2-lite 64 tokens", 64, 6, 64, true, "m16n128w8s3t", "m16n128w8s3t"},
 		{"256 tokens without w8a8", 256, 6, 64, false, "m16n128w8s3t", "m16n128w8s3t"},
-		{"256 tokens with w8a8", 256, 6, 64, true, "w8a8 m64n64s4p2", "w8a8 m64n128s4p2"},
+		{"256 tokens with w8a8", 256, 6, 64, true, "w8a8 m32n64s3t", "w8a8 m32n64s4t"},
+		{"qwen3 256 tokens (16 rows)", 256, 8, 128, true, "w8a8 m32n64s3t", "w8a8 m32n64s4t"},
+		{"qwen3 128 tokens (8 rows)", 128, 8, 128, true, "m16n128w8s3t", "m16n128w8s3t"},
+		{"40 rows", 320, 8, 64, true, "w8a8 m64n64s4p2", "w8a8 m64n128s4p2"},
 		{"4096 tokens with w8a8", 4096, 6, 64, true, "w8a8 m128n64s6p2", "w8a8 m128n128s6p2"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

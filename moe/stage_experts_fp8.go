@@ -113,7 +113,7 @@ var (
 	// cores through wgmma only, so mma.sync e4m3 pays conversions as well.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
-	// The one-warpgroup w8a8 tiles, for 17-63 rows per touched expert: on the
+	// The one-warpgroup w8a8 tiles, for 33-63 rows per touched expert: on the
 	// H200 (BenchmarkW8A8Expert, session 9's call 2, the whole chain with the
 	// quantizer) DeepSeek-V3 at 1024 tokens (32 rows) 3669 us against 4298 for
 	// the 128-row pair, 7233 for the best w8a16 pair and 5307 for bf16;
@@ -134,33 +134,44 @@ var (
 	// The transposed w8a8 tiles (moekernels.W8A8Gemm.Trans: the weights as
 	// wgmma's A operand, 64 columns a warpgroup by 8, 16 or 32 rows), for a
 	// few rows per touched expert, where the w8a16 tiles convert every
-	// weight in registers. Timed by the tuner only; no rule picks them.
+	// weight in registers. The rule runs the 32-row pair from w8a8MinRows
+	// to w8a8TransRows rows; the tuner times all three (fp8Pair.timedAt).
 	w8a8T8Up    = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true}
 	w8a8T8Down  = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true}
-	w8a8T16Up   = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 4, Trans: true, Up: true}
+	w8a8T16Up   = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true}
 	w8a8T16Down = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 4, Trans: true}
-	w8a8T32Up   = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 4, Trans: true, Up: true}
+	w8a8T32Up   = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true}
 	w8a8T32Down = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 4, Trans: true}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs
-// the w8a8 tiles where they are loaded (fp8Experts.w8), the one-warpgroup
-// pair below w8a8LargeRows and the 128-row pair from there. From 17 rows
-// the w8a16 tiles' second row block of an expert reads its weights again
-// and their bf16 activations twice the bytes of E4M3 ones (ncu, H200,
+// the w8a8 tiles where they are loaded (fp8Experts.w8): the transposed
+// 32-row pair up to w8a8TransRows, the one-warpgroup pair below
+// w8a8LargeRows and the 128-row pair from there. Below w8a8MinRows the
+// rule keeps the w8a16 tiles: on the H200 (session 14) the transposed
+// 8-row pair and the w8a16 pair were within a few percent of each other at
+// 1-8 rows, either way. From 9 rows the transposed 32-row pair won every
+// chain the tuner timed: Qwen3-30B-A3B at 256 tokens (16 rows) 205.0 us
+// against 263.6 for the best w8a16 pair and 236.0 for the plain m64 pair;
+// DeepSeek-V2-Lite at 256 (24 rows) 192.0 against 221.0 (plain m64) and
+// 250.6 (the persistent m64 pair the rule ran before). From 17 rows the
+// w8a16 tiles' second row block of an expert reads its weights again and
+// their bf16 activations twice the bytes of E4M3 ones (ncu, H200,
 // DeepSeek-V3 at 1024 tokens: the 32-row w8a16 up tile at 70% of L2
 // throughput, 37% of DRAM), while the w8a8 tiles' products run at twice
 // bf16's rate.
 const (
-	w8a8MinRows   = 17
+	w8a8MinRows   = 9
+	w8a8TransRows = 32
 	w8a8LargeRows = 64
 )
 
 // fp8Tiles picks the FP8 tiles of a batch of T tokens by a rule, by the rows
 // each touched expert gets on average: with w8 (the w8a8 tiles are loaded)
-// the w8a8 tiles from w8a8MinRows rows (64-row tiles, 128-row tiles from
-// w8a8LargeRows); else the transposed 16-row w8a16 tiles (the sweep winners
-// of BenchmarkFP8Expert on the H200 at 1-256 tokens, bench/RESULTS.md), with
+// the w8a8 tiles from w8a8MinRows rows (the transposed 32-row pair up to
+// w8a8TransRows, then 64-row tiles, 128-row tiles from w8a8LargeRows); else
+// the transposed 16-row w8a16 tiles (the sweep winners of
+// BenchmarkFP8Expert on the H200 at 1-256 tokens, bench/RESULTS.md), with
 // the 64-column up tile for at most fp8FewAssignments assignments. The
 // w8a16 tile changes no result; the w8a8 tiles quantize the activations.
 func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
@@ -168,8 +179,10 @@ func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
 	switch {
 	case w8 && m >= w8a8LargeRows:
 		return fp8Pair{w8: true, w8up: w8a8Up, w8down: w8a8Down}
-	case w8 && m >= w8a8MinRows:
+	case w8 && m > w8a8TransRows:
 		return fp8Pair{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown}
+	case w8 && m >= w8a8MinRows:
+		return fp8Pair{w8: true, w8up: w8a8T32Up, w8down: w8a8T32Down}
 	case m > 16:
 		return fp8Pair{up: fp8Large, down: fp8Large}
 	case T*K <= fp8FewAssignments:

@@ -29,19 +29,12 @@ var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8T8Up, w8down: w8a8T8Down},
 	{w8: true, w8up: w8a8T16Up, w8down: w8a8T16Down},
 	{w8: true, w8up: w8a8T32Up, w8down: w8a8T32Down},
-	// Under trial (session 14).
-	{w8: true, w8up: moekernels.W8A8Gemm{BM: 8, BN: 128, Stages: 3, Trans: true, Up: true}, w8down: moekernels.W8A8Gemm{BM: 8, BN: 128, Stages: 4, Trans: true}},
-	{w8: true, w8up: moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true}, w8down: w8a8T16Down},
-	{w8: true, w8up: moekernels.W8A8Gemm{BM: 16, BN: 128, Stages: 3, Trans: true, Up: true}, w8down: moekernels.W8A8Gemm{BM: 16, BN: 128, Stages: 4, Trans: true}},
-	{w8: true, w8up: moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true}, w8down: w8a8T32Down},
-	{w8: true, w8up: moekernels.W8A8Gemm{BM: 32, BN: 128, Stages: 3, Trans: true, Up: true}, w8down: moekernels.W8A8Gemm{BM: 32, BN: 128, Stages: 4, Trans: true}},
 }
 
 // w8a8TuneRows is the fewest rows per touched expert at which the tuner
-// times the w8a8 pairs of 64 and 128 rows (fewer rows than the rule's
-// w8a8MinRows: at 8-16 rows a 64-row block is mostly padding, but its
-// products run at FP8's rate and its activations are half the bytes, so
-// whether it wins is measured, not assumed).
+// times the w8a8 pairs of 64 and 128 rows: at 8-16 rows a 64-row block is
+// mostly padding, but its products run at FP8's rate and its activations
+// are half the bytes, so whether it wins is measured, not assumed.
 const w8a8TuneRows = 8
 
 // timedAt reports whether the tuner times w8a8 pair tp for batches of m rows
