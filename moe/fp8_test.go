@@ -134,7 +134,7 @@ func TestLayerFP8(t *testing.T) {
 				for _, o := range []struct {
 					name string
 					o    LayerOptions
-				}{{"f32", LayerOptions{DType: gpuctx.F32}}, {"bf16", LayerOptions{DType: gpuctx.BF16}}, {"fp8", LayerOptions{DType: gpuctx.BF16, FP8: true}}} {
+				}{{"f32", LayerOptions{DType: gpuctx.F32}}, {"bf16", LayerOptions{DType: gpuctx.BF16}}, {"fp8", LayerOptions{DType: gpuctx.BF16, FP8: true, NoAutotune: true}}} {
 					l, err := LoadLayer(b.dev, dir, cfg, 1, o.o)
 					if err != nil {
 						t.Fatalf("LoadLayer %s: %v", o.name, err)
@@ -142,7 +142,14 @@ func TestLayerFP8(t *testing.T) {
 					defer l.Close()
 					layers[o.name] = l
 				}
-				for _, T := range []int{1, 7, 40} {
+				// The fp8 layer runs the rule's w8a16 tiles (NoAutotune: a tuned
+				// layer may run w8a8 tiles at any size, TestLayerFP8W8A8's
+				// accuracy): up to 40 tokens, below the w8a8 rule's rows.
+				tw := 40
+				for fp8Tiles(tw, cfg.TopK, cfg.NumExperts, true).w8 {
+					tw--
+				}
+				for _, T := range []int{1, 7, tw} {
 					x := randomX(T, cfg.HiddenSize, uint64(T)+3)
 					want, err := Reference(cfg, wq, roundAll(x), T)
 					if err != nil {
@@ -690,7 +697,7 @@ const w8a8DeviceTol = 2.5e-2
 
 // TestLayerFP8W8A8 runs FP8 layers at batches that take the w8a8 tiles
 // (from w8a8MinRows rows per touched expert the transposed 32-row pair,
-// above w8a8TransRows the one-warpgroup pair, from w8a8LargeRows the
+// above w8a8TransRows the plain one-warpgroup pair, above w8a8LargeRows the
 // 128-row pair: fp8Tiles) on every backend
 // that has them (the CPU backend's twins; a CUDA device of compute
 // capability 9.0), and checks them against two float64 references on the
@@ -724,8 +731,8 @@ func TestLayerFP8W8A8(t *testing.T) {
 				}
 				E, K := cfg.NumExperts, cfg.TopK
 				// The first batches that take them: ceil(T*K/E) >= w8a8MinRows
-				// (the transposed 32-row pair), > w8a8TransRows (the
-				// one-warpgroup pair) and >= w8a8LargeRows (the 128-row pair).
+				// (the transposed 32-row pair), > w8a8TransRows (the plain
+				// one-warpgroup pair) and > w8a8LargeRows (the 128-row pair).
 				first := func(up moekernels.W8A8Gemm) int {
 					T := 1
 					for fp8Tiles(T, K, E, true).w8up != up {
@@ -733,15 +740,15 @@ func TestLayerFP8W8A8(t *testing.T) {
 					}
 					return T
 				}
-				tMin, tSmall, tLarge := first(w8a8T32Up), first(w8a8SmallUp), first(w8a8Up)
+				tMin, tSmall, tLarge := first(w8a8T32Up), first(w8a8PlainSmallUp), first(w8a8Up)
 				if (tMin*K+E-1)/E != w8a8MinRows || fp8Tiles(tMin, K, E, false).w8 || fp8Tiles(tMin-1, K, E, true).w8 {
 					t.Fatalf("fp8Tiles: the w8a8 tiles start at %d tokens of %d experts over %d (%s), not at %d rows per expert with %s", tMin, K, E, fp8Tiles(tMin, K, E, true).tags(), w8a8MinRows, w8a8T32Up.Tag())
 				}
 				if (tSmall*K+E-1)/E != w8a8TransRows+1 {
 					t.Fatalf("fp8Tiles: the one-warpgroup w8a8 tiles start at %d tokens of %d experts over %d, not at %d rows per expert", tSmall, K, E, w8a8TransRows+1)
 				}
-				if (tLarge*K+E-1)/E != w8a8LargeRows {
-					t.Fatalf("fp8Tiles: the 128-row w8a8 tiles start at %d tokens of %d experts over %d, not at %d rows per expert", tLarge, K, E, w8a8LargeRows)
+				if (tLarge*K+E-1)/E != w8a8LargeRows+1 {
+					t.Fatalf("fp8Tiles: the 128-row w8a8 tiles start at %d tokens of %d experts over %d, not at %d rows per expert", tLarge, K, E, w8a8LargeRows+1)
 				}
 				for _, T := range heavyShapes([]int{tMin, tSmall, tLarge, 300}, []int{tMin, tLarge}) {
 					x := randomX(T, cfg.HiddenSize, uint64(T)+5)
@@ -830,8 +837,9 @@ func referenceW8A8(cfg *Config, w *Weights, x []float32, T int) []float32 {
 // sweep (bench/RESULTS.md, session 11, calls 3 and 5): transposed tiles
 // only, the 64-column up tile for one token's assignments, m16n128w8s3t
 // otherwise; and the w8a8 pairs where they are loaded and the batch has the
-// rows for them (session 14's tuner winners: the transposed 32-row pair at
-// 9-32 rows per touched expert).
+// rows for them (session 14's tuner winners on the H200: the transposed
+// 32-row pair at 16 and 24 rows per touched expert, the plain 64-row pair at
+// 32 and 64, the persistent 128-row pair at 96).
 func TestFP8TilesRule(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
@@ -845,10 +853,12 @@ func TestFP8TilesRule(t *testing.T) {
 		{"three tokens of top-6", 3, 6, 64, false, "m16n128w8s3t", "m16n128w8s3t"},
 		{"deepseek-v2-lite 64 tokens", 64, 6, 64, true, "m16n128w8s3t", "m16n128w8s3t"},
 		{"256 tokens without w8a8", 256, 6, 64, false, "m16n128w8s3t", "m16n128w8s3t"},
-		{"256 tokens with w8a8", 256, 6, 64, true, "w8a8 m32n64s3t", "w8a8 m32n64s4t"},
+		{"256 tokens with w8a8 (24 rows)", 256, 6, 64, true, "w8a8 m32n64s3t", "w8a8 m32n64s4t"},
 		{"qwen3 256 tokens (16 rows)", 256, 8, 128, true, "w8a8 m32n64s3t", "w8a8 m32n64s4t"},
 		{"qwen3 128 tokens (8 rows)", 128, 8, 128, true, "m16n128w8s3t", "m16n128w8s3t"},
-		{"40 rows", 320, 8, 64, true, "w8a8 m64n64s4p2", "w8a8 m64n128s4p2"},
+		{"deepseek-v3 1024 tokens (32 rows)", 1024, 8, 256, true, "w8a8 m64n64s3", "w8a8 m64n128s3"},
+		{"qwen3 1024 tokens (64 rows)", 1024, 8, 128, true, "w8a8 m64n64s3", "w8a8 m64n128s3"},
+		{"deepseek-v2-lite 1024 tokens (96 rows)", 1024, 6, 64, true, "w8a8 m128n64s6p2", "w8a8 m128n128s6p2"},
 		{"4096 tokens with w8a8", 4096, 6, 64, true, "w8a8 m128n64s6p2", "w8a8 m128n128s6p2"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -185,9 +185,11 @@ type LayerOptions struct {
 	// FP8 x FP8 wgmma, whose results differ from the w8a16 tiles' by a few
 	// percent (E4M3's 3 mantissa bits). The tiles are timed per token bucket
 	// as the bf16 ones (the w8a8 pairs, whole chains with the quantizers,
-	// against the w8a16 tiles, from 17 rows per touched expert on average),
-	// or picked by rule under NoAutotune and off CUDA (the w8a8 tiles from
-	// 17 rows per touched expert); Single and Dual run the same choice, so
+	// against the w8a16 tiles: the transposed pairs of 8, 16 and 32 rows up
+	// to twice their rows per touched expert on average, the 64- and
+	// 128-row pairs from 8), so a tuned layer may run w8a8 tiles at any
+	// batch size; or picked by rule under NoAutotune and off CUDA (the w8a8
+	// tiles from 9 rows per touched expert); Single and Dual run the same choice, so
 	// they stay bitwise equal. An FP8 checkpoint's experts load as stored;
 	// other weights are quantized at load (fp8.Quantize).
 	// The router and correction bias stay as stored, the shared expert is

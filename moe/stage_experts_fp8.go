@@ -113,7 +113,8 @@ var (
 	// cores through wgmma only, so mma.sync e4m3 pays conversions as well.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
-	// The one-warpgroup w8a8 tiles, for 33-63 rows per touched expert: on the
+	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
+	// ran them at 17-63 rows per touched expert until session 14): on the
 	// H200 (BenchmarkW8A8Expert, session 9's call 2, the whole chain with the
 	// quantizer) DeepSeek-V3 at 1024 tokens (32 rows) 3669 us against 4298 for
 	// the 128-row pair, 7233 for the best w8a16 pair and 5307 for bf16;
@@ -128,14 +129,16 @@ var (
 	// tuner kept them at DeepSeek-V2-Lite 256 tokens (chain 217.3 us against
 	// 256.0 for the persistent m64 pair; the layer went from 0.87x to 1.02x
 	// of the FP8 peer) and Qwen3-30B-A3B 1024 (287.9 against 306.0 for the
-	// m128 pair; 1.05x to 1.12x). No rule picks them yet.
+	// m128 pair; 1.05x to 1.12x). The rule runs them at 25-64 rows per
+	// touched expert (w8a8TransRows, w8a8LargeRows).
 	w8a8PlainSmallUp   = moekernels.W8A8Gemm{BM: 64, BN: 64, Stages: 3, Up: true}
 	w8a8PlainSmallDown = moekernels.W8A8Gemm{BM: 64, BN: 128, Stages: 3}
 	// The transposed w8a8 tiles (moekernels.W8A8Gemm.Trans: the weights as
 	// wgmma's A operand, 64 columns a warpgroup by 8, 16 or 32 rows), for a
 	// few rows per touched expert, where the w8a16 tiles convert every
-	// weight in registers. The rule runs the 32-row pair from w8a8MinRows
-	// to w8a8TransRows rows; the tuner times all three (fp8Pair.timedAt).
+	// weight in registers. The rule runs the 32-row pair at
+	// w8a8MinRows-w8a8TransRows rows; the tuner times all three
+	// (fp8Pair.timedAt).
 	w8a8T8Up    = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true}
 	w8a8T8Down  = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true}
 	w8a8T16Up   = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true}
@@ -146,41 +149,44 @@ var (
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs
 // the w8a8 tiles where they are loaded (fp8Experts.w8): the transposed
-// 32-row pair up to w8a8TransRows, the one-warpgroup pair below
-// w8a8LargeRows and the 128-row pair from there. Below w8a8MinRows the
-// rule keeps the w8a16 tiles: on the H200 (session 14) the transposed
-// 8-row pair and the w8a16 pair were within a few percent of each other at
-// 1-8 rows, either way. From 9 rows the transposed 32-row pair won every
-// chain the tuner timed: Qwen3-30B-A3B at 256 tokens (16 rows) 205.0 us
-// against 263.6 for the best w8a16 pair and 236.0 for the plain m64 pair;
-// DeepSeek-V2-Lite at 256 (24 rows) 192.0 against 221.0 (plain m64) and
-// 250.6 (the persistent m64 pair the rule ran before). From 17 rows the
-// w8a16 tiles' second row block of an expert reads its weights again and
-// their bf16 activations twice the bytes of E4M3 ones (ncu, H200,
-// DeepSeek-V3 at 1024 tokens: the 32-row w8a16 up tile at 70% of L2
-// throughput, 37% of DRAM), while the w8a8 tiles' products run at twice
-// bf16's rate.
+// 32-row pair up to w8a8TransRows, the plain one-warpgroup pair (64 rows,
+// three blocks a multiprocessor) up to w8a8LargeRows and the persistent
+// 128-row pair above. The H200's tuner (session 14; every chain with both
+// quantizers, µs):
+//   - 1-8 rows: the transposed 8-row pair and the best w8a16 pair within a
+//     few percent of each other, either way; the rule keeps w8a16 (the more
+//     accurate, bf16 activations).
+//   - 16 rows (Qwen3-30B-A3B, 256 tokens): transposed 32-row 205.0, plain
+//     m64 236.0, best w8a16 263.6.
+//   - 24 rows (DeepSeek-V2-Lite, 256 tokens): transposed 32-row 192.0, plain
+//     m64 221.0, persistent m64 250.6.
+//   - 32 rows (DeepSeek-V3, 1024 tokens): plain m64 3090.8, transposed 32-row
+//     3582.2, persistent m128 3656.8, persistent m64 3873.5.
+//   - 64 rows (Qwen3-30B-A3B, 1024 tokens, session 13): plain m64 287.9,
+//     persistent m128 306.0; 96 rows (DeepSeek-V2-Lite, 1024): the
+//     persistent m128 pair.
 const (
 	w8a8MinRows   = 9
-	w8a8TransRows = 32
+	w8a8TransRows = 24
 	w8a8LargeRows = 64
 )
 
 // fp8Tiles picks the FP8 tiles of a batch of T tokens by a rule, by the rows
 // each touched expert gets on average: with w8 (the w8a8 tiles are loaded)
 // the w8a8 tiles from w8a8MinRows rows (the transposed 32-row pair up to
-// w8a8TransRows, then 64-row tiles, 128-row tiles from w8a8LargeRows); else
-// the transposed 16-row w8a16 tiles (the sweep winners of
-// BenchmarkFP8Expert on the H200 at 1-256 tokens, bench/RESULTS.md), with
-// the 64-column up tile for at most fp8FewAssignments assignments. The
-// w8a16 tile changes no result; the w8a8 tiles quantize the activations.
+// w8a8TransRows, the plain 64-row pair up to w8a8LargeRows, the persistent
+// 128-row pair above); else the transposed 16-row w8a16 tiles (the sweep
+// winners of BenchmarkFP8Expert on the H200 at 1-256 tokens,
+// bench/RESULTS.md), with the 64-column up tile for at most
+// fp8FewAssignments assignments. The w8a16 tile changes no result; the w8a8
+// tiles quantize the activations.
 func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
 	m := rowsPerExpert(T, K, E)
 	switch {
-	case w8 && m >= w8a8LargeRows:
+	case w8 && m > w8a8LargeRows:
 		return fp8Pair{w8: true, w8up: w8a8Up, w8down: w8a8Down}
 	case w8 && m > w8a8TransRows:
-		return fp8Pair{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown}
+		return fp8Pair{w8: true, w8up: w8a8PlainSmallUp, w8down: w8a8PlainSmallDown}
 	case w8 && m >= w8a8MinRows:
 		return fp8Pair{w8: true, w8up: w8a8T32Up, w8down: w8a8T32Down}
 	case m > 16:

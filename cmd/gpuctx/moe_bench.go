@@ -343,8 +343,8 @@ func checkMoeBenchFlags(changed func(string) bool, o *moeBenchOpts) error {
 }
 
 // fp8FusedCheckTol is moe bench's output check tolerance for --dtype fp8:
-// where the tuner picks them (17 rows per touched expert or more) single
-// and dual run the w8a8 tiles
+// where the tuner picks them (at any batch size: the transposed pairs are
+// timed from one row per touched expert) single and dual run the w8a8 tiles
 // (activations in E4M3: 2.5-5.6% from the w8a16 result on random layers,
 // moe's TestLayerFP8W8A8), while fused (and auto, which runs it up to 16
 // tokens) keeps the w8a16 tiles for the shared expert's chunks, and a chunk
