@@ -203,6 +203,14 @@ type LayerOptions struct {
 	// BF16 and sizes the tiles take, and refuses NoFused, SmallBatchTokens > 0
 	// and Tile (checkFP8).
 	FP8 bool
+	// FP8WeightOnly, with FP8, runs the routed experts in the w8a16 tiles
+	// only (bf16 activations) at every batch size: never the w8a8 tiles, which
+	// quantize the activations to E4M3 (their results lie 2-5% from the
+	// float64 reference on the dequantized weights, the w8a16 tiles' within
+	// about 1e-2). Slower where the w8a8 tiles win (on the H200, from about
+	// 8 rows per touched expert; bench/RESULTS.md). Without FP8 it is an
+	// error.
+	FP8WeightOnly bool
 	// Tokens, if set, are the batch sizes the caller expects to run: on CUDA
 	// the fused tiles they will run or time (by the forced tile, the rule, the
 	// tuning cache or tune's candidates) are compiled while the layer loads,
@@ -278,6 +286,9 @@ func checkLayerOptions(dev *gpuctx.Device, cfg *Config, o LayerOptions) error {
 	if o.Stream != nil && o.Stream.Device() != dev {
 		return fmt.Errorf("LayerOptions.Stream belongs to another device: %w", gpuctx.ErrWrongDevice)
 	}
+	if o.FP8WeightOnly && !o.FP8 {
+		return fmt.Errorf("LayerOptions.FP8WeightOnly needs FP8 (it picks the FP8 experts' tiles): %w", gpuctx.ErrInvalid)
+	}
 	if o.FP8 {
 		return checkFP8(cfg, o)
 	}
@@ -325,7 +336,7 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 	l.tuner.tiles, l.tuner.fp8, l.tuner.autoModes = map[tileKey]tilePair{}, map[tileKey]fp8Pair{}, map[int]Mode{}
 	if !o.NoAutotune && l.tuner.forceTile == nil {
 		l.dt = o.DType // the key's dtype, before init sets it
-		l.tuner.cache = newTuneCache(tuneCacheDir(tuneGetenv), tuneKeyText(dev, l, o.FP8))
+		l.tuner.cache = newTuneCache(tuneCacheDir(tuneGetenv), tuneKeyText(dev, l, fp8FormOf(o)))
 	}
 	tokens := o.Tokens
 	if o.FP8 {
@@ -343,7 +354,7 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 
 // init builds the stages and the tuner's events, and checks a forced tile.
 func (l *Layer) init(dev *gpuctx.Device, cfg *Config, o LayerOptions, src weightSource) error {
-	err := l.core.init(dev, cfg, coreSpec{dt: o.DType, stream: o.Stream, hi: cfg.NumExperts, ns: l.ns, fp8: o.FP8}, src)
+	err := l.core.init(dev, cfg, coreSpec{dt: o.DType, stream: o.Stream, hi: cfg.NumExperts, ns: l.ns, fp8: o.FP8, w16only: o.FP8WeightOnly}, src)
 	l.onGrow = l.gc.drop
 	if err != nil {
 		return err

@@ -419,10 +419,11 @@ func copyAt(dst *gpuctx.Buffer, off int, b []byte) error {
 
 // loadKernels looks up (on CUDA: compiles moe_fp8_mma.cu) the kernels of
 // every w8a16 tile (moekernels.FP8Gemms: the rule's and the tuner's), so
-// that a device that cannot run them fails at load; and on a CUDA device of
-// compute capability 9.0 or the CPU backend the quantizer and the w8a8 tiles
-// of w8a8Pairs (moe_w8a8.cu), setting q.w8.
-func (q *fp8Experts) loadKernels(dev *gpuctx.Device) error {
+// that a device that cannot run them fails at load; and, unless w16only
+// (LayerOptions.FP8WeightOnly), on a CUDA device of compute capability 9.0
+// or the CPU backend the quantizer and the w8a8 tiles of w8a8Pairs
+// (moe_w8a8.cu), setting q.w8.
+func (q *fp8Experts) loadKernels(dev *gpuctx.Device, w16only bool) error {
 	q.kUp = map[moekernels.FP8Gemm]moekernels.Launcher[moekernels.FP8Up]{}
 	q.kDown = map[moekernels.FP8Gemm]moekernels.Launcher[moekernels.FP8Down]{}
 	for _, c := range moekernels.FP8Gemms {
@@ -437,7 +438,7 @@ func (q *fp8Experts) loadKernels(dev *gpuctx.Device) error {
 		q.kUp[c], q.kDown[c] = up, down
 	}
 	info := dev.Info()
-	if dev.Backend() != "cpu" && (dev.Backend() != "cuda" || info.ComputeMajor != 9 || info.ComputeMinor != 0) {
+	if w16only || dev.Backend() != "cpu" && (dev.Backend() != "cuda" || info.ComputeMajor != 9 || info.ComputeMinor != 0) {
 		return nil
 	}
 	var err error

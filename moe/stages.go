@@ -53,6 +53,8 @@ type coreSpec struct {
 	lo, hi int
 	ns     int
 	fp8    bool // the routed experts in FP8 (fp8Experts)
+	// w16only: the FP8 experts load no w8a8 tiles (LayerOptions.FP8WeightOnly).
+	w16only bool
 }
 
 // init makes the streams, Contexts and events, looks up the stages' kernels
@@ -72,7 +74,7 @@ func (c *core) init(dev *gpuctx.Device, cfg *Config, sp coreSpec, src weightSour
 	}
 	if sp.fp8 {
 		c.experts.q = &fp8Experts{}
-		if err := c.experts.q.loadKernels(dev); err != nil {
+		if err := c.experts.q.loadKernels(dev, sp.w16only); err != nil {
 			return err
 		}
 	}

@@ -148,23 +148,47 @@ func (id tuneIdent) key() string {
 // layerShape describes what of layer l the tiles and Auto's mode depend on:
 // the config's dimensions and routing, the dtype, the fused shared chunks,
 // the small-batch limit and whether the fused path is on; for a layer with
-// FP8 experts (fp8), "fp8" and the FP8 kernel sources, so that an FP8 layer
-// never shares an entry with the bf16 layer of its shape (whose key, and old
-// entries, stay as they were).
-func layerShape(l *Layer, fp8 bool) string {
+// FP8 experts, "fp8" and the FP8 kernel sources, so that an FP8 layer never
+// shares an entry with the bf16 layer of its shape (whose key, and old
+// entries, stay as they were), and for a weight-only one "w8a16 only" (its
+// choices never name w8a8 tiles, which it does not load).
+func layerShape(l *Layer, fp8 fp8Form) string {
 	c := &l.cfg
 	s := fmt.Sprintf("H %d E %d K %d I %d shared %d gate %v scoring %v method %v groups %d/%d|dtype %v ns %d small %d fused %v",
 		c.HiddenSize, c.NumExperts, c.TopK, c.Intermediate, c.SharedIntermediate, c.SharedGate, c.Scoring, c.TopKMethod,
 		c.NumGroups, c.TopKGroups, l.dt, l.ns, l.small, l.fusedOK)
-	if fp8 {
+	if fp8 != noFP8 {
 		s += "|fp8 sources " + fp8SourcesHash()
+	}
+	if fp8 == fp8WeightOnly {
+		s += "|w8a16 only"
 	}
 	return s
 }
 
-// tuneKeyText is the key of the tuning of layer l on dev (fp8: its routed
-// experts are FP8).
-func tuneKeyText(dev *gpuctx.Device, l *Layer, fp8 bool) string {
+// fp8Form is how a layer's routed experts are held and run.
+type fp8Form int
+
+const (
+	noFP8         fp8Form = iota // the layer's dtype
+	fp8Any                       // FP8: the w8a16 tiles, and the w8a8 ones where the device has them
+	fp8WeightOnly                // FP8, the w8a16 tiles only (LayerOptions.FP8WeightOnly)
+)
+
+// fp8FormOf is o's fp8Form.
+func fp8FormOf(o LayerOptions) fp8Form {
+	switch {
+	case o.FP8 && o.FP8WeightOnly:
+		return fp8WeightOnly
+	case o.FP8:
+		return fp8Any
+	}
+	return noFP8
+}
+
+// tuneKeyText is the key of the tuning of layer l on dev, whose routed
+// experts are held as fp8 says.
+func tuneKeyText(dev *gpuctx.Device, l *Layer, fp8 fp8Form) string {
 	return tuneIdent{backend: dev.Backend(), dev: dev.Info(), sources: kernelSourcesHash(), shape: layerShape(l, fp8)}.key()
 }
 

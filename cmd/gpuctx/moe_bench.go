@@ -57,6 +57,7 @@ type moeBenchOpts struct {
 	peer, python  string // --peer script, --peer-python
 	rounds, sets  int
 	weights       string // --weights: uniform, normal or "" (by --peer)
+	fp8WeightOnly bool
 }
 
 // The report types live in package bench.
@@ -171,6 +172,7 @@ func newMoeBenchCmd(a *app) *cobra.Command {
 	f.IntVar(&o.sets, "sets", 0, "weight and input sets rotated between forwards (a Layer each); 0: the peer's number (3; 2 for deepseek-v3), 1 on the CPU backend")
 	f.StringVar(&o.weights, "weights", "", "random weight distribution: uniform (U(±1/sqrt(fan_in)), bias U(±0.05)) or normal (N(0, 0.02²), the peer's); default normal with --peer, else uniform")
 	f.StringVar(&o.python, "peer-python", "python3", "the Python interpreter that runs --peer")
+	f.BoolVar(&o.fp8WeightOnly, "fp8-weight-only", false, fp8WeightOnlyHelp)
 	f.IntVar(&o.smallBatch, "small-batch", 0, fmt.Sprintf("batches of at most this many tokens use the small-batch expert kernels (no host wait); 0: none for bf16 layers (the fused path is faster), %d for f32, -1: never", moe.DefaultSmallBatchTokens))
 	return cmd
 }
@@ -392,6 +394,8 @@ func (a *app) planMoeBench(cmd *cobra.Command, o *moeBenchOpts) (*moeBenchPlan, 
 		if err := checkFP8BenchFlags(o); err != nil {
 			return nil, err
 		}
+	} else if o.fp8WeightOnly {
+		return nil, fail("--fp8-weight-only without --dtype fp8", "it picks the FP8 experts' tiles: add --dtype fp8, or drop it", nil)
 	}
 	if o.model == "" {
 		if p.cfg, err = moe.Preset(o.preset); err != nil {
@@ -471,6 +475,9 @@ func newMoeReport(cmd *cobra.Command, o *moeBenchOpts, dev *gpuctx.Device, p *mo
 	rep := &moeBenchReport{Backend: dev.Backend(), Device: dev.Info().Name, DType: layerDTypeName(p.dt, p.fp8),
 		Date: time.Now().UTC().Format("2006-01-02 15:04 UTC"), Commit: commit(), Command: commandLine(cmd),
 		Seed: o.seed, Iters: o.iters, Warmup: o.warmup, Sets: o.sets, Rounds: o.rounds, Notes: []string{}}
+	if o.fp8WeightOnly {
+		rep.Notes = append(rep.Notes, "--fp8-weight-only: the routed experts ran the w8a16 tiles only (bf16 activations, never quantized to FP8)")
+	}
 	for _, m := range p.modes {
 		rep.Modes = append(rep.Modes, m.String())
 	}
@@ -599,7 +606,7 @@ func (a *app) benchOptions(dev *gpuctx.Device, o *moeBenchOpts, p *moeBenchPlan,
 	bo := bench.MoEOptions{Config: cfg, Weights: weights, Modes: p.modes, Tokens: tokens, Iters: o.iters, Warmup: o.warmup,
 		Sets: o.sets, Seed: o.seed, CopyBytes: copyBytesCUDA, GemmN: gemmNCUDA, GemmPerRound: 5, CheckTol: benchCheckTol(p.dt, p.fp8),
 		Layer: moe.LayerOptions{DType: p.dt, Mode: p.modes[0], AutoThreshold: moe.DefaultAutoThreshold, SmallBatchTokens: o.smallBatch,
-			NoGraphs: o.noGraphs, NoFused: o.noFused, Tile: o.tile, Tokens: tokens, FP8: p.fp8}}
+			NoGraphs: o.noGraphs, NoFused: o.noFused, Tile: o.tile, Tokens: tokens, FP8: p.fp8, FP8WeightOnly: o.fp8WeightOnly}}
 	if dev.Backend() == "cpu" {
 		bo.CopyBytes, bo.GemmN, bo.GemmPerRound = copyBytesCPU, gemmNCPU, 1
 	}

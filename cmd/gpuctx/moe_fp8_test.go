@@ -190,6 +190,9 @@ func TestMoeFP8Failures(t *testing.T) {
 		{"run dtype", []string{"moe", "run", "--model", fixture, "--input", in, "--output", filepath.Join(dir, "y.safetensors"), "--dtype", "fp4"},
 			[]string{`--dtype "fp4" is not supported`, "fp8"}},
 		{"init dtype", []string{"moe", "init", "--dir", dir, "--dtype", "e5m2"}, []string{`--dtype "e5m2"`, "fp8"}},
+		{"bench weight-only bf16", []string{"moe", "bench", "--fp8-weight-only", "--tokens", "1"}, []string{"--fp8-weight-only without --dtype fp8", "add --dtype fp8"}},
+		{"run weight-only f32", []string{"moe", "run", "--model", fixture, "--input", in, "--output", filepath.Join(dir, "y.safetensors"), "--fp8-weight-only"},
+			[]string{"--fp8-weight-only without --dtype fp8"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			code, stdout, stderr := execute(t, c.args...)
@@ -206,6 +209,22 @@ func TestHasFP8MMA(t *testing.T) {
 	}{{0, 0, false}, {7, 5, false}, {8, 0, false}, {8, 6, false}, {8, 9, true}, {9, 0, true}, {10, 0, true}, {12, 0, true}} {
 		if got := hasFP8MMA(c.major, c.minor); got != c.want {
 			t.Errorf("hasFP8MMA(%d, %d) = %v, want %v", c.major, c.minor, got, c.want)
+		}
+	}
+}
+
+// TestMoeFP8BenchWeightOnly times a preset with --dtype fp8
+// --fp8-weight-only on the CPU backend: the report says the activations
+// stayed bf16 (moe's TestLayerFP8WeightOnly checks that no w8a8 tile runs).
+func TestMoeFP8BenchWeightOnly(t *testing.T) {
+	t.Setenv(gpuctx.BackendEnv, "cpu")
+	code, stdout, stderr := execute(t, "moe", "bench", "--preset", "qwen3-30b-a3b", "--tokens", "64", "--iters", "1", "--warmup", "0", "--dtype", "fp8", "--fp8-weight-only", "--mode", "single")
+	if code != 0 {
+		t.Fatalf("exit code %d, stderr %q", code, stderr)
+	}
+	for _, w := range []string{"dtype fp8", "--fp8-weight-only: the routed experts ran the w8a16 tiles only", "passed"} {
+		if !strings.Contains(stdout, w) {
+			t.Errorf("output lacks %q:\n%s", w, stdout)
 		}
 	}
 }
