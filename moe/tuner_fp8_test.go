@@ -399,8 +399,8 @@ func TestLayerFP8TuneCache(t *testing.T) {
 	}
 }
 
-// TestLayerFP8WeightOnly checks LayerOptions.FP8WeightOnly on the CPU
-// backend, whose twins stand in for every FP8 tile: without FP8 it is
+// TestLayerFP8WeightOnly checks LayerOptions.FP8WeightOnly on every backend
+// (the CPU backend's twins stand in for every FP8 tile): without FP8 it is
 // refused; with it the layer loads no w8a8 tiles, the tuner times no w8a8
 // chain even when one is made the cheapest, the rule keeps w8a16 where it
 // would run w8a8, a forward launches w8a16 kernels only, and the result is
@@ -409,10 +409,6 @@ func TestLayerFP8TuneCache(t *testing.T) {
 func TestLayerFP8WeightOnly(t *testing.T) {
 	cfg := fp8Configs()["deepseek_v3"]
 	w := mustRandomWeights(t, cfg, 23)
-	dev := layerBackends(t)[0].dev
-	if _, err := NewLayer(dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8WeightOnly: true}); !errors.Is(err, gpuctx.ErrInvalid) || !strings.Contains(err.Error(), "FP8WeightOnly needs FP8") {
-		t.Fatalf("FP8WeightOnly without FP8: %v, want ErrInvalid naming the option", err)
-	}
 	const T = 40 // 15 rows per touched expert: w8a8 by rule for an FP8 layer
 	if !fp8Tiles(T, cfg.TopK, cfg.NumExperts, true).w8 {
 		t.Fatalf("the rule runs w8a16 at %d tokens anyway: the test would not tell", T)
@@ -423,45 +419,53 @@ func TestLayerFP8WeightOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	timings := tuneFP8Anywhere(t, favour(w8a8Pairs[3]))
-	for _, tuned := range []bool{true, false} {
-		l, err := NewLayer(dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, FP8WeightOnly: true, NoAutotune: !tuned, NoGraphs: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer l.Close()
-		if l.experts.q.w8 {
-			t.Fatalf("tuned %v: the weight-only layer loaded the w8a8 tiles", tuned)
-		}
-		n0 := timings.Load()
-		got, err := l.Forward(x, T) // tunes the bucket where the layer autotunes
-		if err != nil {
-			t.Fatal(err)
-		}
-		if tuned {
-			lines := l.TileChoices()
-			if timings.Load() == n0 || len(lines) != 1 || strings.Contains(lines[0], "w8a8") {
-				t.Errorf("tuned: %d timings, TileChoices %q: want one tuned line without w8a8", timings.Load()-n0, lines)
+	for _, b := range layerBackends(t) {
+		t.Run(b.name, func(t *testing.T) {
+			dev := b.dev
+			if _, err := NewLayer(dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8WeightOnly: true}); !errors.Is(err, gpuctx.ErrInvalid) || !strings.Contains(err.Error(), "FP8WeightOnly needs FP8") {
+				t.Fatalf("FP8WeightOnly without FP8: %v, want ErrInvalid naming the option", err)
 			}
-		}
-		names, _ := fp8KernelNames(t, l, x, T, Single)
-		for _, name := range names {
-			if strings.HasPrefix(name, "gpuctx_moe_w8a8_") {
-				t.Errorf("tuned %v: launched %s", tuned, name)
+			for _, tuned := range []bool{true, false} {
+				l, err := NewLayer(dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, FP8WeightOnly: true, NoAutotune: !tuned, NoGraphs: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				if l.experts.q.w8 {
+					t.Fatalf("tuned %v: the weight-only layer loaded the w8a8 tiles", tuned)
+				}
+				n0 := timings.Load()
+				got, err := l.Forward(x, T) // tunes the bucket where the layer autotunes
+				if err != nil {
+					t.Fatal(err)
+				}
+				if tuned {
+					lines := l.TileChoices()
+					if timings.Load() == n0 || len(lines) != 1 || strings.Contains(lines[0], "w8a8") {
+						t.Errorf("tuned: %d timings, TileChoices %q: want one tuned line without w8a8", timings.Load()-n0, lines)
+					}
+				}
+				names, _ := fp8KernelNames(t, l, x, T, Single)
+				for _, name := range names {
+					if strings.HasPrefix(name, "gpuctx_moe_w8a8_") {
+						t.Errorf("tuned %v: launched %s", tuned, name)
+					}
+				}
+				if len(names) != 2 {
+					t.Errorf("tuned %v: FP8 kernels %v, want a w8a16 up and down", tuned, names)
+				}
+				if rel := relErr(got, want); !(rel <= 1e-2) {
+					t.Errorf("tuned %v: relative error %.3g against the reference on the dequantized weights, want <= 1e-2", tuned, rel)
+				}
 			}
-		}
-		if len(names) != 2 {
-			t.Errorf("tuned %v: FP8 kernels %v, want a w8a16 up and down", tuned, names)
-		}
-		if rel := relErr(got, want); !(rel <= 1e-2) {
-			t.Errorf("tuned %v: relative error %.3g against the reference on the dequantized weights, want <= 1e-2", tuned, rel)
-		}
-	}
-	l, err := NewLayer(dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoAutotune: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	if kw, k8 := tuneKeyText(dev, l, fp8WeightOnly), tuneKeyText(dev, l, fp8Any); kw == k8 || !strings.HasPrefix(kw, k8) {
-		t.Errorf("weight-only key %q, FP8 key %q: want the FP8 key and more", kw, k8)
+			l, err := NewLayer(dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoAutotune: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			if kw, k8 := tuneKeyText(dev, l, fp8WeightOnly), tuneKeyText(dev, l, fp8Any); kw == k8 || !strings.HasPrefix(kw, k8) {
+				t.Errorf("weight-only key %q, FP8 key %q: want the FP8 key and more", kw, k8)
+			}
+		})
 	}
 }
