@@ -17,11 +17,14 @@ import (
 // tiles run:
 //
 //   - w8a16 (moe_fp8_mma.cu, moekernels.FP8Gemm): bf16 activations, the codes
-//     converted in registers (mma.sync); the bytes-bound batches.
+//     converted in registers (mma.sync); the rule's tiles below w8a8MinRows
+//     rows per touched expert.
 //   - w8a8 (moe_w8a8.cu, moekernels.W8A8Gemm; compute capability 9.0, and the
 //     CPU backend's twins): x and act quantized per token per 128 columns
 //     (gpuctx_moe_fp8_quant) into the expert stage's xq/xs and aq/as, E4M3 x
-//     E4M3 wgmma; the compute-bound batches.
+//     E4M3 wgmma: transposed tiles for a few rows per expert (bytes-bound),
+//     64- and 128-row tiles for the compute-bound batches. Not loaded for
+//     LayerOptions.FP8WeightOnly.
 //
 // Which tiles a batch runs is timed per token bucket where the layer
 // autotunes (tuneFP8), else picked by a rule (fp8Tiles).
