@@ -327,20 +327,13 @@ static __device__ __forceinline__ void moe_w8(const unsigned char* __restrict__ 
     float acc[NW / 2], blk[NW / 2];
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[i] = blk[i] = 0.0f;
-    // Block kb+1's row scales are loaded after block kb's proxy fence, which
-    // waits for this thread's loads in flight (moe_w8p says why).
-    float na0 = arow[0] ? __ldg(arow[0]) : 0.0f;
-    float na1 = arow[1] ? __ldg(arow[1]) : 0.0f;
     for (int kb = 0; kb < KB; ++kb) {
-        const float sa0 = na0, sa1 = na1;
+        const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
+        const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
         w8_cpwait<STAGES - 2>();
         // cp.async wrote through the generic proxy; wgmma reads through the
         // async proxy.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        if (kb + 1 < KB) {
-            na0 = arow[0] ? __ldg(arow[0] + kb + 1) : 0.0f;
-            na1 = arow[1] ? __ldg(arow[1] + kb + 1) : 0.0f;
-        }
         __syncthreads();
         // Every warpgroup finished stage kb-1 (wgmma.wait_group 0 before the
         // barrier): refill its buffer while this stage multiplies.
@@ -591,26 +584,14 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
         const float* su = S + ((long long)(e * NB + NB - 1) * NBR + n0 / W8_BK) * KB;
 #pragma unroll
         for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
-        // The scales of block kb+1 are loaded after block kb's proxy fence:
-        // the fence (MEMBAR.ALL.CTA in SASS) waits for this thread's loads in
-        // flight, so loads issued before it put an L2 round trip into every
-        // stage (ncu, H200, session 15: the 128-row tiles at 2.4k cycles a
-        // stage for 512 of wgmma). Block 0's are loaded here.
-        float na0 = arow[0] ? __ldg(arow[0]) : 0.0f;
-        float na1 = arow[1] ? __ldg(arow[1]) : 0.0f;
-        float nbg = __ldg(sg), nbu = __ldg(su);
         for (int kb = 0; kb < KB; ++kb) {
-            const float sa0 = na0, sa1 = na1, sbg = nbg, sbu = nbu;
+            const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
+            const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
+            const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
             w8p_wait(full0 + 8u * slot, ph);
             // The stage's cp.async writes went through the generic proxy;
             // wgmma reads through the async proxy.
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            if (kb + 1 < KB) {
-                na0 = arow[0] ? __ldg(arow[0] + kb + 1) : 0.0f;
-                na1 = arow[1] ? __ldg(arow[1] + kb + 1) : 0.0f;
-                nbg = __ldg(sg + kb + 1);
-                nbu = __ldg(su + kb + 1);
-            }
             const unsigned st = sbase + (unsigned)slot * ST_BYTES;
             const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
             w8_fence();
