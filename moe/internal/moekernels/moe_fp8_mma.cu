@@ -133,8 +133,10 @@ static __device__ __forceinline__ float fp8_exp(float v) {
     p = __fadd_rn(__fmul_rn(p, r), 0.5f);
     p = __fadd_rn(__fmul_rn(p, r), 1.0f);
     p = __fadd_rn(__fmul_rn(p, r), 1.0f);
-    if (v != v) return v;
-    return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+    // NaN stays NaN by a select, not a branch, so that the exponentials of
+    // an epilogue's columns can overlap (a NaN v makes n NaN and (int)n 0).
+    const float e = __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+    return v != v ? v : e;
 }
 
 // fp8_swiglu is silu(g) * u = g / (1 + exp(-g)) * u, each operation rounded.
@@ -337,7 +339,18 @@ static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[
     f8_wait<0>();
 
     // Epilogue: register v of (mt, rg) is weight row (output column) 16*mt +
-    // g + 8*(v/2) of the warp's columns and token row 8*rg + 2c + v%2.
+    // g + 8*(v/2) of the warp's columns and token row 8*rg + 2c + v%2. UP
+    // computes every 1 + exp(-g) first, then the divisions (w8_store_half of
+    // moe_w8a8.cu says why; the same bits).
+    float tg[UP ? MW : 1][UP ? RG : 1][4];
+    if (UP) {
+#pragma unroll
+        for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+            for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) tg[mt][rg][v] = __fadd_rn(1.0f, fp8_exp(-moe_round(acc[0][mt][rg][v])));
+    }
 #pragma unroll
     for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
@@ -353,7 +366,7 @@ static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[
                 unsigned short o;
                 if (UP) {
                     const float g = moe_round(acc[0][mt][rg][v]), u = moe_round(acc[NB - 1][mt][rg][v]);
-                    o = zero ? 0 : moe_f2bf(fp8_swiglu(g, u));
+                    o = zero ? 0 : moe_f2bf(__fmul_rn(__fdiv_rn(g, tg[mt][rg][v]), u));  // fp8_swiglu(g, u)
                 } else {
                     o = moe_f2bf(acc[0][mt][rg][v]);
                 }
@@ -490,7 +503,17 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     }
     f8_wait<0>();
 
-    // Epilogue: the thread holds rows g and g+8 of each 16x8 tile, columns 2c, 2c+1.
+    // Epilogue: the thread holds rows g and g+8 of each 16x8 tile, columns 2c,
+    // 2c+1; UP computes every 1 + exp(-g) first, then the divisions.
+    float tg[UP ? MT : 1][UP ? NT : 1][4];
+    if (UP) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) tg[i][t][v] = __fadd_rn(1.0f, fp8_exp(-moe_round(acc[0][i][t][v])));
+    }
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
 #pragma unroll
@@ -507,8 +530,8 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
                 if (UP) {
                     const float g0 = moe_round(acc[0][i][t][hr * 2]), g1 = moe_round(acc[0][i][t][hr * 2 + 1]);
                     const float u0 = moe_round(acc[NB - 1][i][t][hr * 2]), u1 = moe_round(acc[NB - 1][i][t][hr * 2 + 1]);
-                    v0 = zero ? 0 : moe_f2bf(fp8_swiglu(g0, u0));
-                    v1 = zero ? 0 : moe_f2bf(fp8_swiglu(g1, u1));
+                    v0 = zero ? 0 : moe_f2bf(__fmul_rn(__fdiv_rn(g0, tg[i][t][hr * 2]), u0));  // fp8_swiglu
+                    v1 = zero ? 0 : moe_f2bf(__fmul_rn(__fdiv_rn(g1, tg[i][t][hr * 2 + 1]), u1));
                 } else {
                     v0 = moe_f2bf(acc[0][i][t][hr * 2]);
                     v1 = moe_f2bf(acc[0][i][t][hr * 2 + 1]);

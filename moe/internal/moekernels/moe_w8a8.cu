@@ -195,24 +195,52 @@ extern __shared__ __align__(1024) unsigned char w8_dyn[];
 // w8_store_half stores row half hr of this thread's accumulators d to row dst
 // of C (moe_wgmma.cu's wg_store_half with the w8a16 epilogue: fp8_swiglu of
 // the bf16-rounded gate and up sums for UP, or zeros for a padding row).
+// UP computes every column's 1 + exp(-g) first, then the divisions: the
+// exponentials are branch-free and independent, so they overlap, where one
+// fp8_swiglu after another ran as a chain of dependent steps split by the
+// division's slow-path branch (the same operations in the same order per
+// column: the same bits).
 template <int BN, bool UP>
 static __device__ __forceinline__ void w8_store_half(const float* d, int hr, int dst, bool zero,
                                                      unsigned short* __restrict__ C, int N, int n0, int lane) {
+    unsigned short* row = C + (long long)dst * N;
+    if (UP && zero) {  // a padding row: zeros, nothing to compute
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int n = n0 + j * 8 + (lane & 3) * 2;
+            if (n < N) *(unsigned*)(row + n) = 0u;
+        }
+        return;
+    }
+    if (UP) {
+        float g[BN / 8][2], t[BN / 8][2];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                g[j][v] = moe_round(d[4 * j + 2 * hr + v]);
+                t[j][v] = __fadd_rn(1.0f, fp8_exp(-g[j][v]));
+            }
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int n = n0 + j * 8 + (lane & 3) * 2;
+            if (n >= N) continue;
+            unsigned short o[2];
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                const float u = moe_round(d[4 * (BN / 8 + j) + 2 * hr + v]);
+                o[v] = moe_f2bf(__fmul_rn(__fdiv_rn(g[j][v], t[j][v]), u));  // fp8_swiglu(g, u)
+            }
+            *(unsigned*)(row + n) = (unsigned)o[0] | ((unsigned)o[1] << 16);
+        }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const int n = n0 + j * 8 + (lane & 3) * 2;
         if (n >= N) continue;
-        unsigned short v0, v1;
-        if (UP) {
-            const float g0 = moe_round(d[4 * j + 2 * hr]), g1 = moe_round(d[4 * j + 2 * hr + 1]);
-            const float u0 = moe_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = moe_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
-            v0 = zero ? 0 : moe_f2bf(fp8_swiglu(g0, u0));
-            v1 = zero ? 0 : moe_f2bf(fp8_swiglu(g1, u1));
-        } else {
-            v0 = moe_f2bf(d[4 * j + 2 * hr]);
-            v1 = moe_f2bf(d[4 * j + 2 * hr + 1]);
-        }
-        *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
+        const unsigned short v0 = moe_f2bf(d[4 * j + 2 * hr]), v1 = moe_f2bf(d[4 * j + 2 * hr + 1]);
+        *(unsigned*)(row + n) = (unsigned)v0 | ((unsigned)v1 << 16);
     }
 }
 
@@ -785,7 +813,13 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
     }
     w8_cpwait<0>();
 
-    // Epilogue: column n of tile row (token) r, as moe_w8's w8_store_half.
+    // Epilogue: column n of tile row (token) r, as moe_w8's w8_store_half
+    // (UP: every 1 + exp(-g) first, then the divisions).
+    float tg[UP ? BM / 2 : 1];
+    if (UP) {
+#pragma unroll
+        for (int i = 0; i < BM / 2; ++i) tg[i] = __fadd_rn(1.0f, fp8_exp(-moe_round(acc[0][i])));
+    }
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
         const int n = n0 + grp * 64 + w * 16 + (lane >> 2) + 8 * hr;
@@ -800,7 +834,7 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
                 unsigned short o;
                 if (UP) {
                     const float g = moe_round(acc[0][i]), u = moe_round(acc[NB - 1][i]);
-                    o = row_src[r] < 0 ? 0 : moe_f2bf(fp8_swiglu(g, u));
+                    o = row_src[r] < 0 ? 0 : moe_f2bf(__fmul_rn(__fdiv_rn(g, tg[i]), u));  // fp8_swiglu(g, u)
                 } else {
                     o = moe_f2bf(acc[0][i]);
                 }
