@@ -322,7 +322,11 @@ func newFP8BenchBatch(b testing.TB, d *device, E, H, I, K, T int) *fp8BenchBatch
 			upload(b, d, asBytes([]int32{npost})), cp}
 		maxCap = max(maxCap, cp)
 	}
-	bb.x = upload(b, d, make([]byte, 2*T*H))
+	// Random activations, not zeros: zeros would make every gate sum 0, which
+	// sends each SwiGLU division of the up epilogues down the divider's slow
+	// path, and leave the w8a8 quantizer and tensor cores nothing to do
+	// (sessions 10-14 timed these kernels on zero activations).
+	bb.x = fp8Fill(b, d, fp8Pattern(b, d, "bf16"), 2*T*H)
 	bb.act = upload(b, d, make([]byte, 2*maxCap*I))
 	bb.out = upload(b, d, make([]byte, 2*bb.TK*H))
 	return bb
