@@ -114,6 +114,14 @@ var (
 	// DeepSeek-V2-Lite 256 tokens 371.0 against the m64 wgmma pair's 255.4).
 	// Likely cause, not checked in the SASS: sm_90 runs FP8 on its tensor
 	// cores through wgmma only, so mma.sync e4m3 pays conversions as well.
+	// Tried and dropped (session 15): four producer warps instead of two (up
+	// 698.5 vs 709.4 us, down 245.7 vs 246.8 at DeepSeek-V2-Lite 4096: the
+	// producers are not the limit), and each K block's scales loaded a block
+	// ahead, after the proxy fence (commit 8d4395f, reverted: 735.5 + 255.9
+	// us, no faster). What paid: the up epilogue's exponentials first, then
+	// its divisions (moe_w8a8.cu's w8_store_half). On random activations the
+	// persistent up tile spends 31% of its warps' stall samples in that
+	// epilogue, while the tensor cores idle (ncu, 4096 tokens: 527.7 us).
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
