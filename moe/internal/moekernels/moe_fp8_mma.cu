@@ -139,10 +139,13 @@ static __device__ __forceinline__ float fp8_exp(float v) {
     return v != v ? v : e;
 }
 
-// fp8_swiglu is silu(g) * u = g / (1 + exp(-g)) * u, each operation rounded.
-static __device__ __forceinline__ float fp8_swiglu(float g, float u) {
-    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, fp8_exp(-g))), u);
-}
+// fp8_swiglu(g, u), the SwiGLU of every FP8 up epilogue (the Go twin's
+// fp8SwiGLU): silu(g) * u = g / (1 + exp(-g)) * u, each operation rounded,
+// __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, fp8_exp(-g))), u). The epilogues
+// write it out in two passes, every column's __fadd_rn(1.0f, fp8_exp(-g))
+// first, then the divisions, so that the exponentials of a thread's columns
+// overlap instead of running one after another (w8_store_half of
+// moe_w8a8.cu); it is not a function of its own.
 
 extern __shared__ __align__(128) unsigned char f8_dyn[];
 

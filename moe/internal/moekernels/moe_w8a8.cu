@@ -1,7 +1,7 @@
 // FP8 x FP8 (w8a8) grouped expert GEMMs for the compute-bound batches, on
 // Hopper's warpgroup tensor-core instructions (wgmma.mma_async e4m3.e4m3,
 // sm_90a only), and the per-token-group activation quantizer they read.
-// Compiled as one unit after moe_tile.cuh and moe_fp8_mma.cu (for fp8_swiglu);
+// Compiled as one unit after moe_tile.cuh and moe_fp8_mma.cu (for fp8_exp);
 // the extern "C" instances and the wgmma wrappers are generated from
 // moekernels.W8A8Gemms and appended when the file is loaded.
 //

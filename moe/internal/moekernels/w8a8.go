@@ -243,7 +243,7 @@ func (c W8A8Gemm) mmaWidth() int {
 }
 
 // W8A8Source returns moe_w8a8.cu as it is compiled: the grid-dependency
-// macros, moe_tile.cuh, moe_fp8_mma.cu's helpers and templates (fp8_swiglu,
+// macros, moe_tile.cuh, moe_fp8_mma.cu's helpers and templates (fp8_exp,
 // FP8_MAX_KB; none of its instances), the file, then the wgmma wrappers and
 // the extern "C" instances of every tile of W8A8Gemms.
 func W8A8Source() string {
