@@ -29,17 +29,25 @@ func tuneFP8Anywhere(t *testing.T, times func(what string, d time.Duration) time
 
 // favour returns a tuneTimes that makes the kernels of pair tp the cheapest
 // (1 ns each) and every other launch 1 ms: tune must pick tp where it times
-// it.
+// it. A w8a8 chain counts as one launch; a w8a16 pair timed as a chain
+// ("w8a16 up/down") costs what its two kernels cost apart.
 func favour(tp fp8Pair) func(string, time.Duration) time.Duration {
 	cheap := []string{"up " + tp.up.Tag(), "down " + tp.down.Tag()}
 	if tp.w8 {
 		cheap = []string{tp.tags()}
 	}
-	return func(what string, _ time.Duration) time.Duration {
+	cost := func(what string) time.Duration {
 		if slices.Contains(cheap, what) {
 			return time.Nanosecond
 		}
 		return time.Millisecond
+	}
+	return func(what string, _ time.Duration) time.Duration {
+		if pair, ok := strings.CutPrefix(what, "w8a16 "); ok {
+			up, down, _ := strings.Cut(pair, "/")
+			return cost("up "+up) + cost("down "+down)
+		}
+		return cost(what)
 	}
 }
 
@@ -151,6 +159,52 @@ func TestLayerFP8Tune(t *testing.T) {
 	}
 }
 
+// TestLayerFP8TuneW8A16Chain: where the w8a8 chains are timed, the tuner
+// compares them with the w8a16 pair timed as a chain too (up then down, as
+// the forward queues them), not with the sum of its kernels timed apart.
+// With the kernels apart cheaper than the t16 chain (40 + 40 against 90 us)
+// but the w8a16 chain dearer (100 us), it keeps t16, and its line lists
+// the w8a16 chain beside the w8a8 ones.
+func TestLayerFP8TuneW8A16Chain(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the CPU twins of every FP8 tile under the race detector: go test runs it")
+	}
+	cfg := fp8Configs()["deepseek_v3"]
+	w, err := RandomWeights(cfg, 17)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t16 := w8a8Pairs[4]
+	timings := tuneFP8Anywhere(t, func(what string, _ time.Duration) time.Duration {
+		switch {
+		case strings.HasPrefix(what, "up "), strings.HasPrefix(what, "down "):
+			return 40 * time.Microsecond
+		case strings.HasPrefix(what, "w8a16 "):
+			return 100 * time.Microsecond
+		case what == t16.tags():
+			return 90 * time.Microsecond
+		}
+		return time.Millisecond
+	})
+	const T = 20
+	l, err := NewLayer(layerBackends(t)[0].dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoGraphs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	deviceRun(t, l, randomX(T, cfg.HiddenSize, 31), T, Dual, Whole)
+	if got := l.tuner.fp8[tileKey{tileBucket(T), false}]; got != t16 {
+		t.Errorf("tuned %s, want %s: the w8a16 pair's kernels timed apart (80 us) beat the t16 chain (90 us), its chain (100 us) does not", got.tags(), t16.tags())
+	}
+	lines := l.TileChoices()
+	if len(lines) != 1 || !strings.Contains(lines[0], "; chains us: w8a16 ") || !strings.Contains(lines[0], ", "+t16.w8up.Tag()+"/"+t16.w8down.Tag()+" 90.0") {
+		t.Errorf("TileChoices %q: want one line listing the w8a16 chain, then the t16 chain at 90.0 us", lines)
+	}
+	if timings.Load() == 0 {
+		t.Error("nothing was timed")
+	}
+}
+
 // checkFP8Tune runs TestLayerFP8Tune's checks for one bucket on a tuning
 // FP8 layer (graphs: captured and replayed forwards after the first)
 // whose first forward, of x in mode, is to pick want (with the w8a8 chains
@@ -223,8 +277,13 @@ func checkFP8TuneLine(t *testing.T, l *Layer, T int, fused bool, want fp8Pair, w
 			t.Errorf("TileChoices line %q lacks w8a16 tile %s", line, c.Tag())
 		}
 	}
-	if got := strings.Contains(line, "w8a8 chains us: "); got != w8a8 {
-		t.Errorf("TileChoices line %q: w8a8 chains listed %v, want %v", line, got, w8a8)
+	if got := strings.Contains(line, "; chains us: "); got != w8a8 {
+		t.Errorf("TileChoices line %q: chains listed %v, want %v", line, got, w8a8)
+	}
+	// With the w8a8 chains, the w8a16 pair the tiles' own timings chose is
+	// timed as a chain too (its up and down of one BM).
+	if w8a8 && !want.w8 && !strings.Contains(line, "chains us: w8a16 "+want.up.Tag()+"/"+want.down.Tag()+" ") {
+		t.Errorf("TileChoices line %q lacks the w8a16 chain of %s", line, want.tags())
 	}
 	m := rowsPerExpert(T, l.cfg.TopK, l.cfg.NumExperts)
 	for _, tp := range w8a8Pairs {
