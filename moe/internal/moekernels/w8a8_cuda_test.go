@@ -280,20 +280,40 @@ func w8a8Chain(tb testing.TB, d *device, w *fp8BenchWeights, bb *fp8BenchBatch, 
 }
 
 // TestW8A8BenchHarness runs BenchmarkW8A8Expert's chain on the CPU backend
-// at a small size (the twins check every launch's arguments).
+// at a small size (the twins check every launch's arguments), and checks
+// that the benchmark times real work: its activations are not zeros (zero
+// gate sums send every SwiGLU division down the divider's slow path, and
+// the quantizer and the tensor cores then have nothing to do), so the up
+// kernels write activations that are not all zeros either.
 func TestW8A8BenchHarness(t *testing.T) {
 	d := newTestDevice(t)
-	w := newFP8BenchWeights(t, d, 4, 256, 128, 1)
-	bb := newFP8BenchBatch(t, d, 4, 256, 128, 2, 70)
+	const T, H, I = 70, 256, 128
+	w := newFP8BenchWeights(t, d, 4, H, I, 1)
+	bb := newFP8BenchBatch(t, d, 4, H, I, 2, T)
 	tm := newFP8Timer(t, d, 1, 1, 1)
 	for _, p := range w8a8Pairs() {
-		chain, parts := w8a8Chain(t, d, w, bb, 256, 128, 2, p[0], p[1])
+		chain, parts := w8a8Chain(t, d, w, bb, H, I, 2, p[0], p[1])
 		if len(parts) != 4 {
 			t.Fatalf("%d launches in the chain, want 4", len(parts))
 		}
 		if ts := tm.perCall(t, chain); len(ts) != 1 {
 			t.Fatalf("perCall: %v", ts)
 		}
+	}
+	nonzero := func(b []byte) int {
+		n := 0
+		for _, v := range b {
+			if v != 0 {
+				n++
+			}
+		}
+		return n
+	}
+	if x := download(t, d, bb.x, 2*T*H); nonzero(x) < len(x)/2 {
+		t.Errorf("the benchmark's activations x: %d of %d bytes nonzero, want most", nonzero(x), len(x))
+	}
+	if a := download(t, d, bb.act, 2*bb.plans[8].cap*I); nonzero(a) == 0 {
+		t.Error("the up kernels wrote only zeros to act")
 	}
 }
 
