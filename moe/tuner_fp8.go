@@ -13,7 +13,7 @@ import (
 // fusion (tileKey) on the first forward of a bucket where the layer
 // autotunes, it times the w8a16 tiles (moekernels.FP8Gemms, up and down
 // apart, BM by BM: bestOfBMs) and, where the w8a8 tiles may run (fp8W8A8Cands),
-// the best w8a16 pair as a chain (up then down: timeW8A16) and each w8a8
+// the best w8a16 pair as a chain (up then down: timeChain) and each w8a8
 // pair's whole chain (both quantizers, up and down: fusedW8A8), and keeps
 // the fastest (settle). The choice is the same for Single and Dual (one
 // key), so they stay bitwise equal; it changes the result where it switches
@@ -89,13 +89,13 @@ func (l *Layer) tuneFP8(p *plan, x *gpuctx.Buffer) (fp8Pair, error) {
 		// them: on the H200 (session 15, Qwen3-30B-A3B at 64 tokens) the
 		// w8a16 pair summed 173.1 us against the t8 chain's 172.5, yet the
 		// layer ran 13 us slower with it.
-		if bestD, err = l.timeW8A16(p, x, best); err != nil {
+		if bestD, err = l.timeChain(p, x, best); err != nil {
 			return fp8Pair{}, err
 		}
 		chains = append(chains, fmt.Sprintf("w8a16 %s/%s %.1f", best.up.Tag(), best.down.Tag(), us(bestD)))
 	}
 	for _, tp := range w8a8 {
-		d, err := l.timeW8A8(p, x, tp)
+		d, err := l.timeChain(p, x, tp)
 		if err != nil {
 			return fp8Pair{}, err
 		}
@@ -143,11 +143,13 @@ func (l *Layer) fp8W8A8Cands(p *plan) []fp8Pair {
 	return out
 }
 
-// timeW8A16 sorts p's routing in blocks of w8a16 pair tp's rows and times
-// its up and down kernels together (fusedFP8), on the main stream, waiting
-// for them. It is called only where the shared expert is not fused (with
-// the w8a8 chains), so no routing is queued ahead of the up kernel.
-func (l *Layer) timeW8A16(p *plan, x *gpuctx.Buffer, tp fp8Pair) (time.Duration, error) {
+// timeChain sorts p's routing in blocks of tp's rows and times tp's kernels
+// together as the forward queues them (fusedFP8): a w8a8 pair's chain (the
+// quantizer of x, the up tile, the quantizer of act, the down tile) or a
+// w8a16 pair's up then down, on the main stream, waiting for them. It is
+// called only where the shared expert is not fused (with the w8a8 chains),
+// so no routing is queued ahead of the up kernel.
+func (l *Layer) timeChain(p *plan, x *gpuctx.Buffer, tp fp8Pair) (time.Duration, error) {
 	cp := *p
 	cp.fp8 = tp
 	if err := l.ensureFused(&cp, tp.bm()); err != nil {
@@ -157,25 +159,6 @@ func (l *Layer) timeW8A16(p *plan, x *gpuctx.Buffer, tp fp8Pair) (time.Duration,
 		return 0, err
 	}
 	d, err := l.timeIt(tp.tags(), func() error { return l.experts.fusedFP8(x, &l.dispatch, &cp) })
-	if err != nil {
-		return 0, fmt.Errorf("moe: timing tiles %s: %w", tp.tags(), err)
-	}
-	return d, nil
-}
-
-// timeW8A8 sorts p's routing in blocks of tp's rows and times tp's chain
-// (fusedW8A8: the quantizer of x, the up tile, the quantizer of act, the down
-// tile) on the main stream, waiting for it.
-func (l *Layer) timeW8A8(p *plan, x *gpuctx.Buffer, tp fp8Pair) (time.Duration, error) {
-	cp := *p
-	cp.fp8 = tp
-	if err := l.ensureFused(&cp, tp.bm()); err != nil {
-		return 0, err
-	}
-	if err := l.dispatch.align(l.router.idx, &cp, tp.bm()); err != nil {
-		return 0, err
-	}
-	d, err := l.timeIt(tp.tags(), func() error { return l.experts.fusedW8A8(x, &l.dispatch, &cp) })
 	if err != nil {
 		return 0, fmt.Errorf("moe: timing tiles %s: %w", tp.tags(), err)
 	}
