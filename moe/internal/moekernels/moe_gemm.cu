@@ -203,6 +203,10 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
     mg_wait<0>();
 
     // Epilogue: thread holds rows g and g+8 of each 16x8 tile, columns 2c, 2c+1.
+    // UP computes a row half's 1 + exp(-g) of every column first, then the
+    // divisions, so that the exponentials overlap instead of running one
+    // after another between the division's slow-path branches (the same
+    // operations per column: the same bits); a padding row stores zeros.
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
 #pragma unroll
@@ -211,21 +215,29 @@ static __device__ __forceinline__ void moe_gemm(const unsigned short* __restrict
             const int dst = row_dst[r];
             if (dst < 0) continue;
             const bool zero = UP && row_src[r] < 0;
+            float g[NT][2], t[NT][2];
+            if (UP && !zero) {
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int v = 0; v < 2; ++v) {
+                        g[j][v] = moe_round(acc[0][i][j][hr * 2 + v]);
+                        t[j][v] = 1.0f + expf(-g[j][v]);
+                    }
+            }
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 const int n = n0 + wn * WN + j * 8 + (lane & 3) * 2;
                 if (n >= N) continue;
-                unsigned short v0, v1;
-                if (UP) {
-                    const float g0 = moe_round(acc[0][i][j][hr * 2]), g1 = moe_round(acc[0][i][j][hr * 2 + 1]);
-                    const float u0 = moe_round(acc[NB - 1][i][j][hr * 2]), u1 = moe_round(acc[NB - 1][i][j][hr * 2 + 1]);
-                    v0 = zero ? 0 : moe_f2bf((g0 / (1.0f + expf(-g0))) * u0);
-                    v1 = zero ? 0 : moe_f2bf((g1 / (1.0f + expf(-g1))) * u1);
-                } else {
-                    v0 = moe_f2bf(acc[0][i][j][hr * 2]);
-                    v1 = moe_f2bf(acc[0][i][j][hr * 2 + 1]);
+                unsigned short v[2] = {0, 0};
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    if (!UP)
+                        v[q] = moe_f2bf(acc[0][i][j][hr * 2 + q]);
+                    else if (!zero)
+                        v[q] = moe_f2bf((g[j][q] / t[j][q]) * moe_round(acc[NB - 1][i][j][hr * 2 + q]));  // silu(g) * u
                 }
-                *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
+                *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v[0] | ((unsigned)v[1] << 16);
             }
         }
     }

@@ -64,25 +64,51 @@ static __device__ __forceinline__ void wg_mma(float* d, unsigned long long a, un
 // 8j + 2*(lane%4) + {0, 1} below N (register 4j + 2*hr + v of a warpgroup's
 // m64nNk16 layout): for UP, bf16(silu(g) * u) of the gate (first BN columns)
 // and up halves, each rounded to bf16 first, or zeros for a padding row
-// (zero); otherwise bf16(d).
+// (zero); otherwise bf16(d). UP computes every column's 1 + exp(-g) first,
+// then the divisions, so that the exponentials of the thread's columns
+// overlap instead of running one after another between the division's
+// slow-path branches (the same operations per column: the same bits).
 template <int BN, bool UP>
 static __device__ __forceinline__ void wg_store_half(const float* d, int hr, int dst, bool zero,
                                                      unsigned short* __restrict__ C, int N, int n0, int lane) {
+    unsigned short* row = C + (long long)dst * N;
+    if (UP && zero) {  // a padding row: zeros, nothing to compute
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int n = n0 + j * 8 + (lane & 3) * 2;
+            if (n < N) *(unsigned*)(row + n) = 0u;
+        }
+        return;
+    }
+    if (UP) {
+        float g[BN / 8][2], t[BN / 8][2];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                g[j][v] = moe_round(d[4 * j + 2 * hr + v]);
+                t[j][v] = 1.0f + expf(-g[j][v]);
+            }
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int n = n0 + j * 8 + (lane & 3) * 2;
+            if (n >= N) continue;
+            unsigned short o[2];
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                const float u = moe_round(d[4 * (BN / 8 + j) + 2 * hr + v]);
+                o[v] = moe_f2bf((g[j][v] / t[j][v]) * u);  // silu(g) * u
+            }
+            *(unsigned*)(row + n) = (unsigned)o[0] | ((unsigned)o[1] << 16);
+        }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const int n = n0 + j * 8 + (lane & 3) * 2;
         if (n >= N) continue;
-        unsigned short v0, v1;
-        if (UP) {
-            const float g0 = moe_round(d[4 * j + 2 * hr]), g1 = moe_round(d[4 * j + 2 * hr + 1]);
-            const float u0 = moe_round(d[4 * (BN / 8 + j) + 2 * hr]), u1 = moe_round(d[4 * (BN / 8 + j) + 2 * hr + 1]);
-            v0 = zero ? 0 : moe_f2bf((g0 / (1.0f + expf(-g0))) * u0);
-            v1 = zero ? 0 : moe_f2bf((g1 / (1.0f + expf(-g1))) * u1);
-        } else {
-            v0 = moe_f2bf(d[4 * j + 2 * hr]);
-            v1 = moe_f2bf(d[4 * j + 2 * hr + 1]);
-        }
-        *(unsigned*)(C + (long long)dst * N + n) = (unsigned)v0 | ((unsigned)v1 << 16);
+        const unsigned short v0 = moe_f2bf(d[4 * j + 2 * hr]), v1 = moe_f2bf(d[4 * j + 2 * hr + 1]);
+        *(unsigned*)(row + n) = (unsigned)v0 | ((unsigned)v1 << 16);
     }
 }
 
