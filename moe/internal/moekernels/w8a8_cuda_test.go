@@ -27,11 +27,15 @@ func cudaW8A8Device(t testing.TB) *device {
 	return d
 }
 
-// w8a8Shapes are the expert shapes of the CUDA test: DeepSeek-V2-Lite's and
-// one with partial 128-blocks in H and I.
+// w8a8Shapes are the expert shapes of the CUDA test: DeepSeek-V2-Lite's,
+// one with partial 128-blocks in H and I, and one of five K blocks, fewer
+// than the 128-row persistent tiles' six stages, so that their stage ring wraps
+// within a tile and across tiles. At 64 and 300 tokens each has more tiles
+// than an H200 has SMs: a persistent block runs several.
 var w8a8Shapes = []fp8Shape{
 	{"deepseek-v2-lite", 64, 2048, 1408, 6},
 	{"partial", 16, 2000, 720, 4}, // 15.6 blocks of H, 5.6 of I
+	{"short K", 8, 640, 1408, 2},
 }
 
 // TestW8A8CUDA runs both w8a8 tiles on the GPU at 1, 64 and 300 tokens of
