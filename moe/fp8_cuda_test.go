@@ -69,7 +69,7 @@ func fp8Dequantized(t *testing.T, cfg *Config, w *Weights) *Weights {
 // 300 tokens (16- and 32-row tiles, partial blocks; at 300 tokens of 8
 // experts the w8a8 tiles on compute capability 9.0, with the tolerances of
 // TestLayerFP8W8A8); checks that Dual, Auto and graph replays are bitwise
-// the GPU's Single (Auto up to autoRuleTokens: FusedShared's); and runs
+// the GPU's Single (Auto where it picked FusedShared: FusedShared's); and runs
 // FusedShared where the shared expert can be fused (checkFP8FusedCUDA).
 func TestLayerFP8CUDA(t *testing.T) {
 	gpu := fp8CUDADevice(t)

@@ -329,8 +329,8 @@ func checkFP8Bytes(t *testing.T, dev *gpuctx.Device, cfg *Config, dir string, l,
 
 // TestLayerFP8DualBitwise checks that an FP8 layer's Dual and Auto forwards
 // are bitwise its Single forward, eagerly and replayed from a graph (Auto
-// where it runs FusedShared, up to autoRuleTokens tokens with a fusable
-// shared expert: bitwise FusedShared, fp8AutoWant).
+// where it runs FusedShared, the mode it timed faster with a fusable shared
+// expert: bitwise FusedShared, fp8AutoWant).
 func TestLayerFP8DualBitwise(t *testing.T) {
 	parallelHeavy(t)
 	for _, b := range layerBackends(t) {
@@ -350,8 +350,8 @@ func TestLayerFP8DualBitwise(t *testing.T) {
 						x := randomX(T, cfg.HiddenSize, uint64(T))
 						single := deviceRun(t, l, x, T, Single, Whole)
 						for _, mode := range []Mode{Dual, Auto, Single, Dual, Auto} {
-							want := fp8AutoWant(t, l, x, T, mode, single)
-							if got := deviceRun(t, l, x, T, mode, Whole); !bytes.Equal(got, want) {
+							got := deviceRun(t, l, x, T, mode, Whole)
+							if want := fp8AutoWant(t, l, x, T, mode, single); !bytes.Equal(got, want) {
 								t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(want)))
 							}
 						}
@@ -362,16 +362,25 @@ func TestLayerFP8DualBitwise(t *testing.T) {
 	}
 }
 
-// fp8AutoWant returns the bits a forward of mode should give on FP8 layer
-// l: single (l's Single forward of x), or for Auto where it runs
-// FusedShared (the rule: a fusable shared expert, at most autoRuleTokens
-// tokens) that mode's forward.
+// fp8AutoWant returns the bits a forward of mode should have given on FP8
+// layer l, called after that forward: single (l's Single forward of x), or
+// for Auto with a fusable shared expert the forward of the mode Auto kept
+// for T's bucket (timed, or the rule under NoAutotune): FusedShared's own,
+// or Dual's, which are single's.
 func fp8AutoWant(t *testing.T, l *Layer, x []float32, T int, mode Mode, single []byte) []byte {
 	t.Helper()
-	if mode != Auto || l.ns == 0 || T > autoRuleTokens {
+	if mode != Auto || l.ns == 0 {
 		return single
 	}
-	return deviceRun(t, l, x, T, FusedShared, Whole)
+	switch m, ok := l.tuner.autoModes[tileBucket(T)]; {
+	case !ok:
+		t.Fatalf("T=%d: Auto ran but kept no mode for the bucket", T)
+	case m == FusedShared:
+		return deviceRun(t, l, x, T, FusedShared, Whole)
+	case m != Dual:
+		t.Fatalf("T=%d: Auto kept %v, want Dual or FusedShared", T, m)
+	}
+	return single
 }
 
 // rewriteCheckpoint rewrites dir/model.safetensors through edit, which gets

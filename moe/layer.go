@@ -23,9 +23,8 @@ const (
 	// Auto picks per batch. On the fused routed path (bf16) with a shared
 	// expert it can fuse, it runs Dual or FusedShared, whichever replayed
 	// faster when Auto first ran a batch of that token bucket (measured then,
-	// kept after; by the token count under NoAutotune and with FP8, whose
-	// layers time their tiles but not the modes); with a shared expert it
-	// cannot fuse, Dual. Elsewhere it is
+	// kept after; by the token count under NoAutotune); with a shared expert
+	// it cannot fuse, Dual. Elsewhere it is
 	// Dual for batches that take the small-batch path and for batches of at
 	// least the layer's AutoThreshold tokens, Single otherwise.
 	Auto
@@ -199,7 +198,9 @@ type LayerOptions struct {
 	// quantized at load; a chunk whose cut is not on a 128 block edge is
 	// requantized), about ns*3*H*I more bytes; FusedShared runs them in the
 	// w8a16 tiles at every batch size (never the w8a8 ones), and Auto picks
-	// it up to 16 tokens (autoRuleTokens) as under NoAutotune. It needs DType
+	// it or Dual as for bf16: the faster when first timed per token bucket,
+	// or up to 16 tokens (autoRuleTokens) under NoAutotune. Auto's results
+	// are then the bits of the mode it picked. It needs DType
 	// BF16 and sizes the tiles take, and refuses NoFused, SmallBatchTokens > 0
 	// and Tile (checkFP8).
 	FP8 bool
@@ -329,10 +330,8 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 		}
 		l.tuner.forceTile = &t
 	}
-	// Auto picks an FP8 layer's mode by rule (it never times the modes); its
-	// tiles are timed as a bf16 layer's.
 	l.tuner.autotune = !o.NoAutotune && (dev.Backend() == "cuda" || tuneAnyBackend)
-	l.tuner.noTune = o.NoAutotune || o.FP8
+	l.tuner.noTune = o.NoAutotune
 	l.tuner.tiles, l.tuner.fp8, l.tuner.autoModes = map[tileKey]tilePair{}, map[tileKey]fp8Pair{}, map[int]Mode{}
 	if !o.NoAutotune && l.tuner.forceTile == nil {
 		l.dt = o.DType // the key's dtype, before init sets it

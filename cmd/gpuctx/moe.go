@@ -347,7 +347,7 @@ runs the one-device layer (its --mode and fused kernels).
 with their 128x128 block scales, moe.LayerOptions.FP8), run by the weight-only
 FP8 tiles (bf16 activations) on the fused path; the router and correction bias
 stay as stored, the shared expert is bf16 (single, dual) and FP8 chunks inside
-the FP8 tiles (--mode fused: auto's choice up to 16 tokens). An FP8 checkpoint
+the FP8 tiles (--mode fused; auto times it against dual per token bucket). An FP8 checkpoint
 (config.json's quantization_config, as DeepSeek-V3/R1 and Qwen3-FP8 ship) loads
 as stored; a bf16 or f32 one is quantized at load. With f32 or bf16, an FP8
 checkpoint is dequantized at load. fp8 runs on one device (not with --gpus
