@@ -81,25 +81,33 @@ static __device__ __forceinline__ void wg_store_half(const float* d, int hr, int
         return;
     }
     if (UP) {
-        float g[BN / 8][2], t[BN / 8][2];
+        // In groups of at most 8 column blocks (16 columns): BN = 128 kept
+        // every column's g and 1 + exp(-g) live at once and spilled (ptxas,
+        // the persistent m128n128 tile: 44 bytes).
+        constexpr int GJ = BN / 8 < 8 ? BN / 8 : 8;
+        static_assert((BN / 8) % GJ == 0, "up tile: BN/8 a multiple of the group");
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
+        for (int j0 = 0; j0 < BN / 8; j0 += GJ) {
+            float g[GJ][2], t[GJ][2];
 #pragma unroll
-            for (int v = 0; v < 2; ++v) {
-                g[j][v] = moe_round(d[4 * j + 2 * hr + v]);
-                t[j][v] = 1.0f + expf(-g[j][v]);
+            for (int j = 0; j < GJ; ++j)
+#pragma unroll
+                for (int v = 0; v < 2; ++v) {
+                    g[j][v] = moe_round(d[4 * (j0 + j) + 2 * hr + v]);
+                    t[j][v] = 1.0f + expf(-g[j][v]);
+                }
+#pragma unroll
+            for (int j = 0; j < GJ; ++j) {
+                const int n = n0 + (j0 + j) * 8 + (lane & 3) * 2;
+                if (n >= N) continue;
+                unsigned short o[2];
+#pragma unroll
+                for (int v = 0; v < 2; ++v) {
+                    const float u = moe_round(d[4 * (BN / 8 + j0 + j) + 2 * hr + v]);
+                    o[v] = moe_f2bf((g[j][v] / t[j][v]) * u);  // silu(g) * u
+                }
+                *(unsigned*)(row + n) = (unsigned)o[0] | ((unsigned)o[1] << 16);
             }
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            const int n = n0 + j * 8 + (lane & 3) * 2;
-            if (n >= N) continue;
-            unsigned short o[2];
-#pragma unroll
-            for (int v = 0; v < 2; ++v) {
-                const float u = moe_round(d[4 * (BN / 8 + j) + 2 * hr + v]);
-                o[v] = moe_f2bf((g[j][v] / t[j][v]) * u);  // silu(g) * u
-            }
-            *(unsigned*)(row + n) = (unsigned)o[0] | ((unsigned)o[1] << 16);
         }
         return;
     }
