@@ -122,6 +122,19 @@ var (
 	// its divisions (moe_w8a8.cu's w8_store_half). On random activations the
 	// persistent up tile spends 31% of its warps' stall samples in that
 	// epilogue, while the tensor cores idle (ncu, 4096 tokens: 527.7 us).
+	// Tried and dropped (session 16, never committed): deferring each tile's
+	// SwiGLU into the stages of the block's next tile (the bf16 gate and up
+	// sums stashed in 32 KB of shared memory, one pair of columns a stage),
+	// so that it would run under the next tile's wgmma. Bitwise correct on
+	// the H200 but slower wherever the pairs went: up 601-617 us against
+	// 524-529 at DeepSeek-V2-Lite 4096 tokens, 188-194 against 161 at 1024
+	// and 2801-2885 against 2421 at DeepSeek-V3 1024, whether a pair ran
+	// between issuing a stage's wgmma and waiting for them, after the
+	// stage's scaling, or two every other stage with the warpgroups
+	// alternating; the same with five or four stages (the shared memory,
+	// and so the L1, of the six-stage tile: not the cause). The consumers'
+	// time in the epilogue is not spare time under the tensor cores, so
+	// ping-pong warpgroups would have to be judged by a measurement first.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
