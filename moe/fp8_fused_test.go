@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"fmt"
 	"slices"
-	"strings"
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
@@ -231,89 +230,5 @@ func TestLayerFP8FusedShared(t *testing.T) {
 				}
 			})
 		}
-	}
-}
-
-// TestLayerFP8AutoMeasured checks that Auto on an FP8 layer with a fusable
-// shared expert times Dual and FusedShared once per token bucket, as a bf16
-// layer does (TestLayerAutoMeasured), keeps the choice and returns the
-// chosen mode's bits. Before, FP8 layers took the token-count rule, which ran
-// FusedShared at 1 token where Dual was faster on the H200.
-func TestLayerFP8AutoMeasured(t *testing.T) {
-	cfg := fp8Configs()["deepseek_v2_greedy"]
-	w, err := RandomWeights(cfg, 29)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, b := range layerBackends(t) {
-		t.Run(b.name, func(t *testing.T) {
-			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer l.Close()
-			if l.ns == 0 {
-				t.Fatal("the shared expert is not fused: the test is vacuous")
-			}
-			for _, T := range []int{3, 4, 40} { // 3 and 4 share a bucket
-				x := randomX(T, cfg.HiddenSize, uint64(T)+7)
-				got := deviceRun(t, l, x, T, Auto, Whole)
-				m, ok := l.tuner.autoModes[tileBucket(T)]
-				if !ok || (m != Dual && m != FusedShared) {
-					t.Fatalf("T=%d: Auto recorded %v (%v), want Dual or FusedShared", T, m, ok)
-				}
-				if want := deviceRun(t, l, x, T, m, Whole); !bytes.Equal(got, want) {
-					t.Errorf("T=%d: Auto differs from %v, the mode it picked", T, m)
-				}
-			}
-			var timed []string
-			for _, line := range l.TileChoices() {
-				if strings.Contains(line, "auto runs") {
-					if !strings.Contains(line, "(dual ") || !strings.Contains(line, ", fused ") || strings.Contains(line, "rule") {
-						t.Errorf("Auto's line names no timing of both modes: %q", line)
-					}
-					timed = append(timed, line)
-				}
-			}
-			if len(timed) != 2 {
-				t.Errorf("Auto measured %d times for 2 buckets: %q", len(timed), timed)
-			}
-		})
-	}
-}
-
-// TestLayerFP8AutoRule checks Auto on an FP8 layer under NoAutotune, which
-// never times (modes or tiles): FusedShared up to autoRuleTokens tokens and
-// Dual above, with that mode's bits, as a bf16 layer.
-func TestLayerFP8AutoRule(t *testing.T) {
-	cfg := fp8Configs()["deepseek_v2_greedy"]
-	w, err := RandomWeights(cfg, 29)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, b := range layerBackends(t) {
-		t.Run(b.name, func(t *testing.T) {
-			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoAutotune: true})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer l.Close()
-			if l.ns == 0 {
-				t.Fatal("the shared expert is not fused: the test is vacuous")
-			}
-			for _, tc := range []struct {
-				T    int
-				want Mode
-			}{{1, FusedShared}, {autoRuleTokens, FusedShared}, {autoRuleTokens + 1, Dual}, {40, Dual}} {
-				x := randomX(tc.T, cfg.HiddenSize, uint64(tc.T)+3)
-				got := deviceRun(t, l, x, tc.T, Auto, Whole)
-				if m := l.tuner.autoModes[tileBucket(tc.T)]; m != tc.want {
-					t.Errorf("T=%d: Auto picked %v, want %v", tc.T, m, tc.want)
-				}
-				if want := deviceRun(t, l, x, tc.T, tc.want, Whole); !bytes.Equal(got, want) {
-					t.Errorf("T=%d: Auto differs from %v", tc.T, tc.want)
-				}
-			}
-		})
 	}
 }

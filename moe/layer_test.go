@@ -1016,80 +1016,114 @@ func TestLayerDirectGraphs(t *testing.T) {
 	}
 }
 
-// TestLayerAutoMeasured checks that Auto on the fused path with a fusable
-// shared expert measures Dual and FusedShared once per token bucket, keeps the
-// choice, and returns the chosen mode's bits.
-func TestLayerAutoMeasured(t *testing.T) {
-	cfg := scaledPresets()["deepseek-v2-lite"]
-	w, err := RandomWeights(cfg, 29)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, b := range layerBackends(t) {
-		t.Run(b.name, func(t *testing.T) {
-			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer l.Close()
-			for _, T := range []int{3, 4, 40} { // 3 and 4 share a bucket
-				x := randomX(T, cfg.HiddenSize, uint64(T)+7)
-				got := deviceRun(t, l, x, T, Auto, Whole)
-				m, ok := l.tuner.autoModes[tileBucket(T)]
-				if !ok || (m != Dual && m != FusedShared) {
-					t.Fatalf("T=%d: Auto recorded %v (%v), want Dual or FusedShared", T, m, ok)
-				}
-				if want := deviceRun(t, l, x, T, m, Whole); !bytes.Equal(got, want) {
-					t.Errorf("T=%d: Auto differs from %v, the mode it picked", T, m)
-				}
-			}
-			n := 0
-			for _, line := range l.TileChoices() {
-				if strings.Contains(line, "auto runs") {
-					n++
-				}
-			}
-			if n != 2 {
-				t.Errorf("Auto measured %d times for 2 buckets: %q", n, l.TileChoices())
-			}
-		})
+// autoLayers are the layers of the Auto tests: a bf16 layer on the fused
+// path and an FP8 one, each with a shared expert it can fuse.
+func autoLayers() []struct {
+	name string
+	cfg  *Config
+	opts LayerOptions
+} {
+	return []struct {
+		name string
+		cfg  *Config
+		opts LayerOptions
+	}{
+		{"bf16", scaledPresets()["deepseek-v2-lite"], LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1}},
+		{"fp8", fp8Configs()["deepseek_v2_greedy"], LayerOptions{DType: gpuctx.BF16, FP8: true}},
 	}
 }
 
-// TestLayerAutoRule checks Auto under NoAutotune: no timing runs, FusedShared
-// up to autoRuleTokens tokens and Dual above, with that mode's bits.
-func TestLayerAutoRule(t *testing.T) {
-	cfg := scaledPresets()["deepseek-v2-lite"]
-	w, err := RandomWeights(cfg, 29)
-	if err != nil {
-		t.Fatal(err)
+// TestLayerAutoMeasured checks that Auto on the fused path with a fusable
+// shared expert, bf16 or FP8, measures Dual and FusedShared once per token
+// bucket (its line in TileChoices names both timings, not the rule), keeps
+// the choice, and returns the chosen mode's bits. FP8 layers took the
+// token-count rule until session 16, which ran FusedShared at one token
+// where Dual was faster on the H200.
+func TestLayerAutoMeasured(t *testing.T) {
+	for _, lc := range autoLayers() {
+		w, err := RandomWeights(lc.cfg, 29)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, b := range layerBackends(t) {
+			t.Run(lc.name+"/"+b.name, func(t *testing.T) {
+				l, err := NewLayer(b.dev, lc.cfg, w, lc.opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+				if l.ns == 0 {
+					t.Fatal("the shared expert is not fused: the test is vacuous")
+				}
+				for _, T := range []int{3, 4, 40} { // 3 and 4 share a bucket
+					x := randomX(T, lc.cfg.HiddenSize, uint64(T)+7)
+					got := deviceRun(t, l, x, T, Auto, Whole)
+					m, ok := l.tuner.autoModes[tileBucket(T)]
+					if !ok || (m != Dual && m != FusedShared) {
+						t.Fatalf("T=%d: Auto recorded %v (%v), want Dual or FusedShared", T, m, ok)
+					}
+					if want := deviceRun(t, l, x, T, m, Whole); !bytes.Equal(got, want) {
+						t.Errorf("T=%d: Auto differs from %v, the mode it picked", T, m)
+					}
+				}
+				var timed []string
+				for _, line := range l.TileChoices() {
+					if strings.Contains(line, "auto runs") {
+						if !strings.Contains(line, "(dual ") || !strings.Contains(line, ", fused ") || strings.Contains(line, "rule") {
+							t.Errorf("Auto's line names no timing of both modes: %q", line)
+						}
+						timed = append(timed, line)
+					}
+				}
+				if len(timed) != 2 {
+					t.Errorf("Auto measured %d times for 2 buckets: %q", len(timed), timed)
+				}
+			})
+		}
 	}
-	for _, b := range layerBackends(t) {
-		t.Run(b.name, func(t *testing.T) {
-			l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1, NoAutotune: true})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer l.Close()
-			for _, tc := range []struct {
-				T    int
-				want Mode
-			}{{1, FusedShared}, {autoRuleTokens, FusedShared}, {autoRuleTokens + 1, Dual}, {40, Dual}} {
-				x := randomX(tc.T, cfg.HiddenSize, uint64(tc.T)+3)
-				got := deviceRun(t, l, x, tc.T, Auto, Whole)
-				if m := l.tuner.autoModes[tileBucket(tc.T)]; m != tc.want {
-					t.Errorf("T=%d: Auto picked %v, want %v", tc.T, m, tc.want)
+}
+
+// TestLayerAutoRule checks Auto under NoAutotune, bf16 or FP8: no timing
+// runs, FusedShared up to autoRuleTokens tokens and Dual above, with that
+// mode's bits.
+func TestLayerAutoRule(t *testing.T) {
+	for _, lc := range autoLayers() {
+		w, err := RandomWeights(lc.cfg, 29)
+		if err != nil {
+			t.Fatal(err)
+		}
+		opts := lc.opts
+		opts.NoAutotune = true
+		for _, b := range layerBackends(t) {
+			t.Run(lc.name+"/"+b.name, func(t *testing.T) {
+				l, err := NewLayer(b.dev, lc.cfg, w, opts)
+				if err != nil {
+					t.Fatal(err)
 				}
-				if want := deviceRun(t, l, x, tc.T, tc.want, Whole); !bytes.Equal(got, want) {
-					t.Errorf("T=%d: Auto differs from %v", tc.T, tc.want)
+				defer l.Close()
+				if l.ns == 0 {
+					t.Fatal("the shared expert is not fused: the test is vacuous")
 				}
-			}
-			for _, line := range l.TileChoices() {
-				if strings.Contains(line, "auto runs") && !strings.Contains(line, "rule") {
-					t.Errorf("NoAutotune layer timed Auto's modes: %q", line)
+				for _, tc := range []struct {
+					T    int
+					want Mode
+				}{{1, FusedShared}, {autoRuleTokens, FusedShared}, {autoRuleTokens + 1, Dual}, {40, Dual}} {
+					x := randomX(tc.T, lc.cfg.HiddenSize, uint64(tc.T)+3)
+					got := deviceRun(t, l, x, tc.T, Auto, Whole)
+					if m := l.tuner.autoModes[tileBucket(tc.T)]; m != tc.want {
+						t.Errorf("T=%d: Auto picked %v, want %v", tc.T, m, tc.want)
+					}
+					if want := deviceRun(t, l, x, tc.T, tc.want, Whole); !bytes.Equal(got, want) {
+						t.Errorf("T=%d: Auto differs from %v", tc.T, tc.want)
+					}
 				}
-			}
-		})
+				for _, line := range l.TileChoices() {
+					if strings.Contains(line, "auto runs") && !strings.Contains(line, "rule") {
+						t.Errorf("NoAutotune layer timed Auto's modes: %q", line)
+					}
+				}
+			})
+		}
 	}
 }
 
