@@ -168,10 +168,11 @@ type LayerOptions struct {
 	// NoAutotune picks fused tiles by a rule of thumb instead of timing the
 	// candidates on the first forward of each token bucket (timing needs CUDA
 	// events and waits for the main stream once per bucket), and has Auto
-	// pick FusedShared or Dual by the token count (autoRuleTokens) instead of
-	// timing both. For one-shot runs, where the timing would cost more than it
-	// saves; the bf16 tile changes no result (an FP8 layer's choice between
-	// w8a16 and w8a8 tiles does: see FP8).
+	// pick FusedShared or Dual by the token count (autoRuleTokens; an FP8
+	// layer Dual at every size) instead of timing both. For one-shot runs,
+	// where the timing would cost more than it saves; the bf16 tile changes
+	// no result (an FP8 layer's choice between w8a16 and w8a8 tiles does:
+	// see FP8).
 	NoAutotune bool
 	// FP8 keeps the routed experts' weights in FP8 on the device: E4M3
 	// codes with the float32 scale of every 128x128 block beside them (as
@@ -197,12 +198,12 @@ type LayerOptions struct {
 	// be fused it is also held in FP8 as FusedShared's chunks (as stored, or
 	// quantized at load; a chunk whose cut is not on a 128 block edge is
 	// requantized), about ns*3*H*I more bytes; FusedShared runs them in the
-	// w8a16 tiles at every batch size (never the w8a8 ones), and Auto picks
-	// it or Dual as for bf16: the faster when first timed per token bucket,
-	// or up to 16 tokens (autoRuleTokens) under NoAutotune. Auto's results
-	// are then the bits of the mode it picked. It needs DType
-	// BF16 and sizes the tiles take, and refuses NoFused, SmallBatchTokens > 0
-	// and Tile (checkFP8).
+	// w8a16 tiles at every batch size (never the w8a8 ones). Auto picks it
+	// or Dual as for bf16, the faster when first timed per token bucket, but
+	// under NoAutotune runs Dual at every size (on the H200 FusedShared was
+	// never the faster for FP8); its results are the bits of the mode it
+	// picked. It needs DType BF16 and sizes the tiles take, and refuses
+	// NoFused, SmallBatchTokens > 0 and Tile (checkFP8).
 	FP8 bool
 	// FP8WeightOnly, with FP8, runs the routed experts in the w8a16 tiles
 	// only (bf16 activations) at every batch size: never the w8a8 tiles, which
@@ -331,7 +332,7 @@ func buildLayer(prefix string, dev *gpuctx.Device, cfg *Config, src weightSource
 		l.tuner.forceTile = &t
 	}
 	l.tuner.autotune = !o.NoAutotune && (dev.Backend() == "cuda" || tuneAnyBackend)
-	l.tuner.noTune = o.NoAutotune
+	l.tuner.noTune, l.tuner.fp8Rule = o.NoAutotune, o.FP8
 	l.tuner.tiles, l.tuner.fp8, l.tuner.autoModes = map[tileKey]tilePair{}, map[tileKey]fp8Pair{}, map[int]Mode{}
 	if !o.NoAutotune && l.tuner.forceTile == nil {
 		l.dt = o.DType // the key's dtype, before init sets it

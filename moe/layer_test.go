@@ -1017,19 +1017,22 @@ func TestLayerDirectGraphs(t *testing.T) {
 }
 
 // autoLayers are the layers of the Auto tests: a bf16 layer on the fused
-// path and an FP8 one, each with a shared expert it can fuse.
+// path and an FP8 one, each with a shared expert it can fuse, and the
+// largest batch for which Auto's rule (NoAutotune) runs FusedShared.
 func autoLayers() []struct {
-	name string
-	cfg  *Config
-	opts LayerOptions
+	name      string
+	cfg       *Config
+	opts      LayerOptions
+	ruleFused int
 } {
 	return []struct {
-		name string
-		cfg  *Config
-		opts LayerOptions
+		name      string
+		cfg       *Config
+		opts      LayerOptions
+		ruleFused int
 	}{
-		{"bf16", scaledPresets()["deepseek-v2-lite"], LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1}},
-		{"fp8", fp8Configs()["deepseek_v2_greedy"], LayerOptions{DType: gpuctx.BF16, FP8: true}},
+		{"bf16", scaledPresets()["deepseek-v2-lite"], LayerOptions{DType: gpuctx.BF16, SmallBatchTokens: -1}, autoRuleTokens},
+		{"fp8", fp8Configs()["deepseek_v2_greedy"], LayerOptions{DType: gpuctx.BF16, FP8: true}, 0}, // Dual at every size
 	}
 }
 
@@ -1083,9 +1086,9 @@ func TestLayerAutoMeasured(t *testing.T) {
 	}
 }
 
-// TestLayerAutoRule checks Auto under NoAutotune, bf16 or FP8: no timing
-// runs, FusedShared up to autoRuleTokens tokens and Dual above, with that
-// mode's bits.
+// TestLayerAutoRule checks Auto under NoAutotune: no timing runs; a bf16
+// layer FusedShared up to autoRuleTokens tokens and Dual above, an FP8 one
+// Dual at every size; with that mode's bits.
 func TestLayerAutoRule(t *testing.T) {
 	for _, lc := range autoLayers() {
 		w, err := RandomWeights(lc.cfg, 29)
@@ -1104,17 +1107,18 @@ func TestLayerAutoRule(t *testing.T) {
 				if l.ns == 0 {
 					t.Fatal("the shared expert is not fused: the test is vacuous")
 				}
-				for _, tc := range []struct {
-					T    int
-					want Mode
-				}{{1, FusedShared}, {autoRuleTokens, FusedShared}, {autoRuleTokens + 1, Dual}, {40, Dual}} {
-					x := randomX(tc.T, lc.cfg.HiddenSize, uint64(tc.T)+3)
-					got := deviceRun(t, l, x, tc.T, Auto, Whole)
-					if m := l.tuner.autoModes[tileBucket(tc.T)]; m != tc.want {
-						t.Errorf("T=%d: Auto picked %v, want %v", tc.T, m, tc.want)
+				for _, T := range []int{1, autoRuleTokens, autoRuleTokens + 1, 40} {
+					want := Dual
+					if T <= lc.ruleFused {
+						want = FusedShared
 					}
-					if want := deviceRun(t, l, x, tc.T, tc.want, Whole); !bytes.Equal(got, want) {
-						t.Errorf("T=%d: Auto differs from %v", tc.T, tc.want)
+					x := randomX(T, lc.cfg.HiddenSize, uint64(T)+3)
+					got := deviceRun(t, l, x, T, Auto, Whole)
+					if m := l.tuner.autoModes[tileBucket(T)]; m != want {
+						t.Errorf("T=%d: Auto picked %v, want %v", T, m, want)
+					}
+					if wb := deviceRun(t, l, x, T, want, Whole); !bytes.Equal(got, wb) {
+						t.Errorf("T=%d: Auto differs from %v", T, want)
 					}
 				}
 				for _, line := range l.TileChoices() {

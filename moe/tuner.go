@@ -30,6 +30,7 @@ type tuner struct {
 	forceTile *moekernels.MoEGemm  // LayerOptions.Tile
 	autotune  bool                 // time the tiles per bucket
 	noTune    bool                 // LayerOptions.NoAutotune: no timing runs at all (tiles, Auto's mode)
+	fp8Rule   bool                 // an FP8 layer: the rule runs Dual at every size (knownMode)
 	tiles     map[tileKey]tilePair // chosen tiles by token bucket and shared fusion
 	fp8       map[tileKey]fp8Pair  // an FP8 layer's chosen tiles, the same way
 	log       []string             // what tune chose (TileChoices)
@@ -418,9 +419,13 @@ func timeBM[C any](l *Layer, p *plan, bm int, cands []tileCand[C], log *[]string
 func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
 // autoRuleTokens is the largest batch for which Auto picks FusedShared
-// without timing (LayerOptions.NoAutotune): on the H200 the timed choice was
-// FusedShared at 1 and 8 tokens and Dual from 64 tokens (DeepSeek-V2-Lite,
-// bench/RESULTS.md).
+// without timing (LayerOptions.NoAutotune) on a bf16 layer: on the H200 the
+// timed choice was FusedShared at 1 and 8 tokens and Dual from 64 tokens
+// (DeepSeek-V2-Lite, bench/RESULTS.md). An FP8 layer's rule is Dual at every
+// size: there the timed choice was Dual at every count measured
+// (DeepSeek-V2-Lite 1 token 50.9 against 60.7 us, 8 tokens 109.8 against
+// 117.1; DeepSeek-V3 1 token 147.9 against 155.5; session 16), FusedShared
+// running the shared expert in the slower w8a16 tiles.
 const autoRuleTokens = 16
 
 // autoCandidates are the modes Auto times against each other (Layer.autoMode),
@@ -430,7 +435,8 @@ var autoCandidates = [...]Mode{Dual, FusedShared}
 // knownMode returns the mode Auto runs for a fused-path batch of T tokens whose
 // shared expert can be fused, where nothing needs timing: the choice kept for
 // T's bucket, the rule under LayerOptions.NoAutotune (FusedShared up to
-// autoRuleTokens tokens, Dual above), or the tuning cache's. ok is false when
+// autoRuleTokens tokens, Dual above; an FP8 layer Dual), or the tuning
+// cache's. ok is false when
 // the first Auto forward of the bucket is to time the modes (Layer.autoMode).
 // The choices are kept per bucket and listed by TileChoices.
 func (tu *tuner) knownMode(T int) (m Mode, ok bool) {
@@ -439,12 +445,15 @@ func (tu *tuner) knownMode(T int) (m Mode, ok bool) {
 		return m, true
 	}
 	if tu.noTune {
-		m := Dual
-		if T <= autoRuleTokens {
-			m = FusedShared
+		m, rule := Dual, "dual at every size for FP8"
+		if !tu.fp8Rule {
+			rule = fmt.Sprintf("fused up to %d tokens", autoRuleTokens)
+			if T <= autoRuleTokens {
+				m = FusedShared
+			}
 		}
 		tu.autoModes[b] = m
-		tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d): auto runs %v (rule, NoAutotune: fused up to %d tokens)", T, b, m, autoRuleTokens))
+		tu.log = append(tu.log, fmt.Sprintf("T=%d (bucket %d): auto runs %v (rule, NoAutotune: %s)", T, b, m, rule))
 		return m, true
 	}
 	if m, ok := tu.cache.mode(b); ok {

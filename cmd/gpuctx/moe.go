@@ -347,11 +347,11 @@ runs the one-device layer (its --mode and fused kernels).
 with their 128x128 block scales, moe.LayerOptions.FP8), run by the weight-only
 FP8 tiles (bf16 activations) on the fused path; the router and correction bias
 stay as stored, the shared expert is bf16 (single, dual) and FP8 chunks inside
-the FP8 tiles (--mode fused; auto times it against dual per token bucket). An FP8 checkpoint
-(config.json's quantization_config, as DeepSeek-V3/R1 and Qwen3-FP8 ship) loads
-as stored; a bf16 or f32 one is quantized at load. With f32 or bf16, an FP8
-checkpoint is dequantized at load. fp8 runs on one device (not with --gpus
-above 1).
+the FP8 tiles (--mode fused; auto runs dual, or with --autotune the faster of
+the two). An FP8 checkpoint (config.json's quantization_config, as
+DeepSeek-V3/R1 and Qwen3-FP8 ship) loads as stored; a bf16 or f32 one is
+quantized at load. With f32 or bf16, an FP8 checkpoint is dequantized at load.
+fp8 runs on one device (not with --gpus above 1).
 
 After the wall-time breakdown -v prints the device memory of the weights (for
 fp8, against the same layer in bf16) and all the device memory the layer holds

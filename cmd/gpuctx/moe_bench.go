@@ -131,8 +131,8 @@ up to 2*BM rows per touched expert, the 64- and 128-row pairs from 8), the
 rest bf16; its floor counts the FP8 bytes and scales the batch
 touches (and the shared expert's bf16 bytes, in every mode). Mode fused (and
 auto where it times fused faster than dual) runs the shared expert's FP8
-chunks inside the FP8 tiles, so its output check against single allows 1e-1 instead of 2e-2. Run
-it beside --dtype bf16 to compare.
+chunks inside the FP8 tiles, so its output check against single allows 1e-1
+instead of 2e-2. Run it beside --dtype bf16 to compare.
 
 Progress goes to stderr: a bar on a terminal, else one line per step.`
 
