@@ -20,7 +20,7 @@ const (
 	// with an event after the input is ready and joined back with an event before
 	// the combine, so that it overlaps the router and the routed experts.
 	Dual
-	// Auto picks per batch. On the fused routed path (bf16) with a shared
+	// Auto picks per batch. On the fused routed path (bf16, FP8) with a shared
 	// expert it can fuse, it runs Dual or FusedShared, whichever replayed
 	// faster when Auto first ran a batch of that token bucket (measured then,
 	// kept after; by the token count under NoAutotune); with a shared expert
