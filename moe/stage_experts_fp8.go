@@ -131,8 +131,8 @@ var (
 	// and 2801-2885 against 2421 at DeepSeek-V3 1024, whether a pair ran
 	// between issuing a stage's wgmma and waiting for them, after the
 	// stage's scaling, or two every other stage with the warpgroups
-	// alternating; the same with five or four stages (the shared memory,
-	// and so the L1, of the six-stage tile: not the cause). The consumers'
+	// alternating; the same with five stages (as much shared memory, so as
+	// much L1, as the plain six-stage tile: not the cause) or four. The consumers'
 	// time in the epilogue is not spare time under the tensor cores, so
 	// ping-pong warpgroups would have to be judged by a measurement first.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
