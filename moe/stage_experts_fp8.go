@@ -132,9 +132,10 @@ var (
 	// between issuing a stage's wgmma and waiting for them, after the
 	// stage's scaling, or two every other stage with the warpgroups
 	// alternating; the same with five stages (as much shared memory, so as
-	// much L1, as the plain six-stage tile: not the cause) or four. The consumers'
-	// time in the epilogue is not spare time under the tensor cores, so
-	// ping-pong warpgroups would have to be judged by a measurement first.
+	// much L1, as the plain six-stage tile: not the cause) or four. The
+	// consumers' time in the epilogue is not spare time under the tensor
+	// cores, so ping-pong warpgroups would have to be judged by a
+	// measurement first.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
