@@ -45,26 +45,20 @@ var fp8MMASource string
 type FP8Gemm struct {
 	BM, BN int // tile rows (sorted token rows, 16 or 32) and columns (BN divides 128)
 	WarpsN int // warps, side by side over the BN columns
-	Stages int // cp.async pipeline depth, one 128-column K block per stage (KS with a K split)
+	Stages int // cp.async pipeline depth, one 128-column K block per stage
 	// Trans multiplies with the roles of mma.sync's operands swapped
 	// (moe_fp8_mma.cu's f8_block_t): 16 weight rows as the A operand, 8
 	// token rows as B, so that one mma covers 256 weights, the converted
 	// weights go straight into the A registers, and 8 token rows without
 	// data cost no mma. BN/WarpsN must be a multiple of 16.
 	Trans bool
-	// KS (a transposed tile's K split; 0 or 1: none) runs KS groups of
-	// WarpsN warps, each stage holding KS K blocks, one a group; group 0
-	// adds the others' scaled block sums in increasing block order (through
-	// shared memory), so the result is KS = 1's, bit for bit. It gives a
-	// tile of few rows more warps per multiprocessor for the same weights.
-	KS int
 }
 
 // FP8MaxK bounds H and I of the FP8 expert GEMMs (FP8_MAX_KB K blocks: the
 // block scales of a tile are staged in static shared memory).
 const FP8MaxK = 64 * fp8.BlockSize
 
-// FP8Gemms lists the compiled FP8 tiles, smallest first, then the K splits.
+// FP8Gemms lists the compiled FP8 tiles, smallest first.
 var FP8Gemms = []FP8Gemm{
 	{BM: 16, BN: 16, WarpsN: 2, Stages: 8}, // the most blocks for 1-8 tokens
 	{BM: 16, BN: 32, WarpsN: 2, Stages: 6},
@@ -77,11 +71,6 @@ var FP8Gemms = []FP8Gemm{
 	{BM: 16, BN: 64, WarpsN: 4, Stages: 4, Trans: true},
 	{BM: 16, BN: 128, WarpsN: 8, Stages: 3, Trans: true},
 	{BM: 32, BN: 64, WarpsN: 4, Stages: 4, Trans: true},
-	// Split over K, for a token or two: 8-16 warps a block on the weights of
-	// the few touched experts.
-	{BM: 16, BN: 64, WarpsN: 4, Stages: 3, Trans: true, KS: 2},
-	{BM: 16, BN: 64, WarpsN: 4, Stages: 2, Trans: true, KS: 4},
-	{BM: 16, BN: 128, WarpsN: 8, Stages: 2, Trans: true, KS: 2},
 }
 
 // Tried on the H200 and dropped (session 11, call 5: BenchmarkFP8Expert,
@@ -103,21 +92,14 @@ var FP8Gemms = []FP8Gemm{
 // the instructions saved. The tiles are latency-bound, not issue-bound.
 
 // Tag is the suffix of the tile's kernel names, e.g. "m16n32w2s6", or
-// "m16n32w2s6t" for a transposed tile, "m16n64w4k4s2t" for one split in 4
-// over K.
+// "m16n32w2s6t" for a transposed tile.
 func (c FP8Gemm) Tag() string {
-	t, k := "", ""
+	t := ""
 	if c.Trans {
 		t = "t"
 	}
-	if c.KS > 1 {
-		k = fmt.Sprintf("k%d", c.KS)
-	}
-	return fmt.Sprintf("m%dn%dw%d%ss%d%s", c.BM, c.BN, c.WarpsN, k, c.Stages, t)
+	return fmt.Sprintf("m%dn%dw%ds%d%s", c.BM, c.BN, c.WarpsN, c.Stages, t)
 }
-
-// ks is the K split, at least 1.
-func (c FP8Gemm) ks() int { return max(c.KS, 1) }
 
 // UpName is the name of the tile's gate/up + SwiGLU kernel.
 func (c FP8Gemm) UpName() string { return "gpuctx_moe_fp8_up_" + c.Tag() }
@@ -125,24 +107,22 @@ func (c FP8Gemm) UpName() string { return "gpuctx_moe_fp8_up_" + c.Tag() }
 // DownName is the name of the tile's down-projection kernel.
 func (c FP8Gemm) DownName() string { return "gpuctx_moe_fp8_down_" + c.Tag() }
 
-// Threads is the block size: KS groups of WarpsN warps.
-func (c FP8Gemm) Threads() int { return 32 * c.WarpsN * c.ks() }
+// Threads is the block size.
+func (c FP8Gemm) Threads() int { return 32 * c.WarpsN }
 
 // Grid is the launch grid over n output columns (I for up, H for down) and
 // cap sorted rows: (ceil(n/BN), cap/BM).
 func (c FP8Gemm) Grid(n, cap int) (x, y int) { return (n + c.BN - 1) / c.BN, cap / c.BM }
 
 // SmemBytes is the dynamic shared memory of the up (gate and up tiles) or
-// down kernel: Stages times KS copies of a BM x 128 bf16 A tile and of the
-// BN (up: 2*BN) x 128 code B tile, and with a K split the exchange area of
-// two rounds of KS - 1 groups' f32 block sums.
+// down kernel: Stages copies of a BM x 128 bf16 A tile and of the BN (up:
+// 2*BN) x 128 code B tile.
 func (c FP8Gemm) SmemBytes(up bool) int {
 	nb := 1
 	if up {
 		nb = 2
 	}
-	ks := c.ks()
-	return c.Stages*ks*(c.BM*fp8.BlockSize*2+nb*c.BN*fp8.BlockSize) + 2*(ks-1)*nb*c.BN*c.BM*4
+	return c.Stages * (c.BM*fp8.BlockSize*2 + nb*c.BN*fp8.BlockSize)
 }
 
 // staticSmem is the static shared memory: the row tables and the staged
@@ -162,12 +142,10 @@ func (c FP8Gemm) Check() error {
 		return fmt.Errorf("fp8 tile %s: each of the %d warps needs a multiple of 8 columns", c.Tag(), c.WarpsN)
 	case c.Trans && c.BN%(16*c.WarpsN) != 0:
 		return fmt.Errorf("fp8 tile %s: a transposed tile's %d warps each need a multiple of 16 columns", c.Tag(), c.WarpsN)
-	case c.KS < 0 || c.KS > 1 && !c.Trans:
-		return fmt.Errorf("fp8 tile %s: K split %d, want 0 or 1, or more for a transposed tile", c.Tag(), c.KS)
-	case (c.ks()*c.BM*16)%th != 0 || c.ks()*c.BM*16 < th:
-		return fmt.Errorf("fp8 tile %s: a stage's %d A chunks do not split evenly over %d threads", c.Tag(), c.ks()*c.BM*16, th)
-	case (c.ks()*c.BN*8)%th != 0 || c.ks()*c.BN*8 < th:
-		return fmt.Errorf("fp8 tile %s: a down stage's %d B chunks do not split evenly over %d threads", c.Tag(), c.ks()*c.BN*8, th)
+	case (c.BM*16)%th != 0 || c.BM*16 < th:
+		return fmt.Errorf("fp8 tile %s: the A tile's %d chunks do not split evenly over %d threads", c.Tag(), c.BM*16, th)
+	case (c.BN*8)%th != 0 || c.BN*8 < th:
+		return fmt.Errorf("fp8 tile %s: the down B tile's %d chunks do not split evenly over %d threads", c.Tag(), c.BN*8, th)
 	case c.Stages < 2:
 		return fmt.Errorf("fp8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
 	case c.SmemBytes(true)+c.staticSmem() > MoEGemmSmemLimit:
@@ -185,7 +163,7 @@ func fp8MMAInstances() string {
 	var b strings.Builder
 	b.WriteString("\n// ---- Generated by moekernels.fp8MMAInstances from moekernels.FP8Gemms.\n")
 	for _, c := range FP8Gemms {
-		t := fmt.Sprintf("%d, %d, %d, %d, %d", c.BM, c.BN, c.WarpsN, c.ks(), c.Stages)
+		t := fmt.Sprintf("%d, %d, %d, %d", c.BM, c.BN, c.WarpsN, c.Stages)
 		tr := fmt.Sprint(c.Trans)
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d) void %s(const unsigned short* __restrict__ x, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I, int E0, int ns) {
     fp8_gemm<%s, true, %s>(x, gu, gus, sorted, block_expert, npost, act, TK, K, H, I, E0, ns);

@@ -2,7 +2,6 @@ package moekernels
 
 import (
 	"fmt"
-	"math"
 	"testing"
 
 	"github.com/gpuctx/gpuctx/moe/fp8"
@@ -45,50 +44,42 @@ type emuTile struct {
 	Kdim, N, n0, mb, E, ex int
 }
 
-// stage fills stage it's shared memory as the cp.async loads do: KS K
-// blocks from block it*KS (zeros past K), chunk d of the stage's A (B)
-// chunks being chunk d % A_CH of its K block d / A_CH.
-func (u *emuTile) stage(it int) []byte {
+// stage fills one stage's shared memory as the cp.async loads do.
+func (u *emuTile) stage(kb int) []byte {
 	c, NB := u.tile, 1
 	if u.up {
 		NB = 2
 	}
-	th, ks := c.Threads(), c.ks()
-	aCh, bCh := c.BM*16, NB*c.BN*8
-	aBytes, stBytes := aCh*16, aCh*16+bCh*16
-	sm := make([]byte, ks*stBytes)
-	k0 := it * ks * fp8.BlockSize
+	th := c.Threads()
+	aBytes := c.BM * 16 * 16
+	sm := make([]byte, aBytes+NB*c.BN*8*16)
+	k0 := kb * fp8.BlockSize
 	for tid := range th {
-		for i := 0; i < ks*aCh/th; i++ {
+		for i := 0; i < c.BM*16/th; i++ {
 			d := tid + i*th
-			kbl, inner := d/aCh, d%aCh
-			r, ch := emuARow(inner)
-			if emuAChunk(r, ch) != inner {
-				panic(fmt.Sprintf("f8_arow(%d) = (%d, %d), which f8_achunk maps to %d", inner, r, ch, emuAChunk(r, ch)))
+			r, ch := emuARow(d)
+			if emuAChunk(r, ch) != d {
+				panic(fmt.Sprintf("f8_arow(%d) = (%d, %d), which f8_achunk maps to %d", d, r, ch, emuAChunk(r, ch)))
 			}
-			col := k0 + kbl*fp8.BlockSize + ch*8
-			if src := u.rowSrc[r]; src >= 0 && col < u.Kdim {
-				base := u.A[src*u.Kdim+col:] // the kernel's Ab + (src - mb*BM)*Kdim for DOWN
+			if src := u.rowSrc[r]; src >= 0 && k0+ch*8 < u.Kdim {
+				base := u.A[src*u.Kdim+k0+ch*8:] // the kernel's Ab + (src - mb*BM)*Kdim for DOWN
 				for j := range 8 {
-					o := kbl*stBytes + 16*inner
-					sm[o+2*j], sm[o+2*j+1] = byte(base[j]), byte(base[j]>>8)
+					sm[16*d+2*j], sm[16*d+2*j+1] = byte(base[j]), byte(base[j]>>8)
 				}
 			}
 		}
-		for i := 0; i < ks*bCh/th; i++ {
+		for i := 0; i < NB*c.BN*8/th; i++ {
 			d := tid + i*th
-			kbl, inner := d/bCh, d%bCh
-			R, ch := emuBRow(inner)
-			if emuBChunk(R, ch) != inner {
-				panic(fmt.Sprintf("f8_brow(%d) = (%d, %d), which f8_bchunk maps to %d", inner, R, ch, emuBChunk(R, ch)))
+			R, ch := emuBRow(d)
+			if emuBChunk(R, ch) != d {
+				panic(fmt.Sprintf("f8_brow(%d) = (%d, %d), which f8_bchunk maps to %d", d, R, ch, emuBChunk(R, ch)))
 			}
 			half, n := 0, u.n0+R%c.BN
 			if u.up {
 				half = R / c.BN
 			}
-			col := k0 + kbl*fp8.BlockSize + ch*16
-			if n < u.N && col < u.Kdim {
-				copy(sm[kbl*stBytes+aBytes+16*inner:][:16], u.B[(half*u.N+n)*u.Kdim+col:][:16])
+			if n < u.N && k0+ch*16 < u.Kdim {
+				copy(sm[aBytes+16*d:][:16], u.B[(half*u.N+n)*u.Kdim+k0+ch*16:][:16])
 			}
 		}
 	}
@@ -251,87 +242,24 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 		}
 		out[dst][n] = o
 	}
-	ks := c.ks()
-	stBytes := c.BM*16*16 + NB*c.BN*8*16
-	gt, nv := 32*c.WarpsN, NB*MT*NT*4 // a K group's threads, values a thread
 	for w := range c.WarpsN {
 		acc := make([]float32, NB*MT*NT*32*4)
 		at := func(nb, i, t, lane, v int) *float32 { return &acc[(((nb*MT+i)*NT+t)*32+lane)*4+v] }
-		// The exchange area of fp8_main_t ([round parity][group - 1][value]
-		// [thread of the group]), NaN until written, and the groups with
-		// data (live): a split tile neither stores nor adds the others.
-		xq := make([]float32, 2*(ks-1)*nv*gt)
-		for i := range xq {
-			xq[i] = float32(math.NaN())
-		}
-		live := func(rg int) bool {
-			if !c.Trans {
-				return true
-			}
-			for r := 8 * rg; r < 8*rg+8; r++ {
-				if u.rowSrc[r] >= 0 {
-					return true
-				}
-			}
-			return false
-		}
-		// scaled calls fn with each value of group ks's scaled block sums of
-		// block kb (p * s rounded to f32).
-		scaled := func(p [][][][32][4]float64, kb int, fn func(nb, i, t, lane, v int, q float32)) {
+		for kb := range KB {
+			p := block(u.stage(kb), w)
 			for nb := range NB {
 				s := u.S[((u.ex*NB+nb)*NBR+u.n0/128)*KB+kb]
 				for i := range MT {
 					for t := range NT {
 						for lane := range 32 {
 							for v := range 4 {
-								fn(nb, i, t, lane, v, float32(float32(p[nb][i][t][lane][v])*s))
+								a := at(nb, i, t, lane, v)
+								*a += float32(float32(p[nb][i][t][lane][v]) * s)
 							}
 						}
 					}
 				}
 			}
-		}
-		// gather is group 0 adding round r's exchanged sums, as fp8_main_t's.
-		gather := func(r int) {
-			for j := 1; j < ks && r*ks+j < KB; j++ {
-				for nb := range NB {
-					for i := range MT {
-						for t := range NT {
-							if !live(t) {
-								continue
-							}
-							for lane := range 32 {
-								for v := range 4 {
-									x := ((nb*MT+i)*NT+t)*4 + v
-									a := at(nb, i, t, lane, v)
-									*a += xq[(r&1)*(ks-1)*nv*gt+((j-1)*nv+x)*gt+w*32+lane]
-								}
-							}
-						}
-					}
-				}
-			}
-		}
-		NKS := (KB + ks - 1) / ks
-		for it := range NKS {
-			sm := u.stage(it)
-			// The other groups may store round it's sums before group 0
-			// adds round it - 1's (both after the round's barrier): they do
-			// here, so that a shared buffer would show.
-			for g := 1; g < ks && it*ks+g < KB; g++ {
-				scaled(block(sm[g*stBytes:], w), it*ks+g, func(nb, i, t, lane, v int, q float32) {
-					if live(t) {
-						xq[(it&1)*(ks-1)*nv*gt+(g-1)*nv*gt+(((nb*MT+i)*NT+t)*4+v)*gt+w*32+lane] = q
-					}
-				})
-			}
-			if it > 0 {
-				gather(it - 1)
-			}
-			scaled(block(sm, w), it*ks, func(nb, i, t, lane, v int, q float32) { *at(nb, i, t, lane, v) += q })
-		}
-		if NKS > 0 {
-			gather(NKS - 1)
 		}
 		if c.Trans {
 			for mt := range MT {
@@ -393,53 +321,43 @@ func (u *emuTile) run() map[int]map[int]uint16 {
 
 // TestFP8MMAEmulated runs the emulated kernel over every block of every
 // FP8 tile, up and down, on exact data with partial blocks (plain, then
-// widened: fp8MMACase.widen), and checks that it stores the twin's bits
-// exactly where the kernel must store. The K-split tiles also run a K of 10
-// blocks (up: rounds of 4, 4 and 2 blocks for KS = 4) and 4 (down), so
-// that their exchange runs more than one round.
+// widened: fp8MMACase.widen), and checks that
+// it stores the twin's bits exactly where the kernel must store.
 func TestFP8MMAEmulated(t *testing.T) {
+	w := newFP8MMAWeights(3, 272, 144, true, 5)
 	cpu := newTestDevice(t)
-	for _, sh := range []struct {
-		H, I  int
-		split bool // the K-split tiles only
-	}{{272, 144, false}, {1168, 400, true}} {
-		w := newFP8MMAWeights(3, sh.H, sh.I, true, 5)
-		wp := w.upload(t, cpu)
-		for _, wide := range []bool{false, true} {
-			c := w.batch(20, 2, 6)
-			if wide {
-				c.widen(9)
-			}
-			for _, tile := range FP8Gemms {
-				if sh.split && tile.ks() == 1 {
-					continue
-				}
-				for _, up := range []bool{true, false} {
-					t.Run(fmt.Sprintf("H=%d/%s/up=%v/wide=%v", sh.H, tile.Tag(), up, wide), func(t *testing.T) {
-						want := c.run(t, cpu, wp, tile, up)
-						got := emuRun(c, tile, up)
-						ncol := map[bool]int{true: c.I, false: c.H}[up]
-						stored := 0
-						for row, cols := range got {
-							for n, v := range cols {
-								stored++
-								if want[row*ncol+n] != v {
-									t.Fatalf("row %d column %d: emulated kernel %#04x, twin %#04x", row, n, v, want[row*ncol+n])
-								}
+	wp := w.upload(t, cpu)
+	for _, wide := range []bool{false, true} {
+		c := w.batch(20, 2, 6)
+		if wide {
+			c.widen(9)
+		}
+		for _, tile := range FP8Gemms {
+			for _, up := range []bool{true, false} {
+				t.Run(fmt.Sprintf("%s/up=%v/wide=%v", tile.Tag(), up, wide), func(t *testing.T) {
+					want := c.run(t, cpu, wp, tile, up)
+					got := emuRun(c, tile, up)
+					ncol := map[bool]int{true: c.I, false: c.H}[up]
+					stored := 0
+					for row, cols := range got {
+						for n, v := range cols {
+							stored++
+							if want[row*ncol+n] != v {
+								t.Fatalf("row %d column %d: emulated kernel %#04x, twin %#04x", row, n, v, want[row*ncol+n])
 							}
 						}
-						sorted, blockExpert, npost, _ := c.align(tile.BM)
-						rows := 0
-						for p := range int(npost) {
-							if blockExpert[p/tile.BM] >= 0 && (up || int(sorted[p]) < len(c.idx)) {
-								rows++
-							}
+					}
+					sorted, blockExpert, npost, _ := c.align(tile.BM)
+					rows := 0
+					for p := range int(npost) {
+						if blockExpert[p/tile.BM] >= 0 && (up || int(sorted[p]) < len(c.idx)) {
+							rows++
 						}
-						if stored != rows*ncol {
-							t.Errorf("the emulated kernel stored %d values, want %d rows of %d", stored, rows, ncol)
-						}
-					})
-				}
+					}
+					if stored != rows*ncol {
+						t.Errorf("the emulated kernel stored %d values, want %d rows of %d", stored, rows, ncol)
+					}
+				})
 			}
 		}
 	}

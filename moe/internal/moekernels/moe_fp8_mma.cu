@@ -277,17 +277,9 @@ static __device__ __forceinline__ void f8_block_t(const unsigned char* st, int a
 }
 
 // fp8_main_t is fp8_gemm's loop and epilogue for the transposed tiles
-// (f8_block_t): the same scaling order and stores, with the accumulators of
-// f8_block_t's layout. With KS > 1 the block's warps form KS groups of
-// WARPS_N (a K split: more warps per multiprocessor for the same weights,
-// whose conversions are latency-bound with one warp a scheduler) and each
-// stage holds KS consecutive K blocks: group ks multiplies block it*KS + ks
-// of round it. Group 0 keeps the accumulators; every other group stores its
-// scaled block sum __fmul_rn(p, s) in the exchange area (two rounds'
-// buffers, after the stages), and group 0 adds them after the next
-// barrier, in increasing block order, before its own block of the next
-// round: every output is the sum of KS = 1's order, bit for bit.
-template <int BM, int BN, int WARPS_N, int KS, int STAGES, bool UP, typename Load>
+// (f8_block_t): the same stages, scaling order and stores, with the
+// accumulators of f8_block_t's layout.
+template <int BM, int BN, int WARPS_N, int STAGES, bool UP, typename Load>
 static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[FP8_MAX_KB], const int* row_src,
                                                   const int* row_dst, unsigned short* __restrict__ C, int KB, int N,
                                                   int n0) {
@@ -295,14 +287,8 @@ static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[
     constexpr int NB = UP ? 2 : 1;
     constexpr int A_BYTES = BM * 16 * 16;
     constexpr int ST_BYTES = A_BYTES + NB * BN * 8 * 16;
-    constexpr int SST = KS * ST_BYTES;  // one stage: KS K blocks
-    constexpr int GT = 32 * WARPS_N;    // the threads of one K group
-    constexpr int NV = NB * MW * RG * 4;
     static_assert(WN % 16 == 0 && BM % 8 == 0, "transposed tiles: 16 weight rows per m-tile, 8 token rows per group");
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int ks = warp / WARPS_N, wn = warp - ks * WARPS_N, gt = tid - ks * GT;
-    // The exchange area: [round parity][group ks - 1][value][thread of the group].
-    float* const xq = (float*)(f8_dyn + STAGES * SST);
     bool live[RG];  // a group of 8 token rows with data (the row tables are filled: moe_tile_begin's barrier)
 #pragma unroll
     for (int rg = 0; rg < RG; ++rg) {
@@ -320,79 +306,40 @@ static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[
             for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
                 for (int v = 0; v < 4; ++v) acc[nb][mt][rg][v] = 0.0f;
-    // gather adds the other groups' scaled sums of round r to group 0's
-    // accumulators, block r*KS + 1 first.
-    auto gather = [&](int r) {
-        const float* xr = xq + (r & 1) * (KS - 1) * NV * GT + gt;
-#pragma unroll
-        for (int j = 1; j < KS; ++j) {
-            if (r * KS + j >= KB) break;
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-                for (int mt = 0; mt < MW; ++mt)
-#pragma unroll
-                    for (int rg = 0; rg < RG; ++rg) {
-                        if (!live[rg]) continue;
-#pragma unroll
-                        for (int v = 0; v < 4; ++v) {
-                            const int i = ((nb * MW + mt) * RG + rg) * 4 + v;
-                            acc[nb][mt][rg][v] = __fadd_rn(acc[nb][mt][rg][v], xr[((j - 1) * NV + i) * GT]);
-                        }
-                    }
-        }
-    };
-    // The slots of stage it and of the stage loaded during it (it + STAGES -
+    // The slots of stage kb and of the stage loaded during it (kb + STAGES -
     // 1), kept as counters (a modulo by 3 stages compiles to a wide multiply;
     // dropping it changed no timing measurably on the H200).
-    const int NKS = (KB + KS - 1) / KS;
     int cur = 0, nxt = STAGES - 1;
-    for (int it = 0; it < NKS; ++it) {
+    for (int kb = 0; kb < KB; ++kb) {
         f8_wait<STAGES - 2>();
         __syncthreads();
-        if (it + STAGES - 1 < NKS) load(nxt, (it + STAGES - 1) * KS);
+        if (kb + STAGES - 1 < KB) load(nxt, kb + STAGES - 1);
         f8_commit();
-        if (KS > 1 && ks == 0 && it > 0) gather(it - 1);
-        const int kb = it * KS + ks;
-        if (kb < KB) {
-            float p[NB][MW][RG][4];
+        float p[NB][MW][RG][4];
 #pragma unroll
-            for (int nb = 0; nb < NB; ++nb)
+        for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-                for (int mt = 0; mt < MW; ++mt)
+            for (int mt = 0; mt < MW; ++mt)
 #pragma unroll
-                    for (int rg = 0; rg < RG; ++rg)
+                for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
-                        for (int v = 0; v < 4; ++v) p[nb][mt][rg][v] = 0.0f;
-            f8_block_t<MW, RG, NB, BN>(f8_dyn + cur * SST + ks * ST_BYTES, A_BYTES, wn * WN, lane, live, p);
-            float* const xw = xq + (it & 1) * (KS - 1) * NV * GT + (ks - 1) * NV * GT + gt;
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb) {
-                const float s = sc[nb][kb];
-#pragma unroll
-                for (int mt = 0; mt < MW; ++mt)
-#pragma unroll
-                    for (int rg = 0; rg < RG; ++rg)
-#pragma unroll
-                        for (int v = 0; v < 4; ++v) {
-                            const float q = __fmul_rn(p[nb][mt][rg][v], s);
-                            if (KS == 1 || ks == 0) {
-                                acc[nb][mt][rg][v] = __fadd_rn(acc[nb][mt][rg][v], q);
-                            } else if (live[rg]) {
-                                xw[(((nb * MW + mt) * RG + rg) * 4 + v) * GT] = q;
-                            }
-                        }
-            }
-        }
+                    for (int v = 0; v < 4; ++v) p[nb][mt][rg][v] = 0.0f;
+        f8_block_t<MW, RG, NB, BN>(f8_dyn + cur * ST_BYTES, A_BYTES, warp * WN, lane, live, p);
         cur = cur + 1 == STAGES ? 0 : cur + 1;
         nxt = nxt + 1 == STAGES ? 0 : nxt + 1;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const float s = sc[nb][kb];
+#pragma unroll
+            for (int mt = 0; mt < MW; ++mt)
+#pragma unroll
+                for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+                    for (int v = 0; v < 4; ++v)
+                        acc[nb][mt][rg][v] = __fadd_rn(acc[nb][mt][rg][v], __fmul_rn(p[nb][mt][rg][v], s));
+        }
     }
     f8_wait<0>();
-    if (KS > 1) {
-        __syncthreads();  // the last round's exchange
-        if (ks != 0) return;
-        if (NKS > 0) gather(NKS - 1);
-    }
 
     // Epilogue: register v of (mt, rg) is weight row (output column) 16*mt +
     // g + 8*(v/2) of the warp's columns and token row 8*rg + 2c + v%2. UP
@@ -417,7 +364,7 @@ static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[
             const bool zero = UP && row_src[r] < 0;
 #pragma unroll
             for (int mt = 0; mt < MW; ++mt) {
-                const int n = n0 + wn * WN + 16 * mt + (lane >> 2) + 8 * (v >> 1);
+                const int n = n0 + warp * WN + 16 * mt + (lane >> 2) + 8 * (v >> 1);
                 if (n >= N) continue;
                 unsigned short o;
                 if (UP) {
@@ -431,28 +378,26 @@ static __device__ __forceinline__ void fp8_main_t(Load& load, const float (*sc)[
         }
 }
 
-template <int BM, int BN, int WARPS_N, int KS, int STAGES, bool UP, bool TR>
+template <int BM, int BN, int WARPS_N, int STAGES, bool UP, bool TR>
 static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict__ A, const unsigned char* __restrict__ B,
                                                 const float* __restrict__ S, const int* __restrict__ sorted,
                                                 const int* __restrict__ block_expert, const int* __restrict__ npost,
                                                 unsigned short* __restrict__ C, int TK, int topk, int Kdim, int N, int E0,
                                                 int ns) {
-    constexpr int THREADS = 32 * WARPS_N * KS;
+    constexpr int THREADS = 32 * WARPS_N;
     constexpr int MT = BM / 16;
     constexpr int WN = BN / WARPS_N;
     constexpr int NT = WN / 8;
     constexpr int NB = UP ? 2 : 1;  // weight halves: gate and up, or down
-    constexpr int A_CH = BM * 16;   // 16-byte chunks of one K block's A tile
+    constexpr int A_CH = BM * 16;   // 16-byte chunks of a stage's A tile
     constexpr int B_CH = NB * BN * 8;
     constexpr int A_BYTES = A_CH * 16;
     constexpr int ST_BYTES = A_BYTES + B_CH * 16;
-    constexpr int SST = KS * ST_BYTES;  // a stage: KS K blocks (fp8_main_t)
-    constexpr int A_PER = KS * A_CH / THREADS;
-    constexpr int B_PER = KS * B_CH / THREADS;
+    constexpr int A_PER = A_CH / THREADS;
+    constexpr int B_PER = B_CH / THREADS;
     static_assert(BM % 16 == 0 && WN % 8 == 0 && 128 % BN == 0, "BM a multiple of 16, BN/WARPS_N of 8, BN divides 128");
-    static_assert(A_PER >= 1 && KS * A_CH % THREADS == 0 && B_PER >= 1 && KS * B_CH % THREADS == 0,
+    static_assert(A_PER >= 1 && A_CH % THREADS == 0 && B_PER >= 1 && B_CH % THREADS == 0,
                   "tile chunks must split evenly over the threads");
-    static_assert(KS >= 1 && (KS == 1 || TR), "a K split is a transposed tile's");
 
     __shared__ int row_src[BM];
     __shared__ int row_dst[BM];
@@ -467,52 +412,41 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
     const int KB = (Kdim + FP8_BK - 1) / FP8_BK;
 
     // Each thread copies fixed chunks of the tiles at every stage: their
-    // sources (element offsets, -1 for a zero row), columns and (with a K
-    // split) shared-memory offsets are computed once. Chunk d of a stage's
-    // A (B) chunks is chunk d % A_CH of K block d / A_CH of the stage.
+    // sources (element offsets, -1 for a zero row) and columns are computed once.
     const unsigned short* Ab = UP ? A : A + (long long)mb * BM * Kdim;
     const unsigned char* Be = B + (long long)e * NB * N * Kdim;
     int ga[A_PER], gb[B_PER], ca[A_PER], cb[B_PER];
-    unsigned sa[KS > 1 ? A_PER : 1], sb[KS > 1 ? B_PER : 1];
 #pragma unroll
     for (int i = 0; i < A_PER; ++i) {
-        const int d = tid + i * THREADS, kbl = KS > 1 ? d / A_CH : 0, inner = d - kbl * A_CH;
         int r, ch;
-        f8_arow(inner, r, ch);
+        f8_arow(tid + i * THREADS, r, ch);
         const int src = row_src[r];
-        ca[i] = kbl * FP8_BK + ch * 8;
+        ca[i] = ch * 8;
         ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + ca[i] : -1;
-        if constexpr (KS > 1) sa[i] = (unsigned)(kbl * ST_BYTES + inner * 16);
     }
 #pragma unroll
     for (int i = 0; i < B_PER; ++i) {
-        const int d = tid + i * THREADS, kbl = KS > 1 ? d / B_CH : 0, inner = d - kbl * B_CH;
         int R, ch;
-        f8_brow(inner, R, ch);
+        f8_brow(tid + i * THREADS, R, ch);
         const int half = UP ? R / BN : 0;
         const int n = n0 + R % BN;
-        cb[i] = kbl * FP8_BK + ch * 16;
+        cb[i] = ch * 16;
         gb[i] = n < N ? (half * N + n) * Kdim + cb[i] : -1;
-        if constexpr (KS > 1) sb[i] = (unsigned)(kbl * ST_BYTES + A_BYTES + inner * 16);
     }
-    // load(slot, kb) fills stage slot with K blocks kb .. kb + KS - 1
-    // (zeros past K).
-    const unsigned sbase = f8_smem(f8_dyn) + (KS > 1 ? 0u : 16u * (unsigned)tid);
+    const unsigned sbase = f8_smem(f8_dyn) + 16u * (unsigned)tid;
     auto load = [&](int slot, int kb) {
-        const unsigned st = sbase + (unsigned)(slot * SST);
+        const unsigned st = sbase + (unsigned)(slot * ST_BYTES);
         const int k0 = kb * FP8_BK;
-        const bool whole = k0 + KS * FP8_BK <= Kdim;  // every column of the stage exists
+        const bool whole = k0 + FP8_BK <= Kdim;  // every column of the block exists
 #pragma unroll
         for (int i = 0; i < A_PER; ++i) {
             const bool ok = ga[i] >= 0 && (whole || k0 + ca[i] < Kdim);
-            const unsigned dst = KS > 1 ? st + sa[i] : st + 16u * (unsigned)(i * THREADS);
-            f8_cp16(dst, Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
+            f8_cp16(st + 16u * (unsigned)(i * THREADS), Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < B_PER; ++i) {
             const bool ok = gb[i] >= 0 && (whole || k0 + cb[i] < Kdim);
-            const unsigned dst = KS > 1 ? st + sb[i] : st + (unsigned)A_BYTES + 16u * (unsigned)(i * THREADS);
-            f8_cp16w(dst, Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
+            f8_cp16w(st + (unsigned)A_BYTES + 16u * (unsigned)(i * THREADS), Be + (ok ? gb[i] + k0 : 0), ok ? 16 : 0);
         }
     };
 
@@ -529,7 +463,7 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s * KS < KB) load(s, s * KS);
+        if (s < KB) load(s, s);
         f8_commit();
     }
     // The block scales, staged once the first loads are in flight (the first
@@ -540,7 +474,7 @@ static __device__ __forceinline__ void fp8_gemm(const unsigned short* __restrict
         sc[q][kb] = S[((long long)(e * NB + q) * NBR + n0 / FP8_BK) * KB + kb];
     }
     if constexpr (TR) {
-        fp8_main_t<BM, BN, WARPS_N, KS, STAGES, UP>(load, sc, row_src, row_dst, C, KB, N, n0);
+        fp8_main_t<BM, BN, WARPS_N, STAGES, UP>(load, sc, row_src, row_dst, C, KB, N, n0);
         return;
     }
     for (int kb = 0; kb < KB; ++kb) {
