@@ -90,6 +90,28 @@ var FP8Gemms = []FP8Gemm{
 // 109.5 against 110.0 us), down 10-20% slower (62.4 against 55.4; Qwen3-30B-A3B
 // 106.2 against 88.0), the extra barrier-bound conversion costing more than
 // the instructions saved. The tiles are latency-bound, not issue-bound.
+//
+// Also tried and dropped (session 17, commit 7c6ed13, reverted): transposed
+// tiles split over K inside the block (KS groups of WarpsN warps, each stage
+// KS K blocks, one a group; group 0 added the others' scaled block sums
+// through shared memory in block order, so the bits were KS = 1's; the
+// CUDA tests passed). The point was more warps per multiprocessor for the
+// few-row tiles, whose one warp a scheduler waits 3.2 cycles per
+// instruction at one token. On the H200 they were no faster:
+// m16n64w4k4s2t (16 warps) took 17.5 us for Qwen3-30B-A3B's one-token up
+// GEMM against 17.4-19.5 for m16n64w4s4t and 17.8 for m16n64w4s4,
+// m16n64w4k2s3t 20.0; the downs and every 8-token cell were slower (8
+// tokens up 77.1 against 58.4 for m16n128w8s3t). ncu of the k4 up kernel:
+// 18.05 us at 29% of DRAM as before, 23% occupancy instead of 6%, but 35%
+// more instructions (4.78 M against 3.53 M) and 8.8 cycles per instruction
+// a warp. Its 213 KB of shared memory also left no room beside it: in
+// DeepSeek-V2-Lite's dual mode, where the tuner had picked it, the shared
+// expert no longer overlapped (dual 72.2 us against fused 64.4). Deeper
+// pipelines did not pay either (session 17, never committed): m16n64w4s6t
+// and m16n64w4s8t took 18.0 and 18.4 us for that up GEMM, and 80.3 and 82.9
+// at 8 tokens; m16n128w8s5t gained 1.2 us on DeepSeek-V3's one-token down
+// GEMM (38.6 against 39.8) and lost elsewhere. What bounds the one-token
+// tiles is still open: neither one warp's latency nor bytes in flight alone.
 
 // Tag is the suffix of the tile's kernel names, e.g. "m16n32w2s6", or
 // "m16n32w2s6t" for a transposed tile.
