@@ -8,7 +8,6 @@ import (
 	"math"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"testing"
 
@@ -785,80 +784,6 @@ func TestLayerFP8W8A8(t *testing.T) {
 							t.Errorf("T=%d: %v differs from single (relative %.3g)", T, mode, relErr(l.decode(got), l.decode(single)))
 						}
 					}
-				}
-			})
-		}
-	}
-}
-
-// TestLayerFP8QuantTiles runs every w8a8 pair that quantizes its own rows
-// (moekernels.W8A8Gemm.Quant: no quantizer launched) in FP8 layers,
-// forced through the plan, beside the transposed pair of the same rows
-// without Quant, fed by the quantizer, on every backend that has the w8a8 tiles: the forwards must be
-// bitwise equal (the same codes and scales, the same products), in Single,
-// Dual and replayed graphs, at batches of one to several rows per expert.
-func TestLayerFP8QuantTiles(t *testing.T) {
-	parallelHeavy(t)
-	for _, b := range layerBackends(t) {
-		for _, name := range []string{"deepseek_v3", "qwen3_moe"} {
-			cfg := fp8Configs()[name]
-			w, err := RandomWeights(cfg, 17)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Run(b.name+"/"+name, func(t *testing.T) {
-				forced := func(tp fp8Pair) *Layer {
-					l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoAutotune: true})
-					if err != nil {
-						t.Fatal(err)
-					}
-					t.Cleanup(func() { l.Close() })
-					recordPlans(l, func(p *plan) {
-						if p.path == pathFused {
-							p.fp8, p.sortBM = tp, tp.bm()
-						}
-					})
-					return l
-				}
-				n := 0
-				for _, tp := range w8a8Pairs {
-					if !tp.w8up.Quant {
-						continue
-					}
-					n++
-					// The transposed pair of the same rows without Quant.
-					i := slices.IndexFunc(w8a8Pairs[:], func(o fp8Pair) bool {
-						return o.w8up.Trans && !o.w8up.Quant && o.bm() == tp.bm()
-					})
-					if i < 0 {
-						t.Fatalf("%s: no transposed pair of %d rows without Quant", tp.tags(), tp.bm())
-					}
-					plain := w8a8Pairs[i]
-					lq, lp := forced(tp), forced(plain)
-					if !lq.experts.q.w8 {
-						t.Skipf("%s has no w8a8 tiles (compute capability 9.0 only)", b.dev.Info().Name)
-					}
-					for _, T := range heavyShapes([]int{1, 3, 2 * cfg.NumExperts / cfg.TopK}, []int{1, 3}) {
-						x := randomX(T, cfg.HiddenSize, uint64(T)+23)
-						want := deviceRun(t, lp, x, T, Single, Whole)
-						rec := recordPlans(lq, func(p *plan) {
-							if p.path == pathFused {
-								p.fp8, p.sortBM = tp, tp.bm()
-							}
-						})
-						for _, mode := range []Mode{Single, Dual, Single, Dual} { // the repeats replay graphs
-							got := deviceRun(t, lq, x, T, mode, Whole)
-							if rec.last.fp8 != tp {
-								t.Fatalf("T=%d %v: the forward ran %s, not the forced %s", T, mode, rec.last.fp8.tags(), tp.tags())
-							}
-							if !bytes.Equal(got, want) {
-								t.Errorf("T=%d %v: %s differs from %s (relative %.3g)", T, mode, tp.tags(), plain.tags(), relErr(lq.decode(got), lq.decode(want)))
-							}
-						}
-					}
-				}
-				if n == 0 {
-					t.Fatal("no w8a8 pair quantizes its own rows")
 				}
 			})
 		}

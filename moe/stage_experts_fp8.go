@@ -170,22 +170,6 @@ var (
 	w8a8T16Down = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 4, Trans: true}
 	w8a8T32Up   = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true}
 	w8a8T32Down = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 4, Trans: true}
-	// The 8-row transposed pair that quantizes its own rows
-	// (moekernels.W8A8Gemm.Quant): a forward of it launches no quantizer
-	// (two launches fewer on the critical path, 3-6 us each when timed
-	// alone on the H200 at 1-8 tokens); each block quantizes its live rows,
-	// so the work grows with the column blocks per expert. The up tile has
-	// three stages: at four its row region made it 81 KB of shared memory,
-	// two blocks per SM instead of three, 30% slower from 8 tokens. H200,
-	// session 19 (bench/RESULTS.md): kernels alone at 1 token 25.4 us
-	// against 29.2 for the plain 8-row chain (Qwen3-30B-A3B), 31.6 against
-	// 34.4 (DeepSeek-V2-Lite), slower from 8 tokens (84.5 against 80.2); in
-	// the layer at 1 token Qwen3-30B-A3B 48.8-49.1 us against 49.1-49.6
-	// with the w8a16 tiles only, DeepSeek-V2-Lite's routed experts 52.4-56.0
-	// against 61.1-62.1. The tuner times it beside the others (up to 16
-	// rows per touched expert).
-	w8a8T8QUp   = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 3, Trans: true, Quant: true, Up: true}
-	w8a8T8QDown = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Quant: true}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs
@@ -564,10 +548,8 @@ func (x *expertStage) fp8Down(c moekernels.FP8Gemm, d *dispatchStage, p *plan) e
 // gpuctx_moe_fp8_quant of x into xq/xs, the w8a8 up tile (gate/up GEMM,
 // SwiGLU into act, bf16), the quantizer of act's sorted rows (below the
 // sort's npost, read on the device; a grid sized for the cap) into aq/as,
-// and the w8a8 down tile into out. A Quant tile (W8A8Gemm.Quant) reads
-// the bf16 rows itself (x, act) and its quantizer is not launched. Each
-// kernel waits on the device for the one ahead (LaunchEarly); nothing
-// waits for the host.
+// and the w8a8 down tile into out. Each kernel waits on the device for the
+// one ahead (LaunchEarly); nothing waits for the host.
 func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
 	e, q, tp := x.e, x.q, p.fp8
 	H, I, K := e.cfg.HiddenSize, e.cfg.Intermediate, p.ks
@@ -579,27 +561,23 @@ func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) er
 	}
 	cp := moekernels.AlignCap(TK, p.experts, tp.w8up.BM)
 	qb := gpuctx.Dim3{X: moekernels.FP8QuantThreads, Y: 1, Z: 1}
-	xa := moekernels.W8A8Up{Xq: x.xq, Xs: x.xs, Gu: q.gu, Gus: q.gus, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost,
-		Act: x.act, TK: int32(TK), K: int32(K), H: int32(H), I: int32(I)}
-	if tp.w8up.Quant {
-		xa.Xq, xa.Xs = in, in
-	} else if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(p.T, H), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
+	if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(p.T, H), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
 		X: in, Codes: x.xq, Scales: x.xs, Npost: d.npost, R: int32(p.T), K: int32(H)}); err != nil {
 		return err
 	}
 	sms := e.dev.Info().SMCount
 	gx, gy := tp.w8up.Grid(I, cp, sms)
-	if err := up.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.w8up.Threads(), Y: 1, Z: 1}, tp.w8up.SmemBytesK(H), xa); err != nil {
+	if err := up.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.w8up.Threads(), Y: 1, Z: 1}, tp.w8up.SmemBytes(), moekernels.W8A8Up{
+		Xq: x.xq, Xs: x.xs, Gu: q.gu, Gus: q.gus, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: x.act,
+		TK: int32(TK), K: int32(K), H: int32(H), I: int32(I)}); err != nil {
 		return err
 	}
-	da := moekernels.W8A8Down{Aq: x.aq, As: x.as, Down: q.down, Downs: q.downs, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost,
-		Out: x.out, TK: int32(TK), H: int32(H), I: int32(I)}
-	if tp.w8down.Quant {
-		da.Aq, da.As = x.act, x.act
-	} else if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(cp, I), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
+	if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(cp, I), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
 		X: x.act, Codes: x.aq, Scales: x.as, Npost: d.npost, R: int32(cp), K: int32(I), Bounded: 1}); err != nil {
 		return err
 	}
 	gx, gy = tp.w8down.Grid(H, cp, sms)
-	return down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.w8down.Threads(), Y: 1, Z: 1}, tp.w8down.SmemBytesK(I), da)
+	return down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.w8down.Threads(), Y: 1, Z: 1}, tp.w8down.SmemBytes(), moekernels.W8A8Down{
+		Aq: x.aq, As: x.as, Down: q.down, Downs: q.downs, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Out: x.out,
+		TK: int32(TK), H: int32(H), I: int32(I)})
 }

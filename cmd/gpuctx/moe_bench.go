@@ -127,9 +127,7 @@ device (moe.LayerOptions.FP8: E4M3 codes and 128x128 block scales, the w8a16
 tiles, or on compute capability 9.0 the w8a8 tiles over activations quantized
 to E4M3 on the device; timed per token bucket as the bf16 tiles, the w8a8
 chains against the w8a16 tiles: the transposed pairs of BM = 8, 16, 32 rows
-up to 2*BM rows per touched expert, the 8-row pair also as tiles that
-quantize their own rows (no quantizer launches), the 64- and 128-row pairs
-from 8), the
+up to 2*BM rows per touched expert, the 64- and 128-row pairs from 8), the
 rest bf16; its floor counts the FP8 bytes and scales the batch
 touches (and the shared expert's bf16 bytes, in every mode). Mode fused (and
 auto where it times fused faster than dual) runs the shared expert's FP8

@@ -669,21 +669,7 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
 //
 // Register 4j + 2hr + v of a warp's wgmma accumulator is weight row 16w +
 // lane/4 + 8hr of its warpgroup's 64 and tile row (token) 8j + 2(lane%4) + v.
-//
-// QA (W8A8Gemm.Quant) makes the tile quantize its own rows: A holds bf16
-// values (UP: x [T, Kdim]; DOWN: act [cap, Kdim]) and AS is not read. Each
-// half-warp takes (row, K block) items, r = item / KB (the first round's
-// loads issued before the weight stages, the quantizing after them), and
-// quantizes a live row's 128 columns with
-// w8_quant8 (gpuctx_moe_fp8_quant's code, so the same codes and scales) into
-// a region of KB row tiles after the stages, in the stages' swizzled row
-// layout, the scale into rsc; a padding row gets zero codes and scale 0. The
-// stages then carry only weights, and the K loop's wgmma read the row tile
-// of block kb from that region: the same products, sums and scaling as the
-// tile fed by the quantizer, so the same bits, without the quantizer's
-// launches. Dynamic shared memory STAGES * NB*BN * 128 + KB * BM * 128 +
-// 1024 (W8A8Gemm.SmemBytesK); with less the kernel returns at once.
-template <int BM, int BN, int STAGES, bool UP, bool QA = false>
+template <int BM, int BN, int STAGES, bool UP>
 static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__ A, const float* __restrict__ AS,
                                                const unsigned char* __restrict__ B, const float* __restrict__ S,
                                                const int* __restrict__ sorted, const int* __restrict__ block_expert,
@@ -694,7 +680,7 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
     constexpr int THREADS = 128 * GROUPS;
     constexpr int NB = UP ? 2 : 1;
     constexpr int WR = NB * BN;  // weight rows of a stage: the gate's BN then the up's, or the down's
-    constexpr unsigned W_BYTES = WR * 128, ST_BYTES = QA ? W_BYTES : (WR + BM) * 128;
+    constexpr unsigned W_BYTES = WR * 128, ST_BYTES = (WR + BM) * 128;
     static_assert(BN % 64 == 0 && W8_BK % BN == 0, "tile: BN 64 or 128 (a warpgroup per 64 columns, one scale block)");
     static_assert(BM % 8 == 0 && BM >= 8 && BM <= 64, "tile: BM a multiple of 8 of at most 64 (the wgmma's N)");
     static_assert(STAGES >= 2, "at least two stages");
@@ -716,11 +702,6 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
     const int tid = threadIdx.x;
     const int KB = (Kdim + W8_BK - 1) / W8_BK;
     const int kch = (tid % CH) * 16;
-    if (QA) {
-        unsigned dyn;
-        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < STAGES * W_BYTES + (unsigned)KB * BM * 128u + 1024u) return;  // uniform: no barrier skipped
-    }
 
     // Weight chunks: tile row r (UP: r / BN the gate or the up, column n0 +
     // r % BN), 64-bit offsets from this expert's B.
@@ -756,7 +737,6 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
             const bool ok = kok && gw[i] >= 0;
             w8_cp16(st + ow[i], Be + (ok ? gw[i] + k0 : 0), ok ? 16 : 0);
         }
-        if (QA) return;  // the rows were quantized into the row region
 #pragma unroll
         for (int i = 0; i < A_PER; ++i) {
             if ((BM * CH) % THREADS != 0 && oa[i] == ~0u) break;
@@ -765,26 +745,6 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
         }
     };
 
-    // QA: the first round of x loads (items i0 = tid / 16 + u * HW) goes out
-    // before the weight stages, so that its rows are back and quantized while
-    // the stages stream in; later rounds load in the loop below.
-    const unsigned short* X = (const unsigned short*)A;
-    constexpr int HW = THREADS / 16, U = 4;
-    const int l16 = tid & 15;
-    uint4 hx[U];
-    auto xload = [&](int i0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int it = i0 + u * HW;
-            hx[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (it < BM * KB) {
-                const int r = it / KB, k = (it - r * KB) * W8_BK + 8 * l16;
-                const int src = row_src[r];
-                if (src >= 0 && k < Kdim) hx[u] = *(const uint4*)(X + (long long)src * Kdim + k);
-            }
-        }
-    };
-    if (QA) xload(tid >> 4);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KB) load(s, s);
@@ -792,51 +752,16 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
     }
     // The weight block scales of the tile's columns (one block row) and the
     // rows' scales, staged once the first loads are in flight; the loop's
-    // first barrier orders these stores before their reads. The weight
-    // scales are loaded into registers first and stored last, so that their
-    // loads are in flight with the rows' (QA: with the x loads).
+    // first barrier orders these stores before their reads.
     const int NBR = (N + W8_BK - 1) / W8_BK;
-    constexpr int SPER = (NB * FP8_MAX_KB + THREADS - 1) / THREADS;
-    float sreg[SPER];
-#pragma unroll
-    for (int j = 0; j < SPER; ++j) {
-        const int i = tid + j * THREADS, q = i / KB, kb = i - q * KB;
-        if (i < NB * KB) sreg[j] = S[((long long)(e * NB + q) * NBR + n0 / W8_BK) * KB + kb];
+    for (int i = tid; i < NB * KB; i += THREADS) {
+        const int q = i / KB, kb = i - q * KB;
+        sc[q][kb] = S[((long long)(e * NB + q) * NBR + n0 / W8_BK) * KB + kb];
     }
-    const unsigned qbase = sbase + STAGES * W_BYTES;  // QA: the KB row tiles
-    if (QA) {
-        // Items (r, kb) with r = item / KB, so that a few live rows spread
-        // over every half-warp; four items' loads in flight at a time. The
-        // item is uniform over a half-warp, whose 16 lanes are w8_quant8's
-        // shuffle mask (the halves of a warp may take different counts).
-        const unsigned hmask = 0xffffu << (tid & 16);
-        for (int i0 = tid >> 4; i0 < BM * KB; i0 += U * HW) {
-            if (i0 != tid >> 4) xload(i0);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int it = i0 + u * HW;
-                if (it >= BM * KB) break;
-                const int r = it / KB, kb = it - r * KB;
-                uint2 c = make_uint2(0u, 0u);
-                float sq = 0.0f;
-                if (row_src[r] >= 0) c = w8_quant8(hx[u], hmask, sq);
-                const unsigned a = qbase + (unsigned)(kb * BM + r) * 128u +
-                                   ((unsigned)(((l16 >> 1) ^ (r & 7)) << 4) | ((unsigned)(l16 & 1) << 3));
-                asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(a), "r"(c.x), "r"(c.y) : "memory");
-                if (l16 == 0) rsc[kb][r] = sq;
-            }
-        }
-    } else {
-        for (int i = tid; i < BM * KB; i += THREADS) {
-            const int r = i / KB, kb = i - r * KB;
-            const int src = row_src[r];
-            rsc[kb][r] = src >= 0 ? AS[(long long)src * KB + kb] : 0.0f;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < SPER; ++j) {
-        const int i = tid + j * THREADS, q = i / KB, kb = i - q * KB;
-        if (i < NB * KB) sc[q][kb] = sreg[j];
+    for (int i = tid; i < BM * KB; i += THREADS) {
+        const int r = i / KB, kb = i - r * KB;
+        const int src = row_src[r];
+        rsc[kb][r] = src >= 0 ? AS[(long long)src * KB + kb] : 0.0f;
     }
 
     const int grp = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
@@ -855,7 +780,7 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
         if (nk < KB) load(nk % STAGES, nk);
         w8_commit();
         const unsigned st = sbase + (unsigned)(kb % STAGES) * ST_BYTES;
-        const unsigned sr = QA ? qbase + (unsigned)kb * BM * 128u : st + W_BYTES;
+        const unsigned sr = st + W_BYTES;
         w8_fence();
 #pragma unroll
         for (int h = 0; h < NB; ++h) {

@@ -89,14 +89,6 @@ type W8A8Gemm struct {
 	// expert; BN is then 64 or 128 (a warpgroup per 64 columns). Tag suffix
 	// "t".
 	Trans bool
-	// Quant (transposed tiles only) makes the tile quantize its own rows
-	// (moe_w8a8.cu's moe_w8t with QA): the up kernel reads x and the down
-	// kernel act as bf16 (through the Xq and Aq arguments; Xs and As are
-	// not read), each block quantizing its live rows into shared memory as
-	// gpuctx_moe_fp8_quant would, so a forward launches no quantizer: the
-	// same bits as the quantizer and the tile without Quant. Tag suffix
-	// "q". Its shared memory grows with K (SmemBytesK).
-	Quant bool
 	Up    bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
@@ -131,8 +123,6 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 16, BN: 64, Stages: 4, Trans: true},
 	{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true},
 	{BM: 32, BN: 64, Stages: 4, Trans: true},
-	{BM: 8, BN: 64, Stages: 3, Trans: true, Quant: true, Up: true},
-	{BM: 8, BN: 64, Stages: 4, Trans: true, Quant: true},
 }
 
 // Tag is the suffix of the tile's kernel name, e.g. "m128n64s4",
@@ -145,9 +135,6 @@ func (c W8A8Gemm) Tag() string {
 	}
 	if c.Trans {
 		p += "t"
-	}
-	if c.Quant {
-		p += "q"
 	}
 	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
 }
@@ -190,23 +177,7 @@ func (c W8A8Gemm) width() int {
 
 // SmemBytes is the dynamic shared memory: Stages copies of the BM x 128 code
 // A tile and of the width x 128 code B tile, and 1024 bytes to align them.
-// A Quant tile's stages hold no A tile; its launches need SmemBytesK.
-func (c W8A8Gemm) SmemBytes() int {
-	if c.Quant {
-		return c.Stages*c.width()*fp8.BlockSize + 1024
-	}
-	return c.Stages*(c.BM+c.width())*fp8.BlockSize + 1024
-}
-
-// SmemBytesK is the dynamic shared memory of a launch whose GEMM sums over
-// k columns (H for up, I for down): SmemBytes, and for a Quant tile its
-// quantized rows, ceil(k/128) tiles of BM x 128 codes.
-func (c W8A8Gemm) SmemBytesK(k int) int {
-	if c.Quant {
-		return c.SmemBytes() + (k+fp8.BlockSize-1)/fp8.BlockSize*c.BM*fp8.BlockSize
-	}
-	return c.SmemBytes()
-}
+func (c W8A8Gemm) SmemBytes() int { return c.Stages*(c.BM+c.width())*fp8.BlockSize + 1024 }
 
 // staticSmem is the static shared memory: the row tables and the staged
 // weight scales (Trans: and the rows' scales), or a persistent tile's
@@ -227,9 +198,6 @@ func (c W8A8Gemm) staticSmem() int {
 func (c W8A8Gemm) Check() error {
 	if c.Trans {
 		return c.checkTrans()
-	}
-	if c.Quant {
-		return fmt.Errorf("w8a8 tile %s: only transposed tiles quantize their rows", c.Tag())
 	}
 	switch {
 	case c.BM < 64 || c.BM%64 != 0 || c.BM > 256:
@@ -259,8 +227,8 @@ func (c W8A8Gemm) checkTrans() error {
 		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
 	case c.Producers != 0:
 		return fmt.Errorf("w8a8 tile %s: a transposed tile has no producer warps", c.Tag())
-	case c.SmemBytesK(FP8MaxK)+c.staticSmem() > MoEGemmSmemLimit:
-		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory at K = %d, more than %d", c.Tag(), c.SmemBytesK(FP8MaxK)+c.staticSmem(), FP8MaxK, MoEGemmSmemLimit)
+	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
+		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
 	}
 	return nil
 }
@@ -303,21 +271,17 @@ func w8a8Instances() string {
 		case c.Trans:
 			fn = "moe_w8t"
 		}
-		qa := ""
-		if c.Quant {
-			qa = ", true"
-		}
 		if c.Up {
 			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
-    %s<%s, true%s>(xq, xs, gu, gus, sorted, block_expert, npost, act, TK, K, H, I);
+    %s<%s, true>(xq, xs, gu, gus, sorted, block_expert, npost, act, TK, K, H, I);
 }
-`, c.Threads(), c.Name(), fn, t, qa)
+`, c.Threads(), c.Name(), fn, t)
 			continue
 		}
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ aq, const float* __restrict__ as, const unsigned char* __restrict__ down, const float* __restrict__ downs, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
-    %s<%s, false%s>(aq, as, down, downs, sorted, block_expert, npost, out, TK, 1, I, H);
+    %s<%s, false>(aq, as, down, downs, sorted, block_expert, npost, out, TK, 1, I, H);
 }
-`, c.Threads(), c.Name(), fn, t, qa)
+`, c.Threads(), c.Name(), fn, t)
 	}
 	return b.String()
 }
@@ -407,11 +371,11 @@ func NewW8A8Down(d *gpuctx.Device, c W8A8Gemm) (Launcher[W8A8Down], error) {
 func init() {
 	ks := []kernels.Kernel{kernels.Twin(FP8QuantName, moeFP8Quant)}
 	for _, c := range W8A8Gemms {
-		bm, quant := c.BM, c.Quant
+		bm := c.BM
 		if c.Up {
-			ks = append(ks, kernels.Twin(c.Name(), func(m kernels.Memory, a *w8a8UpArgs) error { return moeW8A8Up(m, a, bm, quant) }))
+			ks = append(ks, kernels.Twin(c.Name(), func(m kernels.Memory, a *w8a8UpArgs) error { return moeW8A8Up(m, a, bm) }))
 		} else {
-			ks = append(ks, kernels.Twin(c.Name(), func(m kernels.Memory, a *w8a8DownArgs) error { return moeW8A8Down(m, a, bm, quant) }))
+			ks = append(ks, kernels.Twin(c.Name(), func(m kernels.Memory, a *w8a8DownArgs) error { return moeW8A8Down(m, a, bm) }))
 		}
 	}
 	kernels.Register(kernels.Source{File: W8A8File, Text: W8A8Source(), Kernels: ks, Archs: []int{90}})
@@ -550,23 +514,8 @@ func FMA32(x, y, z float32) float32 {
 	return r
 }
 
-// quantizeRows is QuantizeRow over rows [0, n) of x's R rows of K columns
-// (bf16 bits at p): the codes and scales a Quant tile's blocks compute in
-// shared memory; rows from n on stay zero (padding rows, never read).
-func quantizeRows(m kernels.Memory, name string, p Ptr, R, n, K int) ([]uint8, []float32, error) {
-	G := (K + fp8.BlockSize - 1) / fp8.BlockSize
-	x, err := kernels.Slice[uint16](m, name, p, int64(R)*int64(K))
-	if err != nil {
-		return nil, nil, err
-	}
-	codes, scales := make([]uint8, R*K), make([]float32, R*G)
-	parallelRows(min(n, R), func(r int) { QuantizeRow(codes[r*K:(r+1)*K], scales[r*G:(r+1)*G], x[r*K:(r+1)*K]) })
-	return codes, scales, nil
-}
-
-// moeW8A8Up is the twin of gpuctx_moe_w8a8_up_<tag> for tiles of BM rows;
-// with quant (W8A8Gemm.Quant) Xq holds x in bf16, quantized here.
-func moeW8A8Up(m kernels.Memory, a *w8a8UpArgs, BM int, quant bool) error {
+// moeW8A8Up is the twin of gpuctx_moe_w8a8_up_<tag> for tiles of BM rows.
+func moeW8A8Up(m kernels.Memory, a *w8a8UpArgs, BM int) error {
 	TK, K, H, I := int(a.TK), int(a.K), int(a.H), int(a.I)
 	if err := fp8Dims("w8a8_up", TK, K, H, I); err != nil {
 		return err
@@ -578,13 +527,11 @@ func moeW8A8Up(m kernels.Memory, a *w8a8UpArgs, BM int, quant bool) error {
 	const B = fp8.BlockSize
 	nbi, kbh := (I+B-1)/B, (H+B-1)/B
 	T := (TK + K - 1) / K
-	var xq []uint8
-	var xs []float32
-	if quant {
-		xq, xs, err = quantizeRows(m, "x", a.Xq, T, T, H)
-	} else if xq, err = kernels.Slice[uint8](m, "xq", a.Xq, int64(T)*int64(H)); err == nil {
-		xs, err = kernels.Slice[float32](m, "xs", a.Xs, int64(T)*int64(kbh))
+	xq, err := kernels.Slice[uint8](m, "xq", a.Xq, int64(T)*int64(H))
+	if err != nil {
+		return err
 	}
+	xs, err := kernels.Slice[float32](m, "xs", a.Xs, int64(T)*int64(kbh))
 	if err != nil {
 		return err
 	}
@@ -619,9 +566,8 @@ func moeW8A8Up(m kernels.Memory, a *w8a8UpArgs, BM int, quant bool) error {
 	return nil
 }
 
-// moeW8A8Down is the twin of gpuctx_moe_w8a8_down_<tag> for tiles of BM
-// rows; with quant Aq holds act in bf16, its sorted rows quantized here.
-func moeW8A8Down(m kernels.Memory, a *w8a8DownArgs, BM int, quant bool) error {
+// moeW8A8Down is the twin of gpuctx_moe_w8a8_down_<tag> for tiles of BM rows.
+func moeW8A8Down(m kernels.Memory, a *w8a8DownArgs, BM int) error {
 	TK, H, I := int(a.TK), int(a.H), int(a.I)
 	if err := fp8Dims("w8a8_down", TK, 1, H, I); err != nil {
 		return err
@@ -632,13 +578,11 @@ func moeW8A8Down(m kernels.Memory, a *w8a8DownArgs, BM int, quant bool) error {
 	}
 	const B = fp8.BlockSize
 	nbh, kbi := (H+B-1)/B, (I+B-1)/B
-	var aq []uint8
-	var as []float32
-	if quant {
-		aq, as, err = quantizeRows(m, "act", a.Aq, rows, rows, I)
-	} else if aq, err = kernels.Slice[uint8](m, "aq", a.Aq, int64(rows)*int64(I)); err == nil {
-		as, err = kernels.Slice[float32](m, "as", a.As, int64(rows)*int64(kbi))
+	aq, err := kernels.Slice[uint8](m, "aq", a.Aq, int64(rows)*int64(I))
+	if err != nil {
+		return err
 	}
+	as, err := kernels.Slice[float32](m, "as", a.As, int64(rows)*int64(kbi))
 	if err != nil {
 		return err
 	}

@@ -90,28 +90,11 @@ func w8a8CheckDevice(t *testing.T, dev *device, shapes []fp8Shape, tokens []int)
 }
 
 // w8a8CheckCase runs one case of w8a8CheckDevice: tile on dev against its
-// twin on cpu, bit for bit on exact data, within 1e-2 otherwise. A Quant
-// tile must also equal, bit for bit on any data, the tile of its shape
-// without Quant on dev fed the quantized rows (QuantizeRow's, which
-// TestFP8QuantCUDA holds equal to the device quantizer's).
+// twin on cpu, bit for bit on exact data, within 1e-2 otherwise.
 func w8a8CheckCase(t *testing.T, c *fp8MMACase, cpu, dev *device, cw, gw fp8WeightPtrs, tile W8A8Gemm, exact bool) {
-	in := c.w8a8Inputs(tile.BM, tile.Quant)
+	in := c.w8a8Inputs(tile.BM)
 	want := c.w8a8Run(t, cpu, cw, in, tile)
 	got := c.w8a8Run(t, dev, gw, in, tile)
-	if tile.Quant {
-		// The same tile without Quant, in any pipeline depth (the stages
-		// change no bits).
-		i := slices.IndexFunc(W8A8Gemms, func(c W8A8Gemm) bool {
-			return !c.Quant && c.Trans && c.Up == tile.Up && c.BM == tile.BM && c.BN == tile.BN
-		})
-		if i < 0 {
-			t.Fatalf("%s: no transposed tile of its shape without Quant to compare with", tile.Name())
-		}
-		plain := W8A8Gemms[i]
-		if n := countDiff(got, c.w8a8Run(t, dev, gw, in, plain)); n > 0 {
-			t.Errorf("%d of %d elements differ from %s fed the quantizer's rows", n, len(got), plain.Name())
-		}
-	}
 	diff := countDiff(got, want)
 	rel := relErr(bf16s64(got), bf16s64(want))
 	switch {
@@ -252,9 +235,8 @@ func countDiffBytes(a, b []byte) int {
 // w8a8Chain returns the launch of the w8a8 form with tiles up and down on a
 // benchmark batch, weight set set: gpuctx_moe_fp8_quant of x, the up tile,
 // the quantizer over act's cap rows, the down tile (as moe's fusedW8A8
-// queues them; a Quant tile reads the bf16 rows and its quantizer is not
-// launched), and the launches on their own, named in names.
-func w8a8Chain(tb testing.TB, d *device, w *fp8BenchWeights, bb *fp8BenchBatch, H, I, K int, up, down W8A8Gemm) (chain func(*gpuctx.Stream, int) error, parts []func(*gpuctx.Stream, int) error, names []string) {
+// queues them), and the four launches on their own.
+func w8a8Chain(tb testing.TB, d *device, w *fp8BenchWeights, bb *fp8BenchBatch, H, I, K int, up, down W8A8Gemm) (chain func(*gpuctx.Stream, int) error, parts []func(*gpuctx.Stream, int) error) {
 	pl := bb.plans[up.BM]
 	kb := func(n int) int { return (n + 127) / 128 }
 	alloc := func(n int) Ptr {
@@ -268,44 +250,27 @@ func w8a8Chain(tb testing.TB, d *device, w *fp8BenchWeights, bb *fp8BenchBatch, 
 	T, TK := int32(bb.T), int32(bb.TK)
 	gux, guy := up.Grid(I, pl.cap, d.dev.Info().SMCount)
 	gdx, gdy := down.Grid(H, pl.cap, d.dev.Info().SMCount)
-	if up.Quant {
-		xq, xs = bb.x, bb.x
-	}
-	if down.Quant {
-		aq, as = bb.act, bb.act
-	}
 	for _, l := range []struct {
 		name    string
-		skip    bool
 		grid    [2]int
 		threads int
 		smem    int
 		args    func(set int) []any
 	}{
-		{"quant x", up.Quant, [2]int{FP8QuantBlocks(bb.T, H), 1}, FP8QuantThreads, 0, func(int) []any { return []any{bb.x, xq, xs, pl.npost, T, int32(H), int32(0)} }},
-		{"up", false, [2]int{gux, guy}, up.Threads(), up.SmemBytesK(H), func(set int) []any {
+		{FP8QuantName, [2]int{FP8QuantBlocks(bb.T, H), 1}, FP8QuantThreads, 0, func(int) []any { return []any{bb.x, xq, xs, pl.npost, T, int32(H), int32(0)} }},
+		{up.Name(), [2]int{gux, guy}, up.Threads(), up.SmemBytes(), func(set int) []any {
 			return []any{xq, xs, w.gu[set], w.gus[set], pl.sorted, pl.blockExpert, pl.npost, bb.act, TK, int32(K), int32(H), int32(I)}
 		}},
-		{"quant act", down.Quant, [2]int{FP8QuantBlocks(pl.cap, I), 1}, FP8QuantThreads, 0, func(int) []any { return []any{bb.act, aq, as, pl.npost, int32(pl.cap), int32(I), int32(1)} }},
-		{"down", false, [2]int{gdx, gdy}, down.Threads(), down.SmemBytesK(I), func(set int) []any {
+		{FP8QuantName, [2]int{FP8QuantBlocks(pl.cap, I), 1}, FP8QuantThreads, 0, func(int) []any { return []any{bb.act, aq, as, pl.npost, int32(pl.cap), int32(I), int32(1)} }},
+		{down.Name(), [2]int{gdx, gdy}, down.Threads(), down.SmemBytes(), func(set int) []any {
 			return []any{aq, as, w.down[set], w.downs[set], pl.sorted, pl.blockExpert, pl.npost, bb.out, TK, int32(H), int32(I)}
 		}},
 	} {
-		if l.skip {
-			continue
-		}
-		kn := FP8QuantName
-		switch l.name {
-		case "up":
-			kn = up.Name()
-		case "down":
-			kn = down.Name()
-		}
-		f, err := launcher(d, kn, l.grid, l.threads, l.smem, l.args)
+		f, err := launcher(d, l.name, l.grid, l.threads, l.smem, l.args)
 		if err != nil {
-			tb.Fatalf("%s: %v", kn, err)
+			tb.Fatalf("%s: %v", l.name, err)
 		}
-		parts, names = append(parts, f), append(names, l.name)
+		parts = append(parts, f)
 	}
 	chain = func(s *gpuctx.Stream, set int) error {
 		for _, f := range parts {
@@ -315,7 +280,7 @@ func w8a8Chain(tb testing.TB, d *device, w *fp8BenchWeights, bb *fp8BenchBatch, 
 		}
 		return nil
 	}
-	return chain, parts, names
+	return chain, parts
 }
 
 // TestW8A8BenchHarness runs BenchmarkW8A8Expert's chain on the CPU backend
@@ -331,13 +296,9 @@ func TestW8A8BenchHarness(t *testing.T) {
 	bb := newFP8BenchBatch(t, d, 4, H, I, 2, T)
 	tm := newFP8Timer(t, d, 1, 1, 1)
 	for _, p := range w8a8Pairs() {
-		chain, parts, _ := w8a8Chain(t, d, w, bb, H, I, 2, p[0], p[1])
-		want := 4 // the quantizers, then each tile
-		if p[0].Quant {
-			want = 2
-		}
-		if len(parts) != want {
-			t.Fatalf("%s + %s: %d launches in the chain, want %d", p[0].Tag(), p[1].Tag(), len(parts), want)
+		chain, parts := w8a8Chain(t, d, w, bb, H, I, 2, p[0], p[1])
+		if len(parts) != 4 {
+			t.Fatalf("%d launches in the chain, want 4", len(parts))
 		}
 		if ts := tm.perCall(t, chain); len(ts) != 1 {
 			t.Fatalf("perCall: %v", ts)
@@ -376,8 +337,8 @@ func BenchmarkW8A8Expert(b *testing.B) {
 		sh     fp8Shape
 		tokens []int
 	}{
-		{fp8BenchShapes[0], []int{1, 8, 64, 256, 1024, 4096, 8192}},
-		{fp8BenchShapes[1], []int{1, 8, 64, 256}},
+		{fp8BenchShapes[0], []int{8, 64, 256, 1024, 4096, 8192}},
+		{fp8BenchShapes[1], []int{8, 64, 256}},
 		{fp8BenchShapes[2], []int{64, 1024}},
 	} {
 		benchW8A8Shape(b, d, sc.sh, sc.tokens)
@@ -394,15 +355,10 @@ func benchW8A8Shape(b *testing.B, d *device, sh fp8Shape, tokens []int) {
 			var chain func(*gpuctx.Stream, int) error
 			best := math.Inf(1)
 			for _, p := range w8a8Pairs() { // the fastest of the pairs, by their launches' sum
-				c, parts, names := w8a8Chain(b, d, w, bb, sh.H, sh.I, sh.K, p[0], p[1])
+				c, parts := w8a8Chain(b, d, w, bb, sh.H, sh.I, sh.K, p[0], p[1])
 				ts := tm.perCall(b, parts...)
-				sum, msg := 0.0, ""
-				for i, v := range ts {
-					sum += v
-					msg += fmt.Sprintf(", %s %.1f us", names[i], v)
-				}
-				b.Logf("T=%d w8a8 %s + %s: sum %.1f us%s", T, p[0].Tag(), p[1].Tag(), sum, msg)
-				if sum < best {
+				b.Logf("T=%d w8a8 %s + %s: quant x %.1f us, up %.1f us, quant act %.1f us, down %.1f us", T, p[0].Tag(), p[1].Tag(), ts[0], ts[1], ts[2], ts[3])
+				if sum := ts[0] + ts[1] + ts[2] + ts[3]; sum < best {
 					chain, best = c, sum
 				}
 			}
@@ -440,7 +396,7 @@ func w8a8Pairs() [][2]W8A8Gemm {
 	var out [][2]W8A8Gemm
 	for _, u := range W8A8Gemms {
 		for _, d := range W8A8Gemms {
-			if u.Up && !d.Up && u.Producers == d.Producers && u.Trans == d.Trans && u.Quant == d.Quant && u.BM == d.BM {
+			if u.Up && !d.Up && u.Producers == d.Producers && u.Trans == d.Trans && u.BM == d.BM {
 				out = append(out, [2]W8A8Gemm{u, d})
 			}
 		}

@@ -49,66 +49,17 @@ func newW8A8Weights(E, H, I int, exact bool, seed uint64) *fp8MMAWeights {
 // [cap][I] and as [cap][ceil(I/128)] for the down kernel. Exact data has
 // random w8a8IntCodes and random scales; general data is the quantizer's
 // twin (QuantizeRow) of the case's x and act rows.
-//
-// For a Quant tile (quant) the inputs are bf16 rows, xb [T][H] and ab
-// [cap][I], and the codes and scales QuantizeRow's of them, as the tile
-// computes them. General data is the case's x and act rows; exact data
-// has, in every group of 128 columns, one value of magnitude 448*s (the
-// group's maximum, code 448) and the others in {-2, ..., 2}*s (codes
-// -2..2), s = 2^-(6 + group%5): every block sum is an integer below 2^12.
 type w8a8Inputs struct {
 	xq, aq []uint8
 	xs, as []float32
-	xb, ab []uint16
 }
 
-// w8a8ExactRows returns n rows of k bf16 values of the Quant tiles' exact
-// data (w8a8Inputs).
-func w8a8ExactRows(n, k int, seed uint64) []uint16 {
-	const B = fp8.BlockSize
-	r := lcg(seed)
-	out := make([]uint16, n*k)
-	for row := range n {
-		for g := 0; g*B < k; g++ {
-			s := math.Ldexp(1, -6-g%5)
-			top := g*B + int(uint64(r)>>33)%min(B, k-g*B) // the group's maximum
-			r.next()
-			for j := g * B; j < min((g+1)*B, k); j++ {
-				v := float64(int(uint64(r)>>33)%5 - 2)
-				r.next()
-				if j == top {
-					v = 448
-					if r.next() < 0.5 {
-						v = -448
-					}
-				}
-				out[row*k+j] = f32ToBF16(float32(v * s))
-			}
-		}
-	}
-	return out
-}
-
-func (c *fp8MMACase) w8a8Inputs(BM int, quant bool) w8a8Inputs {
+func (c *fp8MMACase) w8a8Inputs(BM int) w8a8Inputs {
 	const B = fp8.BlockSize
 	kh, ki := (c.H+B-1)/B, (c.I+B-1)/B
 	act := c.actRows(BM)
 	cp := len(act) / c.I
 	in := w8a8Inputs{xq: make([]uint8, c.T*c.H), xs: make([]float32, c.T*kh), aq: make([]uint8, cp*c.I), as: make([]float32, cp*ki)}
-	if quant {
-		in.xb, in.ab = c.x, act
-		if c.exact {
-			in.xb = w8a8ExactRows(c.T, c.H, uint64(c.T*c.H+BM))
-			in.ab = w8a8ExactRows(cp, c.I, uint64(cp*c.I+BM))
-		}
-		for t := range c.T {
-			QuantizeRow(in.xq[t*c.H:(t+1)*c.H], in.xs[t*kh:(t+1)*kh], in.xb[t*c.H:(t+1)*c.H])
-		}
-		for p := range cp {
-			QuantizeRow(in.aq[p*c.I:(p+1)*c.I], in.as[p*ki:(p+1)*ki], in.ab[p*c.I:(p+1)*c.I])
-		}
-		return in
-	}
 	if c.exact {
 		r := lcg(uint64(c.T*c.H + BM))
 		for _, q := range [][]uint8{in.xq, in.aq} {
@@ -145,30 +96,20 @@ func (c *fp8MMACase) w8a8Run(t testing.TB, d *device, wp fp8WeightPtrs, in w8a8I
 	var err error
 	var out Ptr
 	var n int
-	// A Quant tile reads the bf16 rows through Xq / Aq (and not Xs / As).
-	rows := func(q []uint8, s []float32, b []uint16) (Ptr, Ptr) {
-		if tile.Quant {
-			p := upload(t, d, asBytes(b))
-			return p, p
-		}
-		return upload(t, d, q), upload(t, d, asBytes(s))
-	}
 	if tile.Up {
 		n = cp * c.I
 		out = upload(t, d, make([]byte, 2*n))
-		xq, xs := rows(in.xq, in.xs, in.xb)
-		a := w8a8UpArgs{Xq: xq, Xs: xs, Gu: wp.gu, Gus: wp.gus,
+		a := w8a8UpArgs{Xq: upload(t, d, in.xq), Xs: upload(t, d, asBytes(in.xs)), Gu: wp.gu, Gus: wp.gus,
 			Sorted: sp, BlockExpert: bp, Npost: np, Act: out, TK: int32(TK), K: int32(c.K), H: int32(c.H), I: int32(c.I)}
 		gx, gy := tile.Grid(c.I, cp, d.dev.Info().SMCount)
-		err = fp8Launch(t, d, tile.Name(), [2]int{gx, gy}, tile.Threads(), tile.SmemBytesK(c.H), kernels.Args(&a)...)
+		err = fp8Launch(t, d, tile.Name(), [2]int{gx, gy}, tile.Threads(), tile.SmemBytes(), kernels.Args(&a)...)
 	} else {
 		n = TK * c.H
 		out = upload(t, d, make([]byte, 2*max(n, 1)))
-		aq, as := rows(in.aq, in.as, in.ab)
-		a := w8a8DownArgs{Aq: aq, As: as, Down: wp.down, Downs: wp.downs,
+		a := w8a8DownArgs{Aq: upload(t, d, in.aq), As: upload(t, d, asBytes(in.as)), Down: wp.down, Downs: wp.downs,
 			Sorted: sp, BlockExpert: bp, Npost: np, Out: out, TK: int32(TK), H: int32(c.H), I: int32(c.I)}
 		gx, gy := tile.Grid(c.H, cp, d.dev.Info().SMCount)
-		err = fp8Launch(t, d, tile.Name(), [2]int{gx, gy}, tile.Threads(), tile.SmemBytesK(c.I), kernels.Args(&a)...)
+		err = fp8Launch(t, d, tile.Name(), [2]int{gx, gy}, tile.Threads(), tile.SmemBytes(), kernels.Args(&a)...)
 	}
 	if err != nil {
 		t.Fatalf("%s: %v", tile.Name(), err)
@@ -240,7 +181,7 @@ func TestW8A8Twin(t *testing.T) {
 			for _, tile := range W8A8Gemms {
 				t.Run(fmt.Sprintf("%s/exact=%v/%s", tc.name, exact, tile.Name()), func(t *testing.T) {
 					d := newTestDevice(t)
-					in := c.w8a8Inputs(tile.BM, tile.Quant)
+					in := c.w8a8Inputs(tile.BM)
 					got := c.w8a8Run(t, d, c.upload(t, d), in, tile)
 					if e := relErr(bf16s64(got), c.w8a8Reference(in, tile)); e > 1e-2 {
 						t.Errorf("max|d|/max|ref| = %.3g against float64, want <= 1e-2", e)
