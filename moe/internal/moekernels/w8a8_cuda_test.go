@@ -322,8 +322,8 @@ func TestW8A8BenchHarness(t *testing.T) {
 }
 
 // BenchmarkW8A8Expert times the routed experts of DeepSeek-V2-Lite (H=2048,
-// I=1408, E=64, top-6) at 8, 64, 256, 1024, 4096 and 8192 tokens, of
-// Qwen3-30B-A3B (H=2048, I=768, E=128, top-8) at 8, 64 and 256 and of
+// I=1408, E=64, top-6) at 1, 8, 64, 256, 1024, 4096 and 8192 tokens, of
+// Qwen3-30B-A3B (H=2048, I=768, E=128, top-8) at 1, 8, 64 and 256 and of
 // DeepSeek-V3 (H=7168, I=2048, E=256, top-8) at 64 and 1024 tokens, on a GPU of
 // compute capability 9.0 (random routing, two weight sets rotating): the
 // fastest w8a8 chain (quantize x, up tile, quantize act, down tile; every
@@ -337,8 +337,8 @@ func BenchmarkW8A8Expert(b *testing.B) {
 		sh     fp8Shape
 		tokens []int
 	}{
-		{fp8BenchShapes[0], []int{8, 64, 256, 1024, 4096, 8192}},
-		{fp8BenchShapes[1], []int{8, 64, 256}},
+		{fp8BenchShapes[0], []int{1, 8, 64, 256, 1024, 4096, 8192}},
+		{fp8BenchShapes[1], []int{1, 8, 64, 256}},
 		{fp8BenchShapes[2], []int{64, 1024}},
 	} {
 		benchW8A8Shape(b, d, sc.sh, sc.tokens)
