@@ -205,63 +205,94 @@ static __device__ __forceinline__ void moe_route_token(const float* __restrict__
         }
         __syncwarp();  // the next token reuses ch, gs and keep
     }
+    int my_idx = 0;  // lane k < K: the k-th choice and its weight
+    float my_w = 0.0f;
 #if __CUDA_ARCH__ >= 800
-    // Without NaNs the order (larger value, then lower index) is total, so
-    // the butterfly's answer is the one maximum: two warp reductions find it
-    // (redux.sync), instead of five shuffle rounds. -0 counts as +0, as in
-    // moe_better.
+    // Without NaNs the order (larger value, then lower index) is total, and
+    // an orderable unsigned key of each choice (-0 as +0) carries it: each
+    // round a lane's best key (its lowest slot among equals: the lowest
+    // expert), the warp's largest key and the lowest expert holding it come
+    // from two warp reductions (redux.sync), and the owner clears the key of
+    // the expert it gives up. Key 0 is "none" (a slot past E, or taken):
+    // without NaNs every real key is at least 1. The same choices, in the
+    // same order, as the general loop below.
     bool nan = false;
 #pragma unroll
     for (int j = 0; j < MOE_RT_PER; ++j) {
         if (32 * j >= E) break;
         nan |= lane + 32 * j < E && isnan(cv[j]);
     }
-    const bool fast = !__any_sync(MOE_FULL, nan);
-#endif
-    int my_idx = 0;  // lane k < K: the k-th choice and its weight
-    float my_w = 0.0f;
-    unsigned taken = 0;  // bit j: expert lane + 32j is chosen
-    for (int k = 0; k < K; ++k) {
-        float bv = neg_inf;
-        int bi = -1;
+    if (!__any_sync(MOE_FULL, nan)) {
+        unsigned key[MOE_RT_PER];
 #pragma unroll
         for (int j = 0; j < MOE_RT_PER; ++j) {
             if (32 * j >= E) break;
-            const int e = lane + 32 * j;
-            if (e < E && !((taken >> j) & 1u) && moe_better(cv[j], e, bv, bi)) {
-                bv = cv[j];
-                bi = e;
+            const unsigned u = __float_as_uint(cv[j] + 0.0f);
+            key[j] = lane + 32 * j < E ? ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) : 0u;
+        }
+        for (int k = 0; k < K; ++k) {
+            unsigned bk = 0u;
+            int bj = 0;
+#pragma unroll
+            for (int j = 0; j < MOE_RT_PER; ++j) {
+                if (32 * j >= E) break;
+                if (key[j] > bk) {
+                    bk = key[j];
+                    bj = j;
+                }
+            }
+            const unsigned best = __reduce_max_sync(MOE_FULL, bk);
+            const int bi = (int)__reduce_min_sync(MOE_FULL, bk == best ? (unsigned)(lane + 32 * bj) : 0xffffffffu);
+            float w = 0.0f;
+            if (lane == (bi & 31)) {
+#pragma unroll
+                for (int j = 0; j < MOE_RT_PER; ++j) {
+                    if (32 * j >= E) break;
+                    if (j == (bi >> 5)) {
+                        key[j] = 0u;
+                        w = (method == 2) ? sc[j] : cv[j];
+                    }
+                }
+            }
+            w = __shfl_sync(MOE_FULL, w, bi & 31);
+            if (lane == k) {
+                my_idx = bi;
+                my_w = w;
             }
         }
-#if __CUDA_ARCH__ >= 800
-        if (fast) {
-            // Orderable key of bv (0: no candidate in this lane).
-            const unsigned u = __float_as_uint(bv + 0.0f);
-            const unsigned key = bi < 0 ? 0u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
-            const unsigned best = __reduce_max_sync(MOE_FULL, key);
-            bi = (int)__reduce_min_sync(MOE_FULL, (key == best && bi >= 0) ? (unsigned)bi : 0xffffffffu);
-            if (best == 0u) bi = -1;
-        } else {
+    } else
+#endif
+    {
+        unsigned taken = 0;  // bit j: expert lane + 32j is chosen
+        for (int k = 0; k < K; ++k) {
+            float bv = neg_inf;
+            int bi = -1;
+#pragma unroll
+            for (int j = 0; j < MOE_RT_PER; ++j) {
+                if (32 * j >= E) break;
+                const int e = lane + 32 * j;
+                if (e < E && !((taken >> j) & 1u) && moe_better(cv[j], e, bv, bi)) {
+                    bv = cv[j];
+                    bi = e;
+                }
+            }
             moe_warp_argmax(bv, bi);
-        }
-#else
-        moe_warp_argmax(bv, bi);
-#endif
-        if (bi < 0) bi = 0;  // unreachable: K <= E leaves an untaken expert
-        // The owner lane of bi marks it and hands its weight to lane k.
-        float w = 0.0f;
+            if (bi < 0) bi = 0;  // unreachable: K <= E leaves an untaken expert
+            // The owner lane of bi marks it and hands its weight to lane k.
+            float w = 0.0f;
 #pragma unroll
-        for (int j = 0; j < MOE_RT_PER; ++j) {
-            if (32 * j >= E) break;
-            if (lane + 32 * j == bi) {
-                taken |= 1u << j;
-                w = (method == 2) ? sc[j] : cv[j];
+            for (int j = 0; j < MOE_RT_PER; ++j) {
+                if (32 * j >= E) break;
+                if (lane + 32 * j == bi) {
+                    taken |= 1u << j;
+                    w = (method == 2) ? sc[j] : cv[j];
+                }
             }
-        }
-        w = __shfl_sync(MOE_FULL, w, bi & 31);
-        if (lane == k) {
-            my_idx = bi;
-            my_w = w;
+            w = __shfl_sync(MOE_FULL, w, bi & 31);
+            if (lane == k) {
+                my_idx = bi;
+                my_w = w;
+            }
         }
     }
     // Every lane sums the K weights in slot order (lane 0's sum before).
@@ -918,10 +949,37 @@ static __device__ void moe_ra_small_sort(const int* sidx, int* cnt, int* seg, in
         }
     }
     __syncthreads();
-    if (tid < 32) {  // the padded sizes, then their offsets
-        for (int i = lane; i < E; i += 32) seg[moe_seg_pos(i, first, E)] = (cnt[i] + BM - 1) / BM * BM;
-        __syncwarp();
-        moe_warp_exscan(seg, E, lane);
+    // The padded sizes in segment order and their offsets: thread o takes
+    // segment o (expert first + o, wrapping), a warp scan, then one over the
+    // warps' totals (a thread per segment: E <= MOE_MAX_E <= the block).
+    {
+        static_assert(MOE_MAX_E <= 32 * MOE_ALIGN_WARPS, "the small sort takes a thread per expert");
+        __shared__ int wtot[MOE_ALIGN_WARPS];
+        const int o = tid, warp = tid >> 5;
+        int i = o + first;
+        if (i >= E) i -= E;
+        const int v = o < E ? (cnt[i] + BM - 1) / BM * BM : 0;
+        int incl = v;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int u = __shfl_up_sync(MOE_FULL, incl, d);
+            if (lane >= d) incl += u;
+        }
+        if (lane == 31) wtot[warp] = incl;
+        __syncthreads();
+        if (warp == 0) {
+            int t = lane < MOE_ALIGN_WARPS ? wtot[lane] : 0;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int u = __shfl_up_sync(MOE_FULL, t, d);
+                if (lane >= d) t += u;
+            }
+            if (lane < MOE_ALIGN_WARPS) wtot[lane] = t;  // inclusive over the warps
+        }
+        __syncthreads();
+        const int before = warp > 0 ? wtot[warp - 1] : 0;
+        if (o < E) seg[o] = before + incl - v;
+        if (o == E - 1) seg[E] = before + incl;
     }
     __syncthreads();
     const int total = seg[E];
@@ -981,16 +1039,24 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
         if (lane == 0) logits[(long long)t * E + e] = acc;
     }
     // The last block to get here routes and sorts: every block's logits are
-    // in global memory before its ticket (release), and the last block reads
-    // them from L2 after its own (acquire).
+    // in global memory before its ticket, and the last block reads them from
+    // L2 after its own. The ticket is one acquire-release atomic of thread 0
+    // between two barriers (CUTLASS's barrier arrives the same way): the
+    // barrier orders the block's logits stores before its release, and the
+    // last block's acquire before its reads; a separate sequentially
+    // consistent fence (__threadfence) on each side cost about 2k cycles of
+    // the one-token launch (ncu, H200).
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicInc(ticket, gridDim.x - 1) == gridDim.x - 1;
+        unsigned old;
+        asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;\n"
+                     : "=r"(old)
+                     : "l"(ticket), "r"(gridDim.x - 1)
+                     : "memory");
+        last = old == gridDim.x - 1;
     }
     __syncthreads();
     if (!last) return;
-    __threadfence();
     // A warp per token reads its logits from L2 (__ldcg in moe_route_token);
     // for a small batch the experts also go to shared memory for the small
     // sort, whose counters are zeroed meanwhile.
