@@ -194,8 +194,9 @@ func (l *Layer) checkForward(op string, x, y *gpuctx.Buffer, T int, mode Mode, p
 // the fused path with a fusable shared expert runs the tuner's choice for T's
 // bucket (tuner.knownMode); where there is none yet, this forward measures it
 // on x and y: Dual and FusedShared each run twice (eagerly, which tunes the
-// tiles, then the capture) and then three times timed (timeForward), waiting
-// for the main stream, and the tuner keeps the faster (tuner.keepMode).
+// tiles, then the capture) and then three times timed (timeForward, each
+// after an L2 flush: openColdL2), waiting for the main stream, and the tuner
+// keeps the faster (tuner.keepMode).
 func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) (Mode, error) {
 	m, timed := l.resolveMode(T, mode, part)
 	if !timed {
@@ -204,6 +205,11 @@ func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, mode Mode, part 
 	if m, ok := l.tuner.knownMode(T); ok {
 		return m, nil
 	}
+	done, err := l.openColdL2()
+	if err != nil {
+		return 0, err
+	}
+	defer done()
 	var medians [len(autoCandidates)]time.Duration
 	for i, m := range autoCandidates {
 		for range 2 { // eager (tunes the tiles), then the capture
@@ -226,12 +232,15 @@ func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, mode Mode, part 
 }
 
 // timeForward times one forward between the tuning events on the main stream
-// and waits for it.
+// (after the L2 flush, where autoMode opened one) and waits for it.
 func (l *Layer) timeForward(op string, x, y *gpuctx.Buffer, T int, m Mode, part Part) (time.Duration, error) {
 	if timingHook != nil {
 		timingHook()
 	}
 	start, stop := l.tuner.evTune[0], l.tuner.evTune[1]
+	if err := l.flushL2(); err != nil {
+		return 0, err
+	}
 	if err := start.Record(l.main); err != nil {
 		return 0, err
 	}

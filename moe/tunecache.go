@@ -50,8 +50,9 @@ const tuneCacheEnv = "GPUCTX_KERNEL_CACHE"
 // with the cache off unless they set a directory).
 var tuneGetenv = os.Getenv
 
-// tuneCacheFormat names the entry format; a change of format misses.
-const tuneCacheFormat = "gpuctx-moe-tuning-1"
+// tuneCacheFormat names the entry format; a change of format misses. 2: the
+// timings start from a flushed L2 (coldL2), so the choices of 1 may differ.
+const tuneCacheFormat = "gpuctx-moe-tuning-2"
 
 // tuneCache is one entry file of the tuning cache; the zero value is disabled.
 type tuneCache struct {

@@ -36,6 +36,7 @@ type tuner struct {
 	log       []string             // what tune chose (TileChoices)
 	autoModes map[int]Mode         // Auto's measured choice by token bucket
 	evTune    [2]*gpuctx.Event     // timing events of tune
+	cold      *coldL2              // while a tuning runs on a device with an L2: its flush (openColdL2)
 	cache     tuneCache            // tuning results on disk (tunecache.go)
 }
 
@@ -156,7 +157,14 @@ func ruleTiles(p *plan) tilePair {
 func (l *Layer) settleTiles(p *plan, x *gpuctx.Buffer) error {
 	var err error
 	if l.experts.q != nil {
-		p.fp8, err = settle(&l.tuner, l.tuner.fp8, p, l.fp8Rule(p), func() (fp8Pair, error) { return l.tuneFP8(p, x) })
+		p.fp8, err = settle(&l.tuner, l.tuner.fp8, p, l.fp8Rule(p), func() (fp8Pair, error) {
+			done, err := l.openColdL2()
+			if err != nil {
+				return fp8Pair{}, err
+			}
+			defer done()
+			return l.tuneFP8(p, x)
+		})
 		return err
 	}
 	p.tiles, err = l.tilesFor(p, x)
@@ -170,7 +178,14 @@ func (l *Layer) tilesFor(p *plan, x *gpuctx.Buffer) (tilePair, error) {
 	if tu.forceTile != nil {
 		return forcedPair(*tu.forceTile), nil
 	}
-	return settle(tu, tu.tiles, p, ruleTiles(p), func() (tilePair, error) { return l.tune(p, x) })
+	return settle(tu, tu.tiles, p, ruleTiles(p), func() (tilePair, error) {
+		done, err := l.openColdL2()
+		if err != nil {
+			return tilePair{}, err
+		}
+		defer done()
+		return l.tune(p, x)
+	})
 }
 
 // tileChoice is what the tuner keeps per tileKey: a bf16 layer's tilePair or
@@ -231,12 +246,14 @@ const tuneSpan = 250 * time.Microsecond
 var tuneTimes func(what string, d time.Duration) time.Duration
 
 // timeIt returns the median of three timings of launch (what it queues:
-// tuneTimes) on the main stream after a warm-up, waiting for each. A timing
-// queues launch back to back reps times between the events and divides: one
-// launch alone would also count the host's launch latency, the device being
-// idle when the start event runs (a few us, enough to swap the ranking of
-// 1-token tiles from one tuning to the next: H200, bench/gpu/s6_tune.sh).
-// reps makes each timing about tuneSpan long.
+// tuneTimes) on the main stream after a warm-up, waiting for each. Where the
+// tuning flushes L2 (openColdL2) each timing is one launch after the flush,
+// which also keeps the device busy while the host queues the launch. Else a
+// timing queues launch back to back reps times between the events and
+// divides: one launch alone would also count the host's launch latency, the
+// device being idle when the start event runs (a few us, enough to swap the
+// ranking of 1-token tiles from one tuning to the next: H200,
+// bench/gpu/s6_tune.sh). reps makes each timing about tuneSpan long.
 func (l *Layer) timeIt(what string, launch func() error) (time.Duration, error) {
 	if timingHook != nil {
 		timingHook()
@@ -245,6 +262,9 @@ func (l *Layer) timeIt(what string, launch func() error) (time.Duration, error) 
 	var ts []time.Duration
 	reps := 1
 	for r := 0; r < 4; r++ {
+		if err := l.flushL2(); err != nil {
+			return 0, err
+		}
 		if err := start.Record(l.main); err != nil {
 			return 0, err
 		}
@@ -265,7 +285,9 @@ func (l *Layer) timeIt(what string, launch func() error) (time.Duration, error) 
 		}
 		d /= time.Duration(reps)
 		if r == 0 {
-			reps = min(max(int(tuneSpan/max(d, time.Microsecond)), 1), 8)
+			if l.tuner.cold == nil {
+				reps = min(max(int(tuneSpan/max(d, time.Microsecond)), 1), 8)
+			}
 			continue
 		}
 		ts = append(ts, d)

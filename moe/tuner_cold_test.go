@@ -1,0 +1,106 @@
+package moe
+
+import (
+	"bytes"
+	"cmp"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"testing"
+
+	"github.com/gpuctx/gpuctx"
+)
+
+// TestTunerColdL2 checks the tuner's L2 flush (openColdL2) on the CPU
+// backend given an L2 (coldL2Bytes), with the FP8 layer's tuner
+// (tuneAnyBackend): in the trace of what the device ran, every timing of the
+// bucket's tuning (4 per timed candidate: a warm-up and three) comes right
+// after a GEMM of one row by coldL2Rows(L2) x coldL2Cols on the main stream;
+// the flush's buffers are gone once the bucket is tuned; the forward after
+// it, tuned, flushes nothing; and a device without an L2 is never flushed.
+func TestTunerColdL2(t *testing.T) {
+	cfg := fp8Configs()["deepseek_v3"]
+	w := mustRandomWeights(t, cfg, 5)
+	const T = 1
+	x := randomX(T, cfg.HiddenSize, 3)
+	for _, l2 := range []int{0, 64 << 10} {
+		t.Run(fmt.Sprintf("L2=%d", l2), func(t *testing.T) {
+			timings := tuneFP8Anywhere(t, nil)
+			saved := coldL2Bytes
+			coldL2Bytes = func(*gpuctx.Device) int { return l2 }
+			t.Cleanup(func() { coldL2Bytes = saved })
+			l, err := NewLayer(layerBackends(t)[0].dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoGraphs: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			tuning := traceRun(t, l, x, T)
+			if timings.Load() == 0 {
+				t.Fatal("the first forward timed nothing")
+			}
+			if l.tuner.cold != nil {
+				t.Error("the flush's buffers outlived the tuning")
+			}
+			flushes, followed := countFlushes(tuning, l.main.ID(), l2)
+			want := 0
+			if l2 > 0 {
+				want = 4 * int(timings.Load())
+			}
+			if flushes != want || followed != want {
+				t.Errorf("L2 %d bytes: %d flush GEMMs (%d followed by other work on the main stream) for %d timings, want %d", l2, flushes, followed, timings.Load(), want)
+			}
+			if n, _ := countFlushes(traceRun(t, l, x, T), l.main.ID(), l2); l2 > 0 && n != 0 {
+				t.Errorf("the tuned forward flushed L2 %d times", n)
+			}
+		})
+	}
+}
+
+// traceRun runs one Dual forward of x on l under a tracer and returns the
+// trace.
+func traceRun(t *testing.T, l *Layer, x []float32, T int) traceFile {
+	t.Helper()
+	tr := gpuctx.NewTracer()
+	if err := l.dev.SetTracer(tr); err != nil {
+		t.Fatal(err)
+	}
+	deviceRun(t, l, x, T, Dual, Whole)
+	if err := l.dev.SetTracer(nil); err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	if err := tr.WriteJSON(&buf); err != nil {
+		t.Fatal(err)
+	}
+	_ = tr.Close()
+	var tf traceFile
+	if err := json.Unmarshal(buf.Bytes(), &tf); err != nil {
+		t.Fatal(err)
+	}
+	return tf
+}
+
+// countFlushes counts the flush GEMMs for an L2 of l2 bytes among the
+// trace's spans on stream tid, and those of them that another span follows.
+func countFlushes(tf traceFile, tid uint64, l2 int) (flushes, followed int) {
+	isFlush := func(i int) bool {
+		e := tf.TraceEvents[i]
+		return l2 > 0 && e.Ph == "X" && e.Args["m"] == 1.0 && e.Args["k"] == float64(coldL2Cols) && e.Args["n"] == float64(coldL2Rows(l2))
+	}
+	var onMain []int
+	for i, e := range tf.TraceEvents {
+		if e.Ph == "X" && e.Tid != nil && *e.Tid == tid && e.Ts != nil {
+			onMain = append(onMain, i)
+		}
+	}
+	slices.SortStableFunc(onMain, func(a, b int) int { return cmp.Compare(*tf.TraceEvents[a].Ts, *tf.TraceEvents[b].Ts) })
+	for j, i := range onMain {
+		if isFlush(i) {
+			flushes++
+			if j+1 < len(onMain) && !isFlush(onMain[j+1]) {
+				followed++
+			}
+		}
+	}
+	return flushes, followed
+}
