@@ -637,8 +637,9 @@ func TestLoadLayerFP8Layouts(t *testing.T) {
 }
 
 // TestLayerFP8Fixtures converts every HF fixture to the Hub's FP8 format and
-// runs it as an FP8 layer: within 1e-2 of the float64 reference on the
-// dequantized weights and bf16 inputs, on every backend.
+// runs it as an FP8 layer in the w8a16 tiles (FP8WeightOnly): within 1e-2 of
+// the float64 reference on the dequantized weights and bf16 inputs, on every
+// backend.
 func TestLayerFP8Fixtures(t *testing.T) {
 	dirs := fixtureDirs(t)
 	for _, b := range layerBackends(t) {
@@ -670,7 +671,10 @@ func TestLayerFP8Fixtures(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				l, err := LoadLayer(b.dev, dir, qc, 1, LayerOptions{DType: gpuctx.BF16, FP8: true, Mode: Dual})
+				// The w8a16 tiles' accuracy (1e-2): an autotuned layer may
+				// keep w8a8 tiles where they time faster (TestLayerFP8W8A8
+				// holds those to theirs).
+				l, err := LoadLayer(b.dev, dir, qc, 1, LayerOptions{DType: gpuctx.BF16, FP8: true, FP8WeightOnly: true, Mode: Dual})
 				if err != nil {
 					t.Fatal(err)
 				}
