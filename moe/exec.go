@@ -235,7 +235,7 @@ func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, mode Mode, part 
 // (after the L2 flush, where autoMode opened one) and waits for it.
 func (l *Layer) timeForward(op string, x, y *gpuctx.Buffer, T int, m Mode, part Part) (time.Duration, error) {
 	if timingHook != nil {
-		timingHook()
+		timingHook(true)
 	}
 	start, stop := l.tuner.evTune[0], l.tuner.evTune[1]
 	if err := l.flushL2(); err != nil {

@@ -231,7 +231,7 @@ func TestLayerTuneCache(t *testing.T) {
 	}
 	tuneAnyBackend = true
 	var timings atomic.Int64
-	timingHook = func() { timings.Add(1) }
+	timingHook = func(bool) { timings.Add(1) }
 	t.Cleanup(func() { tuneAnyBackend, timingHook = false, nil })
 	const T = 2
 	x := randomX(T, cfg.HiddenSize, 5)

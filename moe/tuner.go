@@ -47,9 +47,9 @@ const fromCacheNote = " (tuning cache)"
 // tuneAnyBackend (tests) times the fused tiles on any backend, not only CUDA.
 var tuneAnyBackend bool
 
-// timingHook, when set (tests), is called for every timing tune and autoMode
-// run.
-var timingHook func()
+// timingHook, when set (tests), is called for every timing tune (timeIt:
+// forward false) and autoMode (timeForward: forward true) run.
+var timingHook func(forward bool)
 
 // tileKey is what a tile choice depends on: the token bucket and whether the
 // shared expert rides along.
@@ -256,7 +256,7 @@ var tuneTimes func(what string, d time.Duration) time.Duration
 // bench/gpu/s6_tune.sh). reps makes each timing about tuneSpan long.
 func (l *Layer) timeIt(what string, launch func() error) (time.Duration, error) {
 	if timingHook != nil {
-		timingHook()
+		timingHook(false)
 	}
 	start, stop := l.tuner.evTune[0], l.tuner.evTune[1]
 	var ts []time.Duration

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"sync/atomic"
 	"testing"
 
 	"github.com/gpuctx/gpuctx"
@@ -13,19 +14,33 @@ import (
 
 // TestTunerColdL2 checks the tuner's L2 flush (openColdL2) on the CPU
 // backend given an L2 (coldL2Bytes), with the FP8 layer's tuner
-// (tuneAnyBackend): in the trace of what the device ran, every timing of the
-// bucket's tuning (4 per timed candidate: a warm-up and three) comes right
-// after a GEMM of one row by coldL2Rows(L2) x coldL2Cols on the main stream;
-// the flush's buffers are gone once the bucket is tuned; the forward after
-// it, tuned, flushes nothing; and a device without an L2 is never flushed.
+// (tuneAnyBackend), in Dual (the tiles timed) and in Auto (the tiles, then
+// Dual's and FusedShared's forwards timed): in the trace of what the device
+// ran, every timing comes right after a GEMM of one row by
+// coldL2Rows(L2) x coldL2Cols on the main stream (4 per timed candidate: a
+// warm-up and three; 1 per timed forward); the flush's buffers are gone
+// once the bucket is tuned; the forward after it, tuned, flushes nothing;
+// and a device without an L2 is never flushed.
 func TestTunerColdL2(t *testing.T) {
-	cfg := fp8Configs()["deepseek_v3"]
+	cfg := fp8Configs()["deepseek_v3"] // a fusable shared expert: Auto times its modes
 	w := mustRandomWeights(t, cfg, 5)
 	const T = 1
 	x := randomX(T, cfg.HiddenSize, 3)
-	for _, l2 := range []int{0, 64 << 10} {
-		t.Run(fmt.Sprintf("L2=%d", l2), func(t *testing.T) {
-			timings := tuneFP8Anywhere(t, nil)
+	for _, tc := range []struct {
+		l2   int
+		mode Mode
+	}{{0, Dual}, {64 << 10, Dual}, {0, Auto}, {64 << 10, Auto}} {
+		l2 := tc.l2
+		t.Run(fmt.Sprintf("L2=%d/%v", l2, tc.mode), func(t *testing.T) {
+			tuneFP8Anywhere(t, nil)
+			var tiles, forwards atomic.Int64
+			timingHook = func(forward bool) {
+				if forward {
+					forwards.Add(1)
+				} else {
+					tiles.Add(1)
+				}
+			}
 			saved := coldL2Bytes
 			coldL2Bytes = func(*gpuctx.Device) int { return l2 }
 			t.Cleanup(func() { coldL2Bytes = saved })
@@ -34,9 +49,9 @@ func TestTunerColdL2(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer l.Close()
-			tuning := traceRun(t, l, x, T)
-			if timings.Load() == 0 {
-				t.Fatal("the first forward timed nothing")
+			tuning := traceRun(t, l, x, T, tc.mode)
+			if tiles.Load() == 0 || (tc.mode == Auto) != (forwards.Load() > 0) {
+				t.Fatalf("the first forward timed %d candidates and %d forwards", tiles.Load(), forwards.Load())
 			}
 			if l.tuner.cold != nil {
 				t.Error("the flush's buffers outlived the tuning")
@@ -44,27 +59,28 @@ func TestTunerColdL2(t *testing.T) {
 			flushes, followed := countFlushes(tuning, l.main.ID(), l2)
 			want := 0
 			if l2 > 0 {
-				want = 4 * int(timings.Load())
+				want = 4*int(tiles.Load()) + int(forwards.Load())
 			}
 			if flushes != want || followed != want {
-				t.Errorf("L2 %d bytes: %d flush GEMMs (%d followed by other work on the main stream) for %d timings, want %d", l2, flushes, followed, timings.Load(), want)
+				t.Errorf("L2 %d bytes: %d flush GEMMs (%d followed by other work on the main stream) for %d candidates and %d forwards timed, want %d",
+					l2, flushes, followed, tiles.Load(), forwards.Load(), want)
 			}
-			if n, _ := countFlushes(traceRun(t, l, x, T), l.main.ID(), l2); l2 > 0 && n != 0 {
+			if n, _ := countFlushes(traceRun(t, l, x, T, tc.mode), l.main.ID(), l2); l2 > 0 && n != 0 {
 				t.Errorf("the tuned forward flushed L2 %d times", n)
 			}
 		})
 	}
 }
 
-// traceRun runs one Dual forward of x on l under a tracer and returns the
-// trace.
-func traceRun(t *testing.T, l *Layer, x []float32, T int) traceFile {
+// traceRun runs one forward of x in mode on l under a tracer and returns
+// the trace.
+func traceRun(t *testing.T, l *Layer, x []float32, T int, mode Mode) traceFile {
 	t.Helper()
 	tr := gpuctx.NewTracer()
 	if err := l.dev.SetTracer(tr); err != nil {
 		t.Fatal(err)
 	}
-	deviceRun(t, l, x, T, Dual, Whole)
+	deviceRun(t, l, x, T, mode, Whole)
 	if err := l.dev.SetTracer(nil); err != nil {
 		t.Fatal(err)
 	}

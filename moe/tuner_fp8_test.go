@@ -22,7 +22,7 @@ func tuneFP8Anywhere(t *testing.T, times func(what string, d time.Duration) time
 	t.Helper()
 	var n atomic.Int64
 	tuneAnyBackend, tuneTimes = true, times
-	timingHook = func() { n.Add(1) }
+	timingHook = func(bool) { n.Add(1) }
 	t.Cleanup(func() { tuneAnyBackend, tuneTimes, timingHook = false, nil, nil })
 	return &n
 }
