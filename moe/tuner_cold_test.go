@@ -49,7 +49,7 @@ func TestTunerColdL2(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer l.Close()
-			tuning := traceRun(t, l, x, T, tc.mode)
+			tuning, _ := traceRun(t, l, x, T, tc.mode)
 			if tiles.Load() == 0 || (tc.mode == Auto) != (forwards.Load() > 0) {
 				t.Fatalf("the first forward timed %d candidates and %d forwards", tiles.Load(), forwards.Load())
 			}
@@ -65,7 +65,8 @@ func TestTunerColdL2(t *testing.T) {
 				t.Errorf("L2 %d bytes: %d flush GEMMs (%d followed by other work on the main stream) for %d candidates and %d forwards timed, want %d",
 					l2, flushes, followed, tiles.Load(), forwards.Load(), want)
 			}
-			if n, _ := countFlushes(traceRun(t, l, x, T, tc.mode), l.main.ID(), l2); l2 > 0 && n != 0 {
+			tuned, _ := traceRun(t, l, x, T, tc.mode)
+			if n, _ := countFlushes(tuned, l.main.ID(), l2); l2 > 0 && n != 0 {
 				t.Errorf("the tuned forward flushed L2 %d times", n)
 			}
 		})
@@ -73,14 +74,14 @@ func TestTunerColdL2(t *testing.T) {
 }
 
 // traceRun runs one forward of x in mode on l under a tracer and returns
-// the trace.
-func traceRun(t *testing.T, l *Layer, x []float32, T int, mode Mode) traceFile {
+// the trace and the output.
+func traceRun(t *testing.T, l *Layer, x []float32, T int, mode Mode) (traceFile, []byte) {
 	t.Helper()
 	tr := gpuctx.NewTracer()
 	if err := l.dev.SetTracer(tr); err != nil {
 		t.Fatal(err)
 	}
-	deviceRun(t, l, x, T, mode, Whole)
+	y := deviceRun(t, l, x, T, mode, Whole)
 	if err := l.dev.SetTracer(nil); err != nil {
 		t.Fatal(err)
 	}
@@ -93,7 +94,7 @@ func traceRun(t *testing.T, l *Layer, x []float32, T int, mode Mode) traceFile {
 	if err := json.Unmarshal(buf.Bytes(), &tf); err != nil {
 		t.Fatal(err)
 	}
-	return tf
+	return tf, y
 }
 
 // countFlushes counts the flush GEMMs for an L2 of l2 bytes among the

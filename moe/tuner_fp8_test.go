@@ -2,7 +2,6 @@ package moe
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -55,23 +54,7 @@ func favour(tp fp8Pair) func(string, time.Duration) time.Duration {
 // w8a8 tiles) that one forward of mode launches, from a trace.
 func fp8KernelNames(t *testing.T, l *Layer, x []float32, T int, mode Mode) (names []string, y []byte) {
 	t.Helper()
-	tr := gpuctx.NewTracer()
-	if err := l.dev.SetTracer(tr); err != nil {
-		t.Fatal(err)
-	}
-	y = deviceRun(t, l, x, T, mode, Whole)
-	if err := l.dev.SetTracer(nil); err != nil {
-		t.Fatal(err)
-	}
-	var buf bytes.Buffer
-	if err := tr.WriteJSON(&buf); err != nil {
-		t.Fatal(err)
-	}
-	_ = tr.Close()
-	var tf traceFile
-	if err := json.Unmarshal(buf.Bytes(), &tf); err != nil {
-		t.Fatal(err)
-	}
+	tf, y := traceRun(t, l, x, T, mode)
 	for _, e := range tf.TraceEvents {
 		if e.Ph == "X" && (strings.HasPrefix(e.Name, "gpuctx_moe_fp8_up_") || strings.HasPrefix(e.Name, "gpuctx_moe_fp8_down_") ||
 			strings.HasPrefix(e.Name, "gpuctx_moe_w8a8_")) && !slices.Contains(names, e.Name) {
