@@ -158,12 +158,7 @@ func (l *Layer) settleTiles(p *plan, x *gpuctx.Buffer) error {
 	var err error
 	if l.experts.q != nil {
 		p.fp8, err = settle(&l.tuner, l.tuner.fp8, p, l.fp8Rule(p), func() (fp8Pair, error) {
-			done, err := l.openColdL2()
-			if err != nil {
-				return fp8Pair{}, err
-			}
-			defer done()
-			return l.tuneFP8(p, x)
+			return coldTuning(l, func() (fp8Pair, error) { return l.tuneFP8(p, x) })
 		})
 		return err
 	}
@@ -179,12 +174,7 @@ func (l *Layer) tilesFor(p *plan, x *gpuctx.Buffer) (tilePair, error) {
 		return forcedPair(*tu.forceTile), nil
 	}
 	return settle(tu, tu.tiles, p, ruleTiles(p), func() (tilePair, error) {
-		done, err := l.openColdL2()
-		if err != nil {
-			return tilePair{}, err
-		}
-		defer done()
-		return l.tune(p, x)
+		return coldTuning(l, func() (tilePair, error) { return l.tune(p, x) })
 	})
 }
 

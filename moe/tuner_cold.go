@@ -75,6 +75,18 @@ func (l *Layer) openColdL2() (done func(), err error) {
 	}, nil
 }
 
+// coldTuning runs tune (a tuning of tiles) with the L2 flush open
+// (openColdL2).
+func coldTuning[P any](l *Layer, tune func() (P, error)) (P, error) {
+	done, err := l.openColdL2()
+	if err != nil {
+		var none P
+		return none, err
+	}
+	defer done()
+	return tune()
+}
+
 // flushL2 queues coldL2's GEMM on the main stream (nothing where no tuning
 // opened one). It waits for nothing but the work queued on the main stream.
 func (l *Layer) flushL2() error {
