@@ -1043,9 +1043,11 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
     // L2 after its own. The ticket is one acquire-release atomic of thread 0
     // between two barriers (CUTLASS's barrier arrives the same way): the
     // barrier orders the block's logits stores before its release, and the
-    // last block's acquire before its reads; a separate sequentially
-    // consistent fence (__threadfence) on each side cost about 2k cycles of
-    // the one-token launch (ncu, H200).
+    // last block's acquire before its reads. It replaced a sequentially
+    // consistent fence (__threadfence) on each side: by ncu's stall samples
+    // (H200, Qwen3-30B-A3B, one token) the ticket and the fence after it were
+    // roughly 2k of the launch's 28.6k cycles; this change was measured only
+    // together with the routing's and the sort's (bench/RESULTS.md).
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned old;
