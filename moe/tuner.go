@@ -497,7 +497,8 @@ func (tu *tuner) keepMode(T int, medians [len(autoCandidates)]time.Duration) Mod
 
 // TileChoices returns one line per token bucket that the autotuner timed: the
 // chosen up and down tiles and their time, and the mode Auto picked where it
-// measured one. For benchmarks and logs.
+// measured one; and a line where a tuning could not flush L2 first (no
+// device memory for it) and timed from a warm L2. For benchmarks and logs.
 func (l *Layer) TileChoices() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -36,7 +36,9 @@ func coldL2Rows(l2 int) int { return (2*l2 + 2*coldL2Cols - 1) / (2 * coldL2Cols
 // twice the L2's bytes) are held only while the layer tunes. It does nothing
 // where a tuning is already open (Auto's forwards tune their tiles inside its
 // own) or the device reports no L2 (the CPU backend: its timings rank the
-// twins, and no cache of it is modelled).
+// twins, and no cache of it is modelled). Where the device has no memory for
+// the buffers the tuning times from a warm L2, as before the flush existed,
+// and says so in TileChoices: the forward that tunes does not fail for it.
 func (l *Layer) openColdL2() (done func(), err error) {
 	tu := &l.tuner
 	l2 := coldL2Bytes(l.dev)
@@ -57,11 +59,15 @@ func (l *Layer) openColdL2() (done func(), err error) {
 		bytes int
 	}{{&c.row, 2 * k}, {&c.mat, 2 * k * n}, {&c.out, 4 * n}} {
 		if *a.b, err = l.dev.Alloc(a.bytes); err != nil {
-			free()
-			return nil, fmt.Errorf("moe: tuning: the L2 flush's %d bytes: %w", a.bytes, err)
+			free() // nothing queued on them yet
+			tu.log = append(tu.log, fmt.Sprintf("timed from a warm L2: no memory for the L2 flush's %d bytes (%v)", a.bytes, err))
+			return func() {}, nil
 		}
-		// Zeros, so that the GEMM reads defined values (and no NaN slows it).
-		if err = l.main.Memset(*a.b, 0); err != nil {
+	}
+	// Zeros, so that the GEMM reads defined values (and no NaN slows it).
+	for _, b := range []*gpuctx.Buffer{c.row, c.mat, c.out} {
+		if err = l.main.Memset(b, 0); err != nil {
+			_ = l.main.Synchronize()
 			free()
 			return nil, err
 		}

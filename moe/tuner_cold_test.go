@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -120,4 +121,37 @@ func countFlushes(tf traceFile, tid uint64, l2 int) (flushes, followed int) {
 		}
 	}
 	return flushes, followed
+}
+
+// TestTunerColdL2NoMemory: where the device cannot hold the flush's buffers
+// (an L2 of 1 PiB on the CPU backend), the tuning forward still succeeds
+// (the device is not left with work queued on freed buffers: the CPU
+// backend reports that as a sticky error), times from a warm L2 (no flush
+// GEMM in the trace) and says so in TileChoices.
+func TestTunerColdL2NoMemory(t *testing.T) {
+	cfg := fp8Configs()["deepseek_v3"]
+	w := mustRandomWeights(t, cfg, 5)
+	const T = 1
+	x := randomX(T, cfg.HiddenSize, 3)
+	tuneFP8Anywhere(t, nil)
+	saved := coldL2Bytes
+	const l2 = 1 << 50
+	coldL2Bytes = func(*gpuctx.Device) int { return l2 }
+	t.Cleanup(func() { coldL2Bytes = saved })
+	l, err := NewLayer(layerBackends(t)[0].dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoGraphs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	tuning, _ := traceRun(t, l, x, T, Dual)
+	if n, _ := countFlushes(tuning, l.main.ID(), l2); n != 0 {
+		t.Errorf("%d flush GEMMs without the flush's buffers", n)
+	}
+	lines := l.TileChoices()
+	if !slices.ContainsFunc(lines, func(s string) bool { return strings.HasPrefix(s, "timed from a warm L2: no memory for the L2 flush") }) {
+		t.Errorf("TileChoices %q: want a line saying the tuning timed from a warm L2", lines)
+	}
+	if l.tuner.cold != nil {
+		t.Error("a flush is open after the tuning")
+	}
 }
