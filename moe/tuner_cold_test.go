@@ -42,14 +42,7 @@ func TestTunerColdL2(t *testing.T) {
 					tiles.Add(1)
 				}
 			}
-			saved := coldL2Bytes
-			coldL2Bytes = func(*gpuctx.Device) int { return l2 }
-			t.Cleanup(func() { coldL2Bytes = saved })
-			l, err := NewLayer(layerBackends(t)[0].dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoGraphs: true})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer l.Close()
+			l := coldTestLayer(t, cfg, w, l2)
 			tuning, _ := traceRun(t, l, x, T, tc.mode)
 			if tiles.Load() == 0 || (tc.mode == Auto) != (forwards.Load() > 0) {
 				t.Fatalf("the first forward timed %d candidates and %d forwards", tiles.Load(), forwards.Load())
@@ -72,6 +65,22 @@ func TestTunerColdL2(t *testing.T) {
 			}
 		})
 	}
+}
+
+// coldTestLayer gives the first backend's device an L2 of l2 bytes
+// (coldL2Bytes) for the rest of the test and returns a tuning FP8 layer on
+// it, closed at the test's end.
+func coldTestLayer(t *testing.T, cfg *Config, w *Weights, l2 int) *Layer {
+	t.Helper()
+	saved := coldL2Bytes
+	coldL2Bytes = func(*gpuctx.Device) int { return l2 }
+	t.Cleanup(func() { coldL2Bytes = saved })
+	l, err := NewLayer(layerBackends(t)[0].dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoGraphs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
 }
 
 // traceRun runs one forward of x in mode on l under a tracer and returns
@@ -134,15 +143,8 @@ func TestTunerColdL2NoMemory(t *testing.T) {
 	const T = 1
 	x := randomX(T, cfg.HiddenSize, 3)
 	tuneFP8Anywhere(t, nil)
-	saved := coldL2Bytes
 	const l2 = 1 << 50
-	coldL2Bytes = func(*gpuctx.Device) int { return l2 }
-	t.Cleanup(func() { coldL2Bytes = saved })
-	l, err := NewLayer(layerBackends(t)[0].dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoGraphs: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
+	l := coldTestLayer(t, cfg, w, l2)
 	tuning, _ := traceRun(t, l, x, T, Dual)
 	if n, _ := countFlushes(tuning, l.main.ID(), l2); n != 0 {
 		t.Errorf("%d flush GEMMs without the flush's buffers", n)
