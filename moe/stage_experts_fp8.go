@@ -168,20 +168,12 @@ var (
 	// w8a16 tiles in the layer at 1 token, and close enough that the
 	// tuner's pick between w8a16 and w8a8 accuracy followed the timing's
 	// noise (docs/tuning-history.md).
-	w8a8T8Up   = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true}
-	w8a8T8Down = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true}
-	// The 8-row pair that prefetches its weight rows to L2 before its grid
-	// wait (moekernels.W8A8Gemm.Prefetch), for the batches of one or a few
-	// tokens, whose 96-256 blocks of the plain pair streamed the weights at
-	// 30-40% of the DRAM's rate (ncu, H200, Qwen3-30B-A3B, 1 token:
-	// up 13.3 us, down 8.7 us). fusedW8A8 launches it behind the quantizer,
-	// as a Prefetch tile needs.
-	w8a8T8UpPF   = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Prefetch: true, Up: true}
-	w8a8T8DownPF = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Prefetch: true}
-	w8a8T16Up    = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true}
-	w8a8T16Down  = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 4, Trans: true}
-	w8a8T32Up    = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true}
-	w8a8T32Down  = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 4, Trans: true}
+	w8a8T8Up    = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true}
+	w8a8T8Down  = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true}
+	w8a8T16Up   = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true}
+	w8a8T16Down = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 4, Trans: true}
+	w8a8T32Up   = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true}
+	w8a8T32Down = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 4, Trans: true}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs

@@ -654,36 +654,6 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
 }
 
 // ---- Transposed tiles (W8A8Gemm.Trans): the weights as wgmma's A operand.
-
-// w8t_prefetch is a Prefetch tile's start, before its grid wait: the block's
-// expert e (npost and block_expert read from L2, ld.cg) and, for a block with
-// rows, cp.async.bulk.prefetch.L2 of its weight rows n0 .. n0+BN-1 of each of
-// the NB halves (UP: the gate's and the up's; contiguous: rows of Kdim
-// codes), in 16 KiB pieces spread over the threads. Reading the sort before
-// the wait is safe only because a Prefetch tile is launched early behind a
-// kernel that waits first, the quantizer (moe.fusedW8A8; launched normally
-// it starts after everything ahead of it): that kernel lets this one start
-// only once its own wait returned, when the sort had finished and its
-// writes were in L2. The prefetch is a hint (no result depends on it);
-// moe_tile_begin reads the same expert again after the wait.
-template <int BM, int BN, int NB, int THREADS>
-static __device__ __forceinline__ void w8t_prefetch(const unsigned char* __restrict__ B,
-                                                    const int* __restrict__ block_expert,
-                                                    const int* __restrict__ npost, int mb, int n0, int N, int Kdim) {
-    constexpr long long PIECE = 16384;
-    if (mb * BM >= __ldcg(npost)) return;
-    const int e = __ldcg(block_expert + mb);
-    if (e < 0) return;
-    const long long bytes = (long long)min(BN, N - n0) * Kdim;  // Kdim a multiple of 16: whole 16-byte units
-    const int pieces = (int)((bytes + PIECE - 1) / PIECE);
-    for (int i = threadIdx.x; i < NB * pieces; i += THREADS) {
-        const int h = i / pieces;
-        const long long off = (long long)(i - h * pieces) * PIECE;
-        const unsigned size = (unsigned)min(PIECE, bytes - off);
-        const unsigned char* p = B + ((long long)(e * NB + h) * N + n0) * Kdim + off;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(size) : "memory");
-    }
-}
 //
 // moe_w8t: moe_w8's kernel (same arguments, grid (ceil(N/BN), cap/BM), rows,
 // padding, outputs and accumulation order) for batches of a few rows per
@@ -699,15 +669,7 @@ static __device__ __forceinline__ void w8t_prefetch(const unsigned char* __restr
 //
 // Register 4j + 2hr + v of a warp's wgmma accumulator is weight row 16w +
 // lane/4 + 8hr of its warpgroup's 64 and tile row (token) 8j + 2(lane%4) + v.
-//
-// PF (W8A8Gemm.Prefetch, tag suffix "f"): before its grid wait the block
-// reads its expert and asks the L2 for all of its weight rows
-// (w8t_prefetch), so that at a few rows per expert, where the grid is a
-// block or two per multiprocessor and a pipeline of a few stages keeps too
-// few bytes in flight to stream at the DRAM's rate, the whole tile's
-// weights are on their way while the quantizer ahead of it still runs, and
-// the stages then read them from L2. It changes no result.
-template <int BM, int BN, int STAGES, bool PF, bool UP>
+template <int BM, int BN, int STAGES, bool UP>
 static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__ A, const float* __restrict__ AS,
                                                const unsigned char* __restrict__ B, const float* __restrict__ S,
                                                const int* __restrict__ sorted, const int* __restrict__ block_expert,
@@ -734,7 +696,6 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
     const int mb = blockIdx.y;
     const int n0 = blockIdx.x * BN;
     if (n0 >= N) return;
-    if (PF) w8t_prefetch<BM, BN, NB, THREADS>(B, block_expert, npost, mb, n0, N, Kdim);
     int e;
     if (!moe_tile_begin<BM, THREADS, UP>(sorted, block_expert, npost, TK, topk, 0, 0, mb, row_src, row_dst, e))
         return;

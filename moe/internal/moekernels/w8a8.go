@@ -89,15 +89,7 @@ type W8A8Gemm struct {
 	// expert; BN is then 64 or 128 (a warpgroup per 64 columns). Tag suffix
 	// "t".
 	Trans bool
-	// Prefetch (Trans only) has each block, before its grid wait, read its
-	// expert and ask the L2 for all of its weight rows
-	// (cp.async.bulk.prefetch.L2), for grids of a block or two per
-	// multiprocessor, whose few stages in flight stream the weights at a
-	// fraction of the DRAM's rate. It reads the sort (npost, blockExpert)
-	// before the wait, so it may be launched early only behind a kernel that
-	// waits first (the quantizer: moe's fusedW8A8). Tag suffix "f".
-	Prefetch bool
-	Up       bool // the gate/up + SwiGLU kernel, else the down kernel
+	Up    bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
 // W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
@@ -127,8 +119,6 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 64, BN: 128, Stages: 3},
 	{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true},
 	{BM: 8, BN: 64, Stages: 4, Trans: true},
-	{BM: 8, BN: 64, Stages: 4, Trans: true, Prefetch: true, Up: true},
-	{BM: 8, BN: 64, Stages: 4, Trans: true, Prefetch: true},
 	{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true},
 	{BM: 16, BN: 64, Stages: 4, Trans: true},
 	{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true},
@@ -145,9 +135,6 @@ func (c W8A8Gemm) Tag() string {
 	}
 	if c.Trans {
 		p += "t"
-	}
-	if c.Prefetch {
-		p += "f"
 	}
 	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
 }
@@ -213,8 +200,6 @@ func (c W8A8Gemm) Check() error {
 		return c.checkTrans()
 	}
 	switch {
-	case c.Prefetch:
-		return fmt.Errorf("w8a8 tile %s: only a transposed tile prefetches its weights", c.Tag())
 	case c.BM < 64 || c.BM%64 != 0 || c.BM > 256:
 		return fmt.Errorf("w8a8 tile %s: BM = %d, want 64, 128, 192 or 256", c.Tag(), c.BM)
 	case c.BN < 8 || fp8.BlockSize%c.BN != 0 || c.width() > 256:
@@ -284,7 +269,7 @@ func w8a8Instances() string {
 		case c.Producers > 0:
 			fn, t = "moe_w8p", t+fmt.Sprintf(", %d", c.Producers)
 		case c.Trans:
-			fn, t = "moe_w8t", t+fmt.Sprintf(", %t", c.Prefetch)
+			fn = "moe_w8t"
 		}
 		if c.Up {
 			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
