@@ -168,23 +168,12 @@ var (
 	// w8a16 tiles in the layer at 1 token, and close enough that the
 	// tuner's pick between w8a16 and w8a8 accuracy followed the timing's
 	// noise (docs/tuning-history.md).
-	w8a8T8Up   = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true}
-	w8a8T8Down = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true}
-	// 8-row pairs for one or a few tokens, where the plain pair's 96-256
-	// blocks stream the weights at 30-40% of the DRAM's rate (ncu, H200,
-	// Qwen3-30B-A3B, 1 token: up 13.3 us, down 8.7 us): eight stages (seven
-	// in flight), and stages whose wgmma run while the previous block is
-	// scaled (Overlap), with five and eight stages.
-	w8a8T8Up8    = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 8, Trans: true, Up: true}
-	w8a8T8Down8  = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 8, Trans: true}
-	w8a8T8UpO5   = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 5, Trans: true, Overlap: true, Up: true}
-	w8a8T8DownO5 = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 5, Trans: true, Overlap: true}
-	w8a8T8UpO8   = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 8, Trans: true, Overlap: true, Up: true}
-	w8a8T8DownO8 = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 8, Trans: true, Overlap: true}
-	w8a8T16Up    = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true}
-	w8a8T16Down  = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 4, Trans: true}
-	w8a8T32Up    = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true}
-	w8a8T32Down  = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 4, Trans: true}
+	w8a8T8Up    = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true}
+	w8a8T8Down  = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true}
+	w8a8T16Up   = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true}
+	w8a8T16Down = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 4, Trans: true}
+	w8a8T32Up   = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true}
+	w8a8T32Down = moekernels.W8A8Gemm{BM: 32, BN: 64, Stages: 4, Trans: true}
 )
 
 // w8a8MinRows is the average rows per touched expert from which a batch runs

@@ -669,14 +669,7 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
 //
 // Register 4j + 2hr + v of a warp's wgmma accumulator is weight row 16w +
 // lane/4 + 8hr of its warpgroup's 64 and tile row (token) 8j + 2(lane%4) + v.
-//
-// OV (W8A8Gemm.Overlap, tag suffix "o"): each stage's wgmma are issued
-// before the previous stage's are waited for (wgmma.wait_group 1), into the
-// other of two block accumulators, and the previous block is scaled while
-// they run; a stage's buffer is refilled one stage later than without
-// (STAGES-2 stages in flight instead of STAGES-1, so STAGES >= 3). The same
-// operations on the same values in the same order: the same bits.
-template <int BM, int BN, int STAGES, bool OV, bool UP>
+template <int BM, int BN, int STAGES, bool UP>
 static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__ A, const float* __restrict__ AS,
                                                const unsigned char* __restrict__ B, const float* __restrict__ S,
                                                const int* __restrict__ sorted, const int* __restrict__ block_expert,
@@ -752,10 +745,8 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
         }
     };
 
-    static_assert(!OV || STAGES >= 3, "an overlapped tile keeps STAGES-2 stages in flight: at least three");
-    constexpr int AHEAD = OV ? STAGES - 2 : STAGES - 1;  // stages loaded ahead of the one multiplied
 #pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
         if (s < KB) load(s, s);
         w8_commit();
     }
@@ -776,13 +767,33 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
     const int grp = tid >> 7, lane = tid & 31, w = (tid >> 5) & 3;
     const int c0 = 2 * (lane & 3);  // this thread's first tile row (token) of each 8
     constexpr int R = BM / 2;       // accumulator registers of one wgmma
-    float acc[NB][R], blk[NB][R], blk2[NB][R];
+    float acc[NB][R], blk[NB][R];
 #pragma unroll
     for (int h = 0; h < NB; ++h)
 #pragma unroll
-        for (int i = 0; i < R; ++i) acc[h][i] = blk[h][i] = blk2[h][i] = 0.0f;
-    // scale adds block kb's sums b into acc: acc = b * (sa * sb) + acc.
-    auto scale = [&](int kb, const float (&b)[NB][R]) {
+        for (int i = 0; i < R; ++i) acc[h][i] = blk[h][i] = 0.0f;
+    for (int kb = 0; kb < KB; ++kb) {
+        w8_cpwait<STAGES - 2>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        const int nk = kb + STAGES - 1;
+        if (nk < KB) load(nk % STAGES, nk);
+        w8_commit();
+        const unsigned st = sbase + (unsigned)(kb % STAGES) * ST_BYTES;
+        const unsigned sr = st + W_BYTES;
+        w8_fence();
+#pragma unroll
+        for (int h = 0; h < NB; ++h) {
+            const unsigned sw = st + (unsigned)(h * BN + grp * 64) * 128u;
+#pragma unroll
+            for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<BM>(blk[h], w8_desc(sw + kk * 32), w8_desc(sr + kk * 32), kk);
+        }
+        w8_commit_mma();
+        w8_wait_mma0();
+#pragma unroll
+        for (int h = 0; h < NB; ++h)
+#pragma unroll
+            for (int i = 0; i < R; ++i) asm volatile("" : "+f"(blk[h][i])::"memory");
 #pragma unroll
         for (int j = 0; j < BM / 8; ++j) {
 #pragma unroll
@@ -794,70 +805,10 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
 #pragma unroll
                     for (int hr = 0; hr < 2; ++hr) {
                         const int i = 4 * j + 2 * hr + v;
-                        acc[h][i] = __fmaf_rn(b[h][i], s, acc[h][i]);
+                        acc[h][i] = __fmaf_rn(blk[h][i], s, acc[h][i]);
                     }
                 }
             }
-        }
-    };
-    // issue waits for stage kb's copies, refills the buffer AHEAD stages on
-    // (the one whose wgmma every warp has waited for before the barrier) and
-    // issues stage kb's wgmma into b.
-    auto issue = [&](int kb, float (&b)[NB][R]) {
-        w8_cpwait<AHEAD - 1>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        const int nk = kb + AHEAD;
-        if (nk < KB) load(nk % STAGES, nk);
-        w8_commit();
-        const unsigned st = sbase + (unsigned)(kb % STAGES) * ST_BYTES;
-        const unsigned sr = st + W_BYTES;
-        w8_fence();
-#pragma unroll
-        for (int h = 0; h < NB; ++h) {
-            const unsigned sw = st + (unsigned)(h * BN + grp * 64) * 128u;
-#pragma unroll
-            for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<BM>(b[h], w8_desc(sw + kk * 32), w8_desc(sr + kk * 32), kk);
-        }
-        w8_commit_mma();
-    };
-    auto pin = [&](float (&b)[NB][R]) {
-#pragma unroll
-        for (int h = 0; h < NB; ++h)
-#pragma unroll
-            for (int i = 0; i < R; ++i) asm volatile("" : "+f"(b[h][i])::"memory");
-    };
-    if (OV) {
-        // Stage kb's wgmma run while block kb-1 is scaled: blk holds the even
-        // stages, blk2 the odd ones.
-        for (int kb = 0; kb < KB; kb += 2) {
-            issue(kb, blk);
-            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-            if (kb > 0) {
-                pin(blk2);
-                scale(kb - 1, blk2);
-            }
-            if (kb + 1 < KB) {
-                issue(kb + 1, blk2);
-                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                pin(blk);
-                scale(kb, blk);
-            }
-        }
-        w8_wait_mma0();
-        if ((KB - 1) % 2 == 0) {
-            pin(blk);
-            scale(KB - 1, blk);
-        } else {
-            pin(blk2);
-            scale(KB - 1, blk2);
-        }
-    } else {
-        for (int kb = 0; kb < KB; ++kb) {
-            issue(kb, blk);
-            w8_wait_mma0();
-            pin(blk);
-            scale(kb, blk);
         }
     }
     w8_cpwait<0>();

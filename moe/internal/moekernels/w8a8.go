@@ -89,12 +89,7 @@ type W8A8Gemm struct {
 	// expert; BN is then 64 or 128 (a warpgroup per 64 columns). Tag suffix
 	// "t".
 	Trans bool
-	// Overlap (Trans only, Stages >= 3) issues each stage's wgmma before
-	// waiting for the previous stage's, into a second block accumulator, and
-	// scales the previous block while they run (moe_w8a8.cu's moe_w8t, OV):
-	// Stages-2 stages in flight instead of Stages-1. Tag suffix "o".
-	Overlap bool
-	Up      bool // the gate/up + SwiGLU kernel, else the down kernel
+	Up    bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
 // W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
@@ -124,12 +119,6 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 64, BN: 128, Stages: 3},
 	{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true},
 	{BM: 8, BN: 64, Stages: 4, Trans: true},
-	{BM: 8, BN: 64, Stages: 8, Trans: true, Up: true},
-	{BM: 8, BN: 64, Stages: 8, Trans: true},
-	{BM: 8, BN: 64, Stages: 5, Trans: true, Overlap: true, Up: true},
-	{BM: 8, BN: 64, Stages: 5, Trans: true, Overlap: true},
-	{BM: 8, BN: 64, Stages: 8, Trans: true, Overlap: true, Up: true},
-	{BM: 8, BN: 64, Stages: 8, Trans: true, Overlap: true},
 	{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true},
 	{BM: 16, BN: 64, Stages: 4, Trans: true},
 	{BM: 32, BN: 64, Stages: 3, Trans: true, Up: true},
@@ -146,9 +135,6 @@ func (c W8A8Gemm) Tag() string {
 	}
 	if c.Trans {
 		p += "t"
-	}
-	if c.Overlap {
-		p += "o"
 	}
 	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
 }
@@ -214,8 +200,6 @@ func (c W8A8Gemm) Check() error {
 		return c.checkTrans()
 	}
 	switch {
-	case c.Overlap:
-		return fmt.Errorf("w8a8 tile %s: only a transposed tile overlaps its stages' wgmma", c.Tag())
 	case c.BM < 64 || c.BM%64 != 0 || c.BM > 256:
 		return fmt.Errorf("w8a8 tile %s: BM = %d, want 64, 128, 192 or 256", c.Tag(), c.BM)
 	case c.BN < 8 || fp8.BlockSize%c.BN != 0 || c.width() > 256:
@@ -241,8 +225,6 @@ func (c W8A8Gemm) checkTrans() error {
 		return fmt.Errorf("w8a8 tile %s: BN = %d, want 64 or 128 (a warpgroup per 64 columns)", c.Tag(), c.BN)
 	case c.Stages < 2:
 		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
-	case c.Overlap && c.Stages < 3:
-		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 3 (an overlapped tile keeps Stages-2 in flight)", c.Tag(), c.Stages)
 	case c.Producers != 0:
 		return fmt.Errorf("w8a8 tile %s: a transposed tile has no producer warps", c.Tag())
 	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
@@ -287,7 +269,7 @@ func w8a8Instances() string {
 		case c.Producers > 0:
 			fn, t = "moe_w8p", t+fmt.Sprintf(", %d", c.Producers)
 		case c.Trans:
-			fn, t = "moe_w8t", t+fmt.Sprintf(", %t", c.Overlap)
+			fn = "moe_w8t"
 		}
 		if c.Up {
 			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
