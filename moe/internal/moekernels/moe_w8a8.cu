@@ -696,26 +696,54 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
     const int mb = blockIdx.y;
     const int n0 = blockIdx.x * BN;
     if (n0 >= N) return;
+    // The block's expert first, then the first stages' weight loads, and
+    // only then the sort's rows and the row loads: the weights' DRAM round
+    // trip starts one L2 round trip (the rows) earlier.
     int e;
-    if (!moe_tile_begin<BM, THREADS, UP>(sorted, block_expert, npost, TK, topk, 0, 0, mb, row_src, row_dst, e))
-        return;
+    if (!moe_tile_expert<BM>(block_expert, npost, mb, e)) return;
     const int tid = threadIdx.x;
     const int KB = (Kdim + W8_BK - 1) / W8_BK;
     const int kch = (tid % CH) * 16;
 
     // Weight chunks: tile row r (UP: r / BN the gate or the up, column n0 +
-    // r % BN), 64-bit offsets from this expert's B.
+    // r % BN): the chunk's address at k = 0 (this expert's B for a row past
+    // N, which reads nothing) and its shared-memory offset.
     const unsigned char* Be = B + (long long)e * NB * N * Kdim;
-    long long gw[W_PER];
+    const unsigned char* pw[W_PER];
     unsigned ow[W_PER];
+    bool wall = true;  // every chunk's row is below N
 #pragma unroll
     for (int i = 0; i < W_PER; ++i) {
         const int c = tid + i * THREADS, r = c / CH;
         const int half = UP ? r / BN : 0;
         const int n = n0 + (UP ? r % BN : r);
-        gw[i] = n < N ? ((long long)half * N + n) * Kdim + kch : -1;
+        pw[i] = n < N ? Be + ((long long)half * N + n) * Kdim + kch : nullptr;
+        wall &= n < N;
         ow[i] = (unsigned)(r * 128 + (((c % CH) ^ (r & 7)) << 4));
     }
+    const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
+    auto loadW = [&](int slot, int kb) {
+        const unsigned st = sbase + (unsigned)slot * ST_BYTES;
+        const int k0 = kb * W8_BK;
+        if (wall && k0 + W8_BK <= Kdim) {  // a whole K block of rows below N: no zeros
+#pragma unroll
+            for (int i = 0; i < W_PER; ++i) w8_cp16(st + ow[i], pw[i] + k0, 16);
+            return;
+        }
+        const bool kok = k0 + kch < Kdim;  // Kdim is a multiple of 16: whole chunks
+#pragma unroll
+        for (int i = 0; i < W_PER; ++i) {
+            const bool ok = kok && pw[i] != nullptr;
+            w8_cp16(st + ow[i], ok ? pw[i] + k0 : Be, ok ? 16 : 0);
+        }
+    };
+    // The first stages' weights; their copies join the commit group of the
+    // first stage's rows below (the loop waits for stage 0's group first).
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < KB) loadW(s, s);
+
+    moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
     // Row chunks (the A rows of moe_w8: UP token rows of xq, DOWN rows of aq).
     const unsigned char* Ab = UP ? A : A + (long long)mb * BM * Kdim;
     int ga[A_PER];
@@ -727,16 +755,10 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
         ga[i] = src >= 0 ? (UP ? src : src - mb * BM) * Kdim + kch : -1;
         oa[i] = c < BM * CH ? W_BYTES + (unsigned)(r * 128 + (((c % CH) ^ (r & 7)) << 4)) : ~0u;
     }
-    const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
-    auto load = [&](int slot, int kb) {
+    auto loadA = [&](int slot, int kb) {
         const unsigned st = sbase + (unsigned)slot * ST_BYTES;
         const int k0 = kb * W8_BK;
-        const bool kok = k0 + kch < Kdim;  // Kdim is a multiple of 16: whole chunks
-#pragma unroll
-        for (int i = 0; i < W_PER; ++i) {
-            const bool ok = kok && gw[i] >= 0;
-            w8_cp16(st + ow[i], Be + (ok ? gw[i] + k0 : 0), ok ? 16 : 0);
-        }
+        const bool kok = k0 + kch < Kdim;
 #pragma unroll
         for (int i = 0; i < A_PER; ++i) {
             if ((BM * CH) % THREADS != 0 && oa[i] == ~0u) break;
@@ -744,10 +766,14 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
             w8_cp16(st + oa[i], Ab + (ok ? ga[i] + k0 : 0), ok ? 16 : 0);
         }
     };
+    auto load = [&](int slot, int kb) {
+        loadW(slot, kb);
+        loadA(slot, kb);
+    };
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KB) load(s, s);
+        if (s < KB) loadA(s, s);
         w8_commit();
     }
     // The weight block scales of the tile's columns (one block row) and the
