@@ -167,7 +167,13 @@ var (
 	// quantizer launches) was dropped in session 19: no faster than the
 	// w8a16 tiles in the layer at 1 token, and close enough that the
 	// tuner's pick between w8a16 and w8a8 accuracy followed the timing's
-	// noise (docs/tuning-history.md).
+	// noise (docs/tuning-history.md). Session 20 measured three more 8-row
+	// pairs for one token and dropped them, slower in the tuner's chains
+	// on the H200 (Qwen3-30B-A3B, 1 token, plain pair 23.7-24.1 us): one
+	// that asked the L2 for all of its weights before its grid wait (25.5),
+	// eight stages (24.5), and wgmma overlapped with the previous block's
+	// scaling (25.2-26.8); the plain pair is bound neither by its bytes in
+	// flight nor by its per-stage waits there (bench/RESULTS.md).
 	w8a8T8Up    = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true, Up: true}
 	w8a8T8Down  = moekernels.W8A8Gemm{BM: 8, BN: 64, Stages: 4, Trans: true}
 	w8a8T16Up   = moekernels.W8A8Gemm{BM: 16, BN: 64, Stages: 3, Trans: true, Up: true}
