@@ -73,7 +73,7 @@ func usedBefore(t *testing.T, name, code string, params []string) {
 }
 
 func TestWaitsFirst(t *testing.T) {
-	srcs := []string{RouteSource(), GemmSource(), WgmmaSource(), FP8MMASource()}
+	srcs := []string{RouteSource(), GemmSource(), WgmmaSource(), FP8MMASource(), W8A8Source()}
 	names := append([]string(nil), earlyKernels...)
 	for _, c := range MoEGemms {
 		if c.HasUp() {
@@ -83,6 +83,10 @@ func TestWaitsFirst(t *testing.T) {
 	}
 	for _, c := range FP8Gemms {
 		names = append(names, c.UpName(), c.DownName())
+	}
+	names = append(names, FP8QuantName)
+	for _, c := range W8A8Gemms {
+		names = append(names, c.Name())
 	}
 	instance := regexp.MustCompile(`^\s*(\w+)<[^;]*>\([^;]*\);\s*$`)
 	for _, name := range names {
@@ -108,31 +112,7 @@ func TestWaitsFirst(t *testing.T) {
 				continue
 			}
 		}
-		// The expert GEMM templates wait in moe_tile_begin: nothing before
-		// the call may touch a pointer, and moe_tile_begin may touch none
-		// before its wait but the block's row tables (shared memory).
-		begin, w := strings.Index(body, "moe_tile_begin<"), strings.Index(body, "MOE_GRID_WAIT();")
-		var own []string
-		if begin >= 0 && (w < 0 || begin < w) {
-			usedBefore(t, name, body[:begin], params)
-			var ok bool
-			if params, body, ok = function(src, "moe_tile_begin"); !ok {
-				t.Errorf("%s: moe_tile_begin not found", name)
-				continue
-			}
-			w, own = strings.Index(body, "MOE_GRID_WAIT();"), []string{"row_src", "row_dst"}
-		}
-		if w < 0 {
-			t.Errorf("%s: no MOE_GRID_WAIT()", name)
-			continue
-		}
-		var global []string
-		for _, p := range params {
-			if !slices.Contains(own, p) {
-				global = append(global, p)
-			}
-		}
-		usedBefore(t, name, body[:w], global)
+		waitsBeforeUse(t, name, src, params, body)
 	}
 	params, _, ok := function(GemmSource(), "moe_shared_rows")
 	if !ok || !slices.Equal(params, []string{"row_src", "row_dst"}) {
@@ -143,4 +123,44 @@ func TestWaitsFirst(t *testing.T) {
 			t.Errorf("WaitsFirst(%q) = true; it does not wait", name)
 		}
 	}
+}
+
+// waitHelpers are the functions of moe_tile.cuh through which the expert
+// GEMM templates wait: moe_tile_begin, and moe_tile_expert, which it calls.
+var waitHelpers = []string{"moe_tile_begin", "moe_tile_expert"}
+
+// waitsBeforeUse checks that kernel name's code body (params its pointer
+// parameters) mentions none of them before MOE_GRID_WAIT(), following a
+// call to a wait helper that comes first into the helper's body, where only
+// the block's own row tables may be touched before the wait.
+func waitsBeforeUse(t *testing.T, name, src string, params []string, body string) {
+	t.Helper()
+	var own []string
+	for depth := 0; depth < 4; depth++ {
+		global := slices.DeleteFunc(slices.Clone(params), func(p string) bool { return slices.Contains(own, p) })
+		w := strings.Index(body, "MOE_GRID_WAIT();")
+		h, helper := -1, ""
+		for _, hn := range waitHelpers {
+			if i := strings.Index(body, hn+"<"); i >= 0 && (h < 0 || i < h) {
+				h, helper = i, hn
+			}
+		}
+		if h >= 0 && (w < 0 || h < w) {
+			usedBefore(t, name, body[:h], global)
+			var ok bool
+			if params, body, ok = function(src, helper); !ok {
+				t.Errorf("%s: %s not found", name, helper)
+				return
+			}
+			own = []string{"row_src", "row_dst"}
+			continue
+		}
+		if w < 0 {
+			t.Errorf("%s: no MOE_GRID_WAIT()", name)
+			return
+		}
+		usedBefore(t, name, body[:w], global)
+		return
+	}
+	t.Errorf("%s: wait helpers nested too deep", name)
 }

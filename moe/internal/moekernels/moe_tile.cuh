@@ -66,28 +66,31 @@ static __device__ __forceinline__ int moe_shared_rows(int TK, int topk, int E0, 
     return E0 + mb / rt;
 }
 
-// moe_tile_begin starts row block mb of an expert GEMM kernel launched early
-// (LaunchEarly): a block of the fused shared expert's rows (up kernel,
-// moe_shared_rows) starts at once; every other block waits for the kernels
-// ahead of it (the align, or the up kernel), reads its expert and fills its
-// row tables (moe_tile_rows). Then it lets the next kernel be scheduled. It
-// sets e to the block's expert and returns true, or returns false for a
-// block without rows (past npost or of no expert), which the caller ends.
-// moe_tile_expert is moe_tile_begin's start without the row tables, for a
-// kernel that issues its weight loads before it reads the sort's rows: it
-// waits for the kernels ahead (MOE_GRID_WAIT), lets the next be scheduled,
-// and sets e to row block mb's expert, or returns false for a block without
-// rows. No fused shared expert.
+// moe_tile_expert starts row block mb of an expert GEMM kernel launched
+// early without filling its row tables (moe_tile_begin's routed blocks, and
+// kernels that issue their weight loads before they read the sort's rows):
+// it waits for the kernels ahead (MOE_GRID_WAIT), lets the next be
+// scheduled, and sets e to the block's expert, or returns false for a block
+// without rows (past npost or of no expert).
 template <int BM>
 static __device__ __forceinline__ bool moe_tile_expert(const int* __restrict__ block_expert,
                                                        const int* __restrict__ npost, int mb, int& e) {
     MOE_GRID_WAIT();
     MOE_GRID_LAUNCH();
+    // Both loads in flight at once (block_expert has cap/BM entries and mb
+    // is below that): one round trip to L2 instead of two.
     const int np = npost[0];
     e = block_expert[mb];
     return mb * BM < np && e >= 0;
 }
 
+// moe_tile_begin starts row block mb of an expert GEMM kernel launched early
+// (LaunchEarly): a block of the fused shared expert's rows (up kernel,
+// moe_shared_rows) starts at once; every other block waits for the kernels
+// ahead of it (the align, or the up kernel), reads its expert
+// (moe_tile_expert) and fills its row tables (moe_tile_rows). Then it lets the next kernel be scheduled. It
+// sets e to the block's expert and returns true, or returns false for a
+// block without rows (past npost or of no expert), which the caller ends.
 template <int BM, int THREADS, bool UP>
 static __device__ __forceinline__ bool moe_tile_begin(const int* __restrict__ sorted,
                                                       const int* __restrict__ block_expert,
@@ -97,13 +100,7 @@ static __device__ __forceinline__ bool moe_tile_begin(const int* __restrict__ so
     if (e >= 0) {
         MOE_GRID_LAUNCH();
     } else {
-        MOE_GRID_WAIT();
-        MOE_GRID_LAUNCH();
-        // Both loads in flight at once (block_expert has cap/BM entries, mb
-        // is below that): one round trip to L2 instead of two.
-        const int np = npost[0];
-        e = block_expert[mb];
-        if (mb * BM >= np || e < 0) return false;
+        if (!moe_tile_expert<BM>(block_expert, npost, mb, e)) return false;
         moe_tile_rows<BM, THREADS, UP>(sorted, TK, topk, mb, row_src, row_dst);
     }
     return true;

@@ -802,9 +802,11 @@ static __device__ __forceinline__ void moe_w8t(const unsigned char* __restrict__
     // buffer (kb % STAGES) is a constant: its shared-memory addresses and
     // wgmma descriptors are the base's plus constants (a descriptor's
     // address field is the address / 16, and no stage crosses 256 KiB), not
-    // computed again every stage. At a few rows per expert, with one warp a
-    // scheduler, the loop is bound by its instructions (ncu, H200: 219 issued
-    // per warp per stage before, at 4.2 cycles each).
+    // computed again every stage (ncu, H200, the 8-row pair at one token: 219
+    // instructions issued per warp per stage before, about 60 of them
+    // building descriptors; one warp a scheduler). Measured: the 8-row chain
+    // 1-2% faster at 8-64 tokens, no change at one token (bench/RESULTS.md,
+    // session 20).
     const unsigned long long d0 = w8_desc(sbase);
     for (int kb0 = 0; kb0 < KB; kb0 += STAGES) {
 #pragma unroll
