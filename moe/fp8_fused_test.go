@@ -240,8 +240,8 @@ func TestLayerFP8FusedShared(t *testing.T) {
 	}
 }
 
-// shareTiles gives the layers to the tiles from has chosen so far (their
-// own choices for those buckets are replaced; others stay).
+// shareTiles gives each layer of to the tiles that from has chosen so far
+// (its own choices for those buckets are replaced; the others stay).
 func shareTiles(from *Layer, to ...*Layer) {
 	for _, l := range to {
 		maps.Copy(l.tuner.fp8, from.tuner.fp8)
