@@ -138,6 +138,12 @@ var (
 	// measurement first.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
+	// The 128-row pair with two epilogue warps (session 21): the consumers
+	// stage each tile's sums in shared memory and go on to the next tile's
+	// wgmma while those warps run the SwiGLU or the scattered stores. The
+	// tuner times it beside w8a8Up/w8a8Down.
+	w8a8EpiUp   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Epilogue: 2, Up: true}
+	w8a8EpiDown = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2, Epilogue: 2}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
 	// ran them at 17-63 rows per touched expert until session 14): on the
 	// H200 (BenchmarkW8A8Expert, session 9's call 2, the whole chain with the
