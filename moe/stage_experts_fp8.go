@@ -144,6 +144,13 @@ var (
 	// tuner times it beside w8a8Up/w8a8Down.
 	w8a8EpiUp   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Epilogue: 2, Up: true}
 	w8a8EpiDown = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2, Epilogue: 2}
+	// The wide 128-row pair (session 21): 256 columns a tile (the up's 128
+	// gate and 128 up columns), multiplied in two halves of 128, four
+	// stages of 48 KB, a producer warpgroup. A stage's 48 KB feed twice the
+	// products of the narrow pair's 32 KB: for the 128-row tiles that read
+	// their stages at about 5 TB/s from the L2 whatever else changed.
+	w8a8WideUp   = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true}
+	w8a8WideDown = moekernels.W8A8Gemm{BM: 128, BN: 256, Stages: 4, Producers: 4}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
 	// ran them at 17-63 rows per touched expert until session 14): on the
 	// H200 (BenchmarkW8A8Expert, session 9's call 2, the whole chain with the

@@ -32,6 +32,7 @@ var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8T16Up, w8down: w8a8T16Down},
 	{w8: true, w8up: w8a8T32Up, w8down: w8a8T32Down},
 	{w8: true, w8up: w8a8EpiUp, w8down: w8a8EpiDown},
+	{w8: true, w8up: w8a8WideUp, w8down: w8a8WideDown},
 }
 
 // w8a8TuneRows is the fewest rows per touched expert at which the tuner

@@ -621,11 +621,18 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     constexpr int NB = UP ? 2 : 1;
     constexpr int NW = NB * BN;
     constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NW) * 128;
-    static_assert(BM % 64 == 0 && NW % 8 == 0 && NW <= 256 && W8_BK % BN == 0,
-                  "tile: BM a multiple of 64, NB*BN <= 256, BN divides 128");
+    // A wide tile (NW = 256: up BN = 128, down BN = 256) multiplies its
+    // columns in two halves of 128 (NH), one wgmma accumulator of 64
+    // registers for both: 128 + 64 accumulator registers, which the
+    // consumers take from a producer warpgroup with setmaxnreg.
+    constexpr bool WIDE = NW > 128;
+    constexpr int NH = WIDE ? 2 : 1, WN = NW / NH;
+    static_assert(BM % 64 == 0 && NW % 8 == 0 && NW <= 256 && (W8_BK % BN == 0 || (!UP && BN == 256)),
+                  "tile: BM a multiple of 64, NB*BN <= 256, BN divides 128 (or a down tile of 256)");
     static_assert(STAGES >= 2, "at least two stages");
     static_assert(RSTEP % 4 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "producer rows");
     static_assert(EW == 0 || EW == 2 || EW == 4, "epilogue warps: 0, 2 or 4");
+    static_assert(!WIDE || (PW == 4 && EW == 0), "a wide tile: a producer warpgroup, no epilogue warps");
 
     // full[STAGES], empty[STAGES], then the staging's efull and eempty.
     __shared__ __align__(8) unsigned long long w8p_bars[2 * STAGES + 2];
@@ -659,10 +666,13 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
         return;
     }
     if (tid >= CONSUMERS) {
+        if constexpr (WIDE) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         w8p_produce<BM, BN, STAGES, PW, UP>(A, B, sorted, block_expert, TK, topk, Kdim, N, ntiles, tid - CONSUMERS,
                                             sbase, full0, empty0);
         return;
     }
+
+    if constexpr (WIDE) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
     // Consumers: warpgroup grp multiplies tile rows 64*grp .. 64*grp+63;
     // this thread holds rows r0 and r0 + 8.
@@ -670,9 +680,9 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     const int r0 = grp * 64 + w * 16 + (lane >> 2);
     int slot = 0, staged = 0;
     unsigned ph = 0;
-    float acc[NW / 2], blk[NW / 2];
+    float acc[NW / 2], blk[WN / 2];
 #pragma unroll
-    for (int i = 0; i < NW / 2; ++i) blk[i] = 0.0f;
+    for (int i = 0; i < WN / 2; ++i) blk[i] = 0.0f;
     for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
         const int e = block_expert[mb];
@@ -687,39 +697,50 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
             arow[hr] = real ? AS + (long long)(UP ? a[hr] / topk : mb * BM + r) * KB : nullptr;
         }
         // The weight block scales of this tile's columns: the gate's (or the
-        // down's) and the up's block row.
+        // down's) and the up's block row; a wide down tile's second half
+        // the next block row (none past N: its columns are not stored).
         const float* sg = S + ((long long)(e * NB) * NBR + n0 / W8_BK) * KB;
-        const float* su = S + ((long long)(e * NB + NB - 1) * NBR + n0 / W8_BK) * KB;
+        const float* su = WIDE && !UP ? (n0 / W8_BK + 1 < NBR ? sg + KB : nullptr)
+                                      : S + ((long long)(e * NB + NB - 1) * NBR + n0 / W8_BK) * KB;
 #pragma unroll
         for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < KB; ++kb) {
             const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
             const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
-            const float sbg = __ldg(sg + kb), sbu = __ldg(su + kb);
+            const float sbg = __ldg(sg + kb), sbu = su ? __ldg(su + kb) : 0.0f;
             w8p_wait(full0 + 8u * slot, ph);
             // The stage's cp.async writes went through the generic proxy;
             // wgmma reads through the async proxy.
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             const unsigned st = sbase + (unsigned)slot * ST_BYTES;
             const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
-            w8_fence();
-#pragma unroll
-            for (int kk = 0; kk < W8_BK / 32; ++kk) w8_mma<NW>(blk, w8_desc(sa + kk * 32), w8_desc(sb + kk * 32), kk);
-            w8_commit_mma();
-            w8_wait_mma0();
-            // This warp's wgmma of the stage is done: release it.
-            if (lane == 0) w8p_arrive(empty0 + 8u * slot);
-            if (++slot == STAGES) {
-                slot = 0;
-                ph ^= 1u;
-            }
-#pragma unroll
-            for (int i = 0; i < NW / 2; ++i) asm volatile("" : "+f"(blk[i])::"memory");
             const float s[2][2] = {{__fmul_rn(sa0, sbg), __fmul_rn(sa1, sbg)}, {__fmul_rn(sa0, sbu), __fmul_rn(sa1, sbu)}};
+            // Half hh (a wide tile's columns 128hh ..; else the whole tile):
+            // its wgmma, then its scaled add into acc[hh * WN/2 ..]; the
+            // stage is released after the last half's wgmma.
 #pragma unroll
-            for (int i = 0; i < NW / 2; ++i) {
-                const int h = UP && (i / 4) >= BN / 8 ? 1 : 0;
-                acc[i] = __fmaf_rn(blk[i], s[h][(i >> 1) & 1], acc[i]);
+            for (int hh = 0; hh < NH; ++hh) {
+                w8_fence();
+#pragma unroll
+                for (int kk = 0; kk < W8_BK / 32; ++kk)
+                    w8_mma<WN>(blk, w8_desc(sa + kk * 32), w8_desc(sb + hh * WN * 128 + kk * 32), kk);
+                w8_commit_mma();
+                w8_wait_mma0();
+                if (hh == NH - 1) {
+                    // This warp's wgmma of the stage are done: release it.
+                    if (lane == 0) w8p_arrive(empty0 + 8u * slot);
+                    if (++slot == STAGES) {
+                        slot = 0;
+                        ph ^= 1u;
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < WN / 2; ++i) asm volatile("" : "+f"(blk[i])::"memory");
+#pragma unroll
+                for (int i = 0; i < WN / 2; ++i) {
+                    const int h = WIDE ? hh : (UP && (i / 4) >= BN / 8 ? 1 : 0);
+                    acc[hh * (WN / 2) + i] = __fmaf_rn(blk[i], s[h][(i >> 1) & 1], acc[hh * (WN / 2) + i]);
+                }
             }
         }
         if constexpr (EW > 0) {

@@ -75,7 +75,7 @@ func FP8QuantBlocks(R, K int) int {
 // contract; the twins, w8a8Up and w8a8Down, follow it). The tile changes no
 // result but for the tensor core's order within a block.
 type W8A8Gemm struct {
-	BM, BN int // tile rows (64 per warpgroup) and columns (of each half for Up; BN divides 128)
+	BM, BN int // tile rows (64 per warpgroup) and columns (of each half for Up; BN divides 128, or 256 for a persistent down tile)
 	Stages int // cp.async pipeline depth, one 128-column K block per stage
 	// Producers > 0 makes the tile persistent and warp-specialised
 	// (moe_w8a8.cu's moe_w8p): one block per multiprocessor loops over the
@@ -123,6 +123,8 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 128, Stages: 6, Producers: 2},
 	{BM: 128, BN: 64, Stages: 6, Producers: 2, Epilogue: 2, Up: true},
 	{BM: 128, BN: 128, Stages: 6, Producers: 2, Epilogue: 2},
+	{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true},
+	{BM: 128, BN: 256, Stages: 4, Producers: 4},
 	{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true},
 	{BM: 64, BN: 128, Stages: 4, Producers: 2},
 	{BM: 64, BN: 64, Stages: 3, Up: true},
@@ -222,8 +224,10 @@ func (c W8A8Gemm) Check() error {
 	switch {
 	case c.BM < 64 || c.BM%64 != 0 || c.BM > 256:
 		return fmt.Errorf("w8a8 tile %s: BM = %d, want 64, 128, 192 or 256", c.Tag(), c.BM)
-	case c.BN < 8 || fp8.BlockSize%c.BN != 0 || c.width() > 256:
-		return fmt.Errorf("w8a8 tile %s: BN = %d, want a divisor of 128 of at least 8 (a wgmma of %d columns at most 256)", c.Tag(), c.BN, c.width())
+	case c.BN < 8 || (fp8.BlockSize%c.BN != 0 && (c.Up || c.BN != 256 || c.Producers == 0)) || c.width() > 256:
+		return fmt.Errorf("w8a8 tile %s: BN = %d, want a divisor of 128 of at least 8, or 256 for a persistent down tile (a wgmma of %d columns at most 256)", c.Tag(), c.BN, c.width())
+	case c.Producers > 0 && c.width() > 128 && (c.Producers != 4 || c.Epilogue != 0):
+		return fmt.Errorf("w8a8 tile %s: a persistent tile of %d columns takes its registers from a producer warpgroup (Producers 4) and has no epilogue warps", c.Tag(), c.width())
 	case c.Stages < 2:
 		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
 	case c.Producers != 0 && c.Producers != 1 && c.Producers != 2 && c.Producers != 4:
@@ -257,11 +261,15 @@ func (c W8A8Gemm) checkTrans() error {
 	return nil
 }
 
-// mmaWidth is the N of the tile's wgmma: width() (the columns), or BM (the
+// mmaWidth is the N of the tile's wgmma: width() (the columns), half of it
+// for a wide persistent tile (moe_w8p's two halves of 128), or BM (the
 // rows) for a transposed tile.
 func (c W8A8Gemm) mmaWidth() int {
-	if c.Trans {
+	switch {
+	case c.Trans:
 		return c.BM
+	case c.Producers > 0 && c.width() > 128:
+		return c.width() / 2
 	}
 	return c.width()
 }
