@@ -138,17 +138,26 @@ var (
 	// measurement first.
 	w8a8Up   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true}
 	w8a8Down = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2}
-	// The 128-row pair with two epilogue warps (session 21): the consumers
-	// stage each tile's sums in shared memory and go on to the next tile's
-	// wgmma while those warps run the SwiGLU or the scattered stores. The
-	// tuner times it beside w8a8Up/w8a8Down.
-	w8a8EpiUp   = moekernels.W8A8Gemm{BM: 128, BN: 64, Stages: 6, Producers: 2, Epilogue: 2, Up: true}
-	w8a8EpiDown = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 6, Producers: 2, Epilogue: 2}
+	// Tried in session 21 and dropped (commit 8cf14ff): this pair with two
+	// more warps that took each tile's epilogue from the consumers (the
+	// sums staged as bf16 in 32 KB of shared memory, so that the consumers
+	// went on to the next tile's wgmma). Bitwise correct on the H200, and a
+	// test without the staging's release barrier failed, but the up tile
+	// got slower: BenchmarkW8A8Expert, DeepSeek-V2-Lite 4096 tokens, up
+	// 563-567 against 526-528 us, down 240-242 against 250-252; the tuner's
+	// chains at 4096 tokens 849.7 against 812.1 (DeepSeek-V2-Lite) and 733.9
+	// against 681.3 (Qwen3-30B-A3B). Two warps do the SwiGLU of eight
+	// slower than the consumers' mainloop, and the mainloop was not waiting
+	// on the epilogue anyway: both tiles read their stages from the L2 at
+	// about 5 TB/s (the up tile 18.8 MB a multiprocessor in 528 us, the down
+	// 9.4 MB in 242), whatever the epilogue, the stages or the producers.
+	//
 	// The wide 128-row pair (session 21): 256 columns a tile (the up's 128
 	// gate and 128 up columns), multiplied in two halves of 128, four
-	// stages of 48 KB, a producer warpgroup. A stage's 48 KB feed twice the
-	// products of the narrow pair's 32 KB: for the 128-row tiles that read
-	// their stages at about 5 TB/s from the L2 whatever else changed.
+	// stages of 48 KB, a producer warpgroup giving its registers to the
+	// consumers. A stage's 48 KB feed twice the products of the narrow
+	// pair's 32 KB, so the tiles read a quarter fewer bytes from the L2 per
+	// product.
 	w8a8WideUp   = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true}
 	w8a8WideDown = moekernels.W8A8Gemm{BM: 128, BN: 256, Stages: 4, Producers: 4}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule

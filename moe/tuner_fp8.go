@@ -21,9 +21,8 @@ import (
 
 // w8a8Pairs are the w8a8 tile pairs an FP8 layer loads (fp8Experts.loadKernels)
 // and the tuner times: the one-warpgroup pair, the 128-row pair, the
-// one-warpgroup pair not persistent, the transposed pairs of 8, 16 and 32
-// rows, then the 128-row pair with epilogue warps (last, so that a tie keeps
-// the others).
+// one-warpgroup pair not persistent, then the transposed pairs of 8, 16 and
+// 32 rows.
 var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown},
 	{w8: true, w8up: w8a8Up, w8down: w8a8Down},
@@ -31,7 +30,6 @@ var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8T8Up, w8down: w8a8T8Down},
 	{w8: true, w8up: w8a8T16Up, w8down: w8a8T16Down},
 	{w8: true, w8up: w8a8T32Up, w8down: w8a8T32Down},
-	{w8: true, w8up: w8a8EpiUp, w8down: w8a8EpiDown},
 	{w8: true, w8up: w8a8WideUp, w8down: w8a8WideDown},
 }
 

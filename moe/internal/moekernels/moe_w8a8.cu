@@ -541,74 +541,7 @@ static __device__ __forceinline__ void w8p_produce(const unsigned char* __restri
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// w8p_epilogue is the epilogue warps' loop of moe_w8p (EW > 0): for each
-// tile the consumers run (the same sequence), it waits for the tile's staged
-// sums (efull), writes them to C as w8_store_half does (UP: fp8_swiglu of the
-// staged bf16 gate and up sums, zeros for a padding row; DOWN: the real rows'
-// bf16 sums), then releases the staging (eempty). Thread et of the 32*EW
-// takes chunk et % CPR (8 columns) of rows et / CPR + RSTEP*i. The staging
-// holds BM rows of NW bf16 (moe_w8p's consumers wrote them): 16-byte chunk c
-// of row r at chunk c ^ (r & 7) of the row's 2*NW bytes.
-template <int BM, int BN, int EW, bool UP>
-static __device__ __forceinline__ void w8p_epilogue(const int* __restrict__ sorted,
-                                                    const int* __restrict__ block_expert,
-                                                    unsigned short* __restrict__ C, int TK, int N, int ntiles,
-                                                    int et, const unsigned char* stg, unsigned efull,
-                                                    unsigned eempty) {
-    constexpr int NW = (UP ? 2 : 1) * BN;
-    constexpr int CPR = BN / 8;  // output chunks of a row
-    constexpr int RSTEP = 32 * EW / CPR;
-    static_assert((32 * EW) % CPR == 0 && BM % RSTEP == 0, "epilogue rows");
-    const int NBLK = (N + BN - 1) / BN;
-    const int q = et % CPR, r1 = et / CPR, lane = et & 31;
-    unsigned ph = 0;
-    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
-        const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
-        if (block_expert[mb] < 0) continue;
-        const int n = n0 + 8 * q;
-        w8p_wait(efull, ph);
-        ph ^= 1u;
-#pragma unroll 2
-        for (int r = r1; r < BM; r += RSTEP) {
-            const int a = sorted[mb * BM + r];
-            const bool real = a >= 0 && a < TK;
-            const unsigned char* row = stg + r * (2 * NW);
-            if (UP) {
-                uint4 o = make_uint4(0u, 0u, 0u, 0u);
-                if (real) {
-                    const uint4 gh = *(const uint4*)(row + ((q ^ (r & 7)) << 4));
-                    const uint4 uh = *(const uint4*)(row + (((CPR + q) ^ (r & 7)) << 4));
-                    const unsigned gw[4] = {gh.x, gh.y, gh.z, gh.w}, uw[4] = {uh.x, uh.y, uh.z, uh.w};
-                    float g[8], tt[8];
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        g[i] = moe_bf2f((unsigned short)(gw[i / 2] >> (16 * (i & 1))));
-                        tt[i] = __fadd_rn(1.0f, fp8_exp(-g[i]));
-                    }
-                    unsigned ow[4];
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        unsigned short h[2];
-#pragma unroll
-                        for (int v = 0; v < 2; ++v) {
-                            const float u = moe_bf2f((unsigned short)(uw[i] >> (16 * v)));
-                            h[v] = moe_f2bf(__fmul_rn(__fdiv_rn(g[2 * i + v], tt[2 * i + v]), u));  // fp8_swiglu(g, u)
-                        }
-                        ow[i] = (unsigned)h[0] | ((unsigned)h[1] << 16);
-                    }
-                    o = make_uint4(ow[0], ow[1], ow[2], ow[3]);
-                }
-                if (n < N) *(uint4*)(C + (long long)(mb * BM + r) * N + n) = o;
-            } else if (real && n < N) {
-                *(uint4*)(C + (long long)a * N + n) = *(const uint4*)(row + ((q ^ (r & 7)) << 4));
-            }
-        }
-        __syncwarp();
-        if (lane == 0) w8p_arrive(eempty);
-    }
-}
-
-template <int BM, int BN, int STAGES, int PW, int EW, bool UP>
+template <int BM, int BN, int STAGES, int PW, bool UP>
 static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__ A, const float* __restrict__ AS,
                                                const unsigned char* __restrict__ B, const float* __restrict__ S,
                                                const int* __restrict__ sorted, const int* __restrict__ block_expert,
@@ -631,22 +564,17 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
                   "tile: BM a multiple of 64, NB*BN <= 256, BN divides 128 (or a down tile of 256)");
     static_assert(STAGES >= 2, "at least two stages");
     static_assert(RSTEP % 4 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "producer rows");
-    static_assert(EW == 0 || EW == 2 || EW == 4, "epilogue warps: 0, 2 or 4");
-    static_assert(!WIDE || (PW == 4 && EW == 0), "a wide tile: a producer warpgroup, no epilogue warps");
+    static_assert(!WIDE || PW == 4, "a wide tile: a producer warpgroup (setmaxnreg)");
 
-    // full[STAGES], empty[STAGES], then the staging's efull and eempty.
-    __shared__ __align__(8) unsigned long long w8p_bars[2 * STAGES + 2];
+    __shared__ __align__(8) unsigned long long w8p_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
 
     const int tid = threadIdx.x;
     const unsigned full0 = w8_smem(w8p_bars), empty0 = full0 + 8u * STAGES;
-    const unsigned efull = full0 + 16u * STAGES, eempty = efull + 8u;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             w8p_bar_init(full0 + 8u * s, PT);
             w8p_bar_init(empty0 + 8u * s, CONSUMERS / 32);
         }
-        w8p_bar_init(efull, CONSUMERS / 32);
-        w8p_bar_init(eempty, EW > 0 ? EW : 1);
     }
     __syncthreads();
     MOE_GRID_WAIT();  // launched early: the quantizer (and the sort before it)
@@ -657,14 +585,6 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     const int KB = (Kdim + W8_BK - 1) / W8_BK;
     const int NBR = (N + W8_BK - 1) / W8_BK;
     const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
-    // The epilogue's staging, after the stages (EW > 0): BM rows of NW bf16.
-    unsigned char* stg = w8_dyn + (sbase - w8_smem(w8_dyn)) + STAGES * ST_BYTES;
-    if (tid >= CONSUMERS + PT) {
-        if constexpr (EW > 0)
-            w8p_epilogue<BM, BN, EW, UP>(sorted, block_expert, C, TK, N, ntiles, tid - CONSUMERS - PT, stg, efull,
-                                         eempty);
-        return;
-    }
     if (tid >= CONSUMERS) {
         if constexpr (WIDE) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         w8p_produce<BM, BN, STAGES, PW, UP>(A, B, sorted, block_expert, TK, topk, Kdim, N, ntiles, tid - CONSUMERS,
@@ -673,12 +593,13 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     }
 
     if constexpr (WIDE) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const unsigned long long d0 = w8_desc(sbase);
 
     // Consumers: warpgroup grp multiplies tile rows 64*grp .. 64*grp+63;
     // this thread holds rows r0 and r0 + 8.
     const int grp = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31;
     const int r0 = grp * 64 + w * 16 + (lane >> 2);
-    int slot = 0, staged = 0;
+    int slot = 0;
     unsigned ph = 0;
     float acc[NW / 2], blk[WN / 2];
 #pragma unroll
@@ -712,8 +633,12 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
             // The stage's cp.async writes went through the generic proxy;
             // wgmma reads through the async proxy.
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            const unsigned st = sbase + (unsigned)slot * ST_BYTES;
-            const unsigned sa = st + (unsigned)grp * 64u * 128u, sb = st + A_BYTES;
+            // The stage's descriptors: w8_desc of an address plus a multiple
+            // of 16 bytes is the descriptor plus the bytes / 16 (the address
+            // field holds the whole shared window), so that no descriptor is
+            // kept per wgmma.
+            const unsigned long long da = d0 + (((unsigned)slot * ST_BYTES + (unsigned)grp * 64u * 128u) >> 4);
+            const unsigned long long db = d0 + (((unsigned)slot * ST_BYTES + A_BYTES) >> 4);
             const float s[2][2] = {{__fmul_rn(sa0, sbg), __fmul_rn(sa1, sbg)}, {__fmul_rn(sa0, sbu), __fmul_rn(sa1, sbu)}};
             // Half hh (a wide tile's columns 128hh ..; else the whole tile):
             // its wgmma, then its scaled add into acc[hh * WN/2 ..]; the
@@ -723,7 +648,7 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
                 w8_fence();
 #pragma unroll
                 for (int kk = 0; kk < W8_BK / 32; ++kk)
-                    w8_mma<WN>(blk, w8_desc(sa + kk * 32), w8_desc(sb + hh * WN * 128 + kk * 32), kk);
+                    w8_mma<WN>(blk, da + kk * 2, db + hh * WN * 8 + kk * 2, kk);
                 w8_commit_mma();
                 w8_wait_mma0();
                 if (hh == NH - 1) {
@@ -742,28 +667,6 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
                     acc[hh * (WN / 2) + i] = __fmaf_rn(blk[i], s[h][(i >> 1) & 1], acc[hh * (WN / 2) + i]);
                 }
             }
-        }
-        if constexpr (EW > 0) {
-            // Stage the sums as bf16 (w8_store_half's moe_round: the same
-            // bits) for the epilogue warps, once they have read the last
-            // tile's; then on to the next tile. Register 4j + 2h + v is
-            // column 8j + 2*(lane%4) + v of row half h: chunk j of the row,
-            // swizzled by its row (r & 7 is lane/4: no two lanes of a store
-            // share a bank).
-            if (staged > 0) w8p_wait(eempty, (unsigned)(staged - 1) & 1u);
-            ++staged;
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const int r = r0 + hr * 8;
-                unsigned char* row = stg + r * (2 * NW) + 4 * (lane & 3);
-#pragma unroll
-                for (int j = 0; j < NW / 8; ++j)
-                    *(unsigned*)(row + ((j ^ (r & 7)) << 4)) =
-                        (unsigned)moe_f2bf(acc[4 * j + 2 * hr]) | ((unsigned)moe_f2bf(acc[4 * j + 2 * hr + 1]) << 16);
-            }
-            __syncwarp();
-            if (lane == 0) w8p_arrive(efull);
-            continue;
         }
         // Epilogue (moe_w8's): register 4j + 2h + v is column 8j + 2*(lane%4)
         // + v of row half h.

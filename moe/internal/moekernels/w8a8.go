@@ -83,12 +83,6 @@ type W8A8Gemm struct {
 	// multiply, synchronised by mbarriers, so that one warpgroup's scaling
 	// overlaps the other's wgmma.
 	Producers int
-	// Epilogue > 0 (a persistent tile only) hands each tile's sums to that
-	// many more warps (moe_w8a8.cu's w8p_epilogue) through BM x NW bf16 of
-	// shared memory, so that the consumers go on to the next tile's wgmma
-	// while the SwiGLU (up) or the scattered stores (down) run. Tag suffix
-	// "e<n>".
-	Epilogue int
 	// Trans makes the weights the wgmma's A operand (moe_w8a8.cu's moe_w8t):
 	// each warpgroup multiplies 64 weight rows by the block's BM sorted rows
 	// (wgmma N = BM: 8 to 64, a multiple of 8), for batches of a few rows per
@@ -100,10 +94,11 @@ type W8A8Gemm struct {
 
 // W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
 // wgmma of 128 columns each: an up and a down tile of two warpgroups in
-// moe_wg's form, the same as persistent tiles, those with two epilogue
-// warps (the consumers' sums staged in shared memory for them, session 21),
-// and persistent tiles of one
-// warpgroup (64 rows: for batches of 16-64 rows per expert, where a 128-row
+// moe_wg's form, the same as persistent tiles, wide persistent tiles (256
+// columns in two wgmma halves of 128, a producer warpgroup whose registers
+// the consumers take: a quarter fewer bytes from the L2 per product, for
+// the 128-row tiles that stream their stages at about 5 TB/s), and
+// persistent tiles of one warpgroup (64 rows: for batches of 16-64 rows per expert, where a 128-row
 // block would be mostly padding; four stages, so that two blocks share a
 // multiprocessor); then one-warpgroup tiles in moe_wg's form (three
 // stages: three blocks a multiprocessor), the shape of vLLM's FP8 Triton
@@ -121,8 +116,6 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 128, Stages: 4},
 	{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true},
 	{BM: 128, BN: 128, Stages: 6, Producers: 2},
-	{BM: 128, BN: 64, Stages: 6, Producers: 2, Epilogue: 2, Up: true},
-	{BM: 128, BN: 128, Stages: 6, Producers: 2, Epilogue: 2},
 	{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true},
 	{BM: 128, BN: 256, Stages: 4, Producers: 4},
 	{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true},
@@ -145,9 +138,6 @@ func (c W8A8Gemm) Tag() string {
 	if c.Producers > 0 {
 		p = fmt.Sprintf("p%d", c.Producers)
 	}
-	if c.Epilogue > 0 {
-		p += fmt.Sprintf("e%d", c.Epilogue)
-	}
 	if c.Trans {
 		p += "t"
 	}
@@ -163,12 +153,12 @@ func (c W8A8Gemm) Name() string {
 }
 
 // Threads is the block size: a warpgroup per 64 rows (Trans: per 64
-// columns), the producer warps and the epilogue warps.
+// columns), and the producer warps.
 func (c W8A8Gemm) Threads() int {
 	if c.Trans {
 		return 128 * (c.BN / 64)
 	}
-	return 128*(c.BM/64) + 32*c.Producers + 32*c.Epilogue
+	return 128*(c.BM/64) + 32*c.Producers
 }
 
 // Grid is the launch grid over n output columns (I for up, H for down) and
@@ -191,22 +181,15 @@ func (c W8A8Gemm) width() int {
 }
 
 // SmemBytes is the dynamic shared memory: Stages copies of the BM x 128 code
-// A tile and of the width x 128 code B tile, 1024 bytes to align them, and
-// with Epilogue the staging of BM x width bf16 sums.
-func (c W8A8Gemm) SmemBytes() int {
-	n := c.Stages*(c.BM+c.width())*fp8.BlockSize + 1024
-	if c.Epilogue > 0 {
-		n += 2 * c.BM * c.width()
-	}
-	return n
-}
+// A tile and of the width x 128 code B tile, and 1024 bytes to align them.
+func (c W8A8Gemm) SmemBytes() int { return c.Stages*(c.BM+c.width())*fp8.BlockSize + 1024 }
 
 // staticSmem is the static shared memory: the row tables and the staged
 // weight scales (Trans: and the rows' scales), or a persistent tile's
 // mbarriers.
 func (c W8A8Gemm) staticSmem() int {
 	if c.Producers > 0 {
-		return 16*c.Stages + 16
+		return 16 * c.Stages
 	}
 	n := 8*c.BM + 2*4*FP8MaxK/fp8.BlockSize
 	if c.Trans {
@@ -226,18 +209,14 @@ func (c W8A8Gemm) Check() error {
 		return fmt.Errorf("w8a8 tile %s: BM = %d, want 64, 128, 192 or 256", c.Tag(), c.BM)
 	case c.BN < 8 || (fp8.BlockSize%c.BN != 0 && (c.Up || c.BN != 256 || c.Producers == 0)) || c.width() > 256:
 		return fmt.Errorf("w8a8 tile %s: BN = %d, want a divisor of 128 of at least 8, or 256 for a persistent down tile (a wgmma of %d columns at most 256)", c.Tag(), c.BN, c.width())
-	case c.Producers > 0 && c.width() > 128 && (c.Producers != 4 || c.Epilogue != 0):
-		return fmt.Errorf("w8a8 tile %s: a persistent tile of %d columns takes its registers from a producer warpgroup (Producers 4) and has no epilogue warps", c.Tag(), c.width())
+	case c.Producers > 0 && c.width() > 128 && c.Producers != 4:
+		return fmt.Errorf("w8a8 tile %s: a persistent tile of %d columns takes its registers from a producer warpgroup (Producers 4)", c.Tag(), c.width())
 	case c.Stages < 2:
 		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
 	case c.Producers != 0 && c.Producers != 1 && c.Producers != 2 && c.Producers != 4:
 		return fmt.Errorf("w8a8 tile %s: %d producer warps, want 0 (not persistent), 1, 2 or 4", c.Tag(), c.Producers)
 	case c.Producers > 0 && (c.BN%(4*c.Producers) != 0 || c.BM%(4*c.Producers) != 0):
 		return fmt.Errorf("w8a8 tile %s: BM and BN must be multiples of %d rows (four per producer warp)", c.Tag(), 4*c.Producers)
-	case c.Epilogue != 0 && c.Epilogue != 2 && c.Epilogue != 4:
-		return fmt.Errorf("w8a8 tile %s: %d epilogue warps, want 0, 2 or 4", c.Tag(), c.Epilogue)
-	case c.Epilogue > 0 && c.Producers == 0:
-		return fmt.Errorf("w8a8 tile %s: epilogue warps need a persistent tile (producer warps)", c.Tag())
 	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
 		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
 	}
@@ -253,8 +232,8 @@ func (c W8A8Gemm) checkTrans() error {
 		return fmt.Errorf("w8a8 tile %s: BN = %d, want 64 or 128 (a warpgroup per 64 columns)", c.Tag(), c.BN)
 	case c.Stages < 2:
 		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
-	case c.Producers != 0 || c.Epilogue != 0:
-		return fmt.Errorf("w8a8 tile %s: a transposed tile has no producer or epilogue warps", c.Tag())
+	case c.Producers != 0:
+		return fmt.Errorf("w8a8 tile %s: a transposed tile has no producer warps", c.Tag())
 	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
 		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
 	}
@@ -299,7 +278,7 @@ func w8a8Instances() string {
 		fn, t := "moe_w8", fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
 		switch {
 		case c.Producers > 0:
-			fn, t = "moe_w8p", t+fmt.Sprintf(", %d, %d", c.Producers, c.Epilogue)
+			fn, t = "moe_w8p", t+fmt.Sprintf(", %d", c.Producers)
 		case c.Trans:
 			fn = "moe_w8t"
 		}

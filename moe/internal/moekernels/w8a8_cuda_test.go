@@ -391,12 +391,12 @@ func benchW8A8Shape(b *testing.B, d *device, sh fp8Shape, tokens []int) {
 }
 
 // w8a8Pairs returns the up and down tiles of W8A8Gemms in pairs of the same
-// kind (plain, or persistent with the same producer and epilogue warps).
+// kind (plain, or persistent with the same producers).
 func w8a8Pairs() [][2]W8A8Gemm {
 	var out [][2]W8A8Gemm
 	for _, u := range W8A8Gemms {
 		for _, d := range W8A8Gemms {
-			if u.Up && !d.Up && u.Producers == d.Producers && u.Epilogue == d.Epilogue && u.Trans == d.Trans && u.BM == d.BM {
+			if u.Up && !d.Up && u.Producers == d.Producers && u.Trans == d.Trans && u.BM == d.BM {
 				out = append(out, [2]W8A8Gemm{u, d})
 			}
 		}
