@@ -745,7 +745,7 @@ func TestLayerFP8W8A8(t *testing.T) {
 				E, K := cfg.NumExperts, cfg.TopK
 				// The first batches that take them: ceil(T*K/E) >= w8a8MinRows
 				// (the transposed 32-row pair), > w8a8TransRows (the plain
-				// one-warpgroup pair) and > w8a8LargeRows (the 128-row pair).
+				// one-warpgroup pair) and > w8a8LargeRows (the wide 128-row pair).
 				first := func(up moekernels.W8A8Gemm) int {
 					T := 1
 					for fp8Tiles(T, K, E, true).w8up != up {
@@ -753,7 +753,7 @@ func TestLayerFP8W8A8(t *testing.T) {
 					}
 					return T
 				}
-				tMin, tSmall, tLarge := first(w8a8T32Up), first(w8a8PlainSmallUp), first(w8a8Up)
+				tMin, tSmall, tLarge := first(w8a8T32Up), first(w8a8PlainSmallUp), first(w8a8WideUp)
 				if (tMin*K+E-1)/E != w8a8MinRows || fp8Tiles(tMin, K, E, false).w8 || fp8Tiles(tMin-1, K, E, true).w8 {
 					t.Fatalf("fp8Tiles: the w8a8 tiles start at %d tokens of %d experts over %d (%s), not at %d rows per expert with %s", tMin, K, E, fp8Tiles(tMin, K, E, true).tags(), w8a8MinRows, w8a8T32Up.Tag())
 				}
@@ -871,8 +871,8 @@ func TestFP8TilesRule(t *testing.T) {
 		{"qwen3 128 tokens (8 rows)", 128, 8, 128, true, "m16n128w8s3t", "m16n128w8s3t"},
 		{"deepseek-v3 1024 tokens (32 rows)", 1024, 8, 256, true, "w8a8 m64n64s3", "w8a8 m64n128s3"},
 		{"qwen3 1024 tokens (64 rows)", 1024, 8, 128, true, "w8a8 m64n64s3", "w8a8 m64n128s3"},
-		{"deepseek-v2-lite 1024 tokens (96 rows)", 1024, 6, 64, true, "w8a8 m128n64s6p2", "w8a8 m128n128s6p2"},
-		{"4096 tokens with w8a8", 4096, 6, 64, true, "w8a8 m128n64s6p2", "w8a8 m128n128s6p2"},
+		{"deepseek-v2-lite 1024 tokens (96 rows)", 1024, 6, 64, true, "w8a8 m128n128s4p4", "w8a8 m128n256s4p4"},
+		{"4096 tokens with w8a8", 4096, 6, 64, true, "w8a8 m128n128s4p4", "w8a8 m128n256s4p4"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := fp8Tiles(tc.T, tc.K, tc.E, tc.w8)

@@ -207,9 +207,9 @@ var (
 // w8a8MinRows is the average rows per touched expert from which a batch runs
 // the w8a8 tiles where they are loaded (fp8Experts.w8): the transposed
 // 32-row pair up to w8a8TransRows, the plain one-warpgroup pair (64 rows,
-// three blocks a multiprocessor) up to w8a8LargeRows and the persistent
-// 128-row pair above. The H200's tuner (session 14; every chain with both
-// quantizers, µs):
+// three blocks a multiprocessor) up to w8a8LargeRows and the wide
+// persistent 128-row pair above. The H200's tuner (session 14; every chain
+// with both quantizers, µs):
 //   - 1-8 rows: the transposed 8-row pair and the best w8a16 pair within a
 //     few percent of each other, either way; the rule keeps w8a16 (the more
 //     accurate, bf16 activations).
@@ -222,6 +222,11 @@ var (
 //   - 64 rows (Qwen3-30B-A3B, 1024 tokens, session 13): plain m64 287.9,
 //     persistent m128 306.0; 96 rows (DeepSeek-V2-Lite, 1024): the
 //     persistent m128 pair.
+//   - Session 21, with the wide pair: 64 rows (Qwen3-30B-A3B, 1024 tokens)
+//     wide 262.5-264.6, plain m64 268.3, persistent m128 282.0; 96 rows
+//     (DeepSeek-V2-Lite, 1024) wide 249.1-254.3, persistent m128 257.3;
+//     at 4096 tokens (256 and 384 rows) wide 609.8-620.2 against 681.3
+//     and 714.2-716.2 against 812.1.
 const (
 	w8a8MinRows   = 9
 	w8a8TransRows = 24
@@ -231,8 +236,8 @@ const (
 // fp8Tiles picks the FP8 tiles of a batch of T tokens by a rule, by the rows
 // each touched expert gets on average: with w8 (the w8a8 tiles are loaded)
 // the w8a8 tiles from w8a8MinRows rows (the transposed 32-row pair up to
-// w8a8TransRows, the plain 64-row pair up to w8a8LargeRows, the persistent
-// 128-row pair above); else the transposed 16-row w8a16 tiles (the sweep
+// w8a8TransRows, the plain 64-row pair up to w8a8LargeRows, the wide
+// persistent 128-row pair above); else the transposed 16-row w8a16 tiles (the sweep
 // winners of BenchmarkFP8Expert on the H200 at 1-256 tokens,
 // bench/RESULTS.md), with the 64-column up tile for at most
 // fp8FewAssignments assignments. The w8a16 tile changes no result; the w8a8
@@ -241,7 +246,7 @@ func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
 	m := rowsPerExpert(T, K, E)
 	switch {
 	case w8 && m > w8a8LargeRows:
-		return fp8Pair{w8: true, w8up: w8a8Up, w8down: w8a8Down}
+		return fp8Pair{w8: true, w8up: w8a8WideUp, w8down: w8a8WideDown}
 	case w8 && m > w8a8TransRows:
 		return fp8Pair{w8: true, w8up: w8a8PlainSmallUp, w8down: w8a8PlainSmallDown}
 	case w8 && m >= w8a8MinRows:
