@@ -146,18 +146,19 @@ var (
 	// got slower: BenchmarkW8A8Expert, DeepSeek-V2-Lite 4096 tokens, up
 	// 563-567 against 526-528 us, down 240-242 against 250-252; the tuner's
 	// chains at 4096 tokens 849.7 against 812.1 (DeepSeek-V2-Lite) and 733.9
-	// against 681.3 (Qwen3-30B-A3B). Two warps do the SwiGLU of eight
-	// slower than the consumers' mainloop, and the mainloop was not waiting
-	// on the epilogue anyway: both tiles read their stages from the L2 at
-	// about 5 TB/s (the up tile 18.8 MB a multiprocessor in 528 us, the down
-	// 9.4 MB in 242), whatever the epilogue, the stages or the producers.
+	// against 681.3 (Qwen3-30B-A3B). Two warps took the SwiGLU of eight, and
+	// the down tile's 4% is all that the consumers' own epilogue had cost.
 	//
 	// The wide 128-row pair (session 21): 256 columns a tile (the up's 128
 	// gate and 128 up columns), multiplied in two halves of 128, four
 	// stages of 48 KB, a producer warpgroup giving its registers to the
 	// consumers. A stage's 48 KB feed twice the products of the narrow
-	// pair's 32 KB, so the tiles read a quarter fewer bytes from the L2 per
-	// product.
+	// pair's 32 KB: ncu (DeepSeek-V2-Lite, 4096 tokens) counts 19% fewer L2
+	// read sectors for the up tile (52.7M against 65.1M) and 18% fewer for
+	// the down (26.4M against 32.2M), and they take 16% and 11% less time
+	// (449 against 534 us, 228 against 257). Neither pair has a unit at its
+	// peak: L2 45-57%, DRAM 19-29%, SM 39-47%, 4.1-4.7 TB/s from the L2 to
+	// the multiprocessors.
 	w8a8WideUp   = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true}
 	w8a8WideDown = moekernels.W8A8Gemm{BM: 128, BN: 256, Stages: 4, Producers: 4}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
