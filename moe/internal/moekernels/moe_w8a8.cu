@@ -412,6 +412,14 @@ static __device__ __forceinline__ void moe_w8(const unsigned char* __restrict__ 
 // ceil(N/BN) of row block t / ceil(N/BN)), skipping those of no expert. Every
 // thread calls MOE_GRID_WAIT before it reads anything.
 //
+// A wide tile (NB*BN = 256 columns: the up's 128 gate and 128 up columns, or
+// 256 down columns) keeps 128 accumulators a thread and one block
+// accumulator of 64: each stage multiplies the first 128 columns, scales
+// them in, then the other 128. Its producers are a warpgroup (PW = 4) that
+// gives up registers (setmaxnreg.dec 40) for the consumers' (setmaxnreg.inc
+// 232); the second half of a down tile past N reads no scale (its columns
+// are not stored).
+//
 // Shared memory is a ring of STAGES stages (moe_w8's tiles, one K block of
 // 128 codes each) with two mbarriers per stage: full[s] (count 32*PW: each
 // producer thread arrives through cp.async.mbarrier.arrive.noinc when its

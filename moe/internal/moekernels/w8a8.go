@@ -81,7 +81,10 @@ type W8A8Gemm struct {
 	// (moe_w8a8.cu's moe_w8p): one block per multiprocessor loops over the
 	// tiles, Producers warps load the stages, the consumer warpgroups
 	// multiply, synchronised by mbarriers, so that one warpgroup's scaling
-	// overlaps the other's wgmma.
+	// overlaps the other's wgmma. A persistent tile of 256 columns (Up with
+	// BN 128, or a down tile of BN 256) is wide: it multiplies them in two
+	// wgmma halves of 128 and needs Producers 4, a whole warpgroup, whose
+	// registers the consumers take (setmaxnreg 40 and 232).
 	Producers int
 	// Trans makes the weights the wgmma's A operand (moe_w8a8.cu's moe_w8t):
 	// each warpgroup multiplies 64 weight rows by the block's BM sorted rows
