@@ -161,11 +161,6 @@ var (
 	// the multiprocessors.
 	w8a8WideUp   = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true}
 	w8a8WideDown = moekernels.W8A8Gemm{BM: 128, BN: 256, Stages: 4, Producers: 4}
-	// The wide up tile that quantizes its act rows itself (QuantAct: a tile
-	// of 128 columns holds one scale group of each row), so that the chain
-	// writes no bf16 act and launches no act quantizer; timed by the tuner
-	// beside the wide pair.
-	w8a8WideQuantUp = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4, Producers: 4, QuantAct: true, Up: true}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
 	// ran them at 17-63 rows per touched expert until session 14): on the
 	// H200 (BenchmarkW8A8Expert, session 9's call 2, the whole chain with the
@@ -591,8 +586,7 @@ func (x *expertStage) fp8Down(c moekernels.FP8Gemm, d *dispatchStage, p *plan) e
 // gpuctx_moe_fp8_quant of x into xq/xs, the w8a8 up tile (gate/up GEMM,
 // SwiGLU into act, bf16), the quantizer of act's sorted rows (below the
 // sort's npost, read on the device; a grid sized for the cap) into aq/as,
-// and the w8a8 down tile into out. A QuantAct up tile writes aq/as itself
-// and the act quantizer is not launched. Each kernel waits on the device for the
+// and the w8a8 down tile into out. Each kernel waits on the device for the
 // one ahead (LaunchEarly); nothing waits for the host.
 func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) error {
 	e, q, tp := x.e, x.q, p.fp8
@@ -611,20 +605,14 @@ func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) er
 	}
 	sms := e.dev.Info().SMCount
 	gx, gy := tp.w8up.Grid(I, cp, sms)
-	act := x.act // a QuantAct tile writes act's codes and scales itself
-	if tp.w8up.QuantAct {
-		act = x.aq
-	}
 	if err := up.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.w8up.Threads(), Y: 1, Z: 1}, tp.w8up.SmemBytes(), moekernels.W8A8Up{
-		Xq: x.xq, Xs: x.xs, Gu: q.gu, Gus: q.gus, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: act, As: x.as,
+		Xq: x.xq, Xs: x.xs, Gu: q.gu, Gus: q.gus, Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Act: x.act,
 		TK: int32(TK), K: int32(K), H: int32(H), I: int32(I)}); err != nil {
 		return err
 	}
-	if !tp.w8up.QuantAct {
-		if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(cp, I), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
-			X: x.act, Codes: x.aq, Scales: x.as, Npost: d.npost, R: int32(cp), K: int32(I), Bounded: 1}); err != nil {
-			return err
-		}
+	if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(cp, I), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
+		X: x.act, Codes: x.aq, Scales: x.as, Npost: d.npost, R: int32(cp), K: int32(I), Bounded: 1}); err != nil {
+		return err
 	}
 	gx, gy = tp.w8down.Grid(H, cp, sms)
 	return down.LaunchEarly(e.main, gpuctx.Dim3{X: gx, Y: gy, Z: 1}, gpuctx.Dim3{X: tp.w8down.Threads(), Y: 1, Z: 1}, tp.w8down.SmemBytes(), moekernels.W8A8Down{

@@ -549,64 +549,12 @@ static __device__ __forceinline__ void w8p_produce(const unsigned char* __restri
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-// w8_store_quant is w8_store_half's up epilogue for a tile of BN = 128
-// columns (one scale group of act) that quantizes act itself (QA): the same
-// bf16 act values (zeros for a padding row), then gpuctx_moe_fp8_quant's
-// rule over the row's group: amax of |v| over the columns below N (this
-// thread's, then the row's four lanes), s = max(amax, 1e-10) / 448, codes by
-// w8_codes2; codes to row dst of Q ([cap, N] E4M3), s to QS[dst][n0 / 128].
-// Every lane of the warp calls it (the shuffles).
-template <int BN>
-static __device__ __forceinline__ void w8_store_quant(const float* d, int hr, int dst, bool zero,
-                                                      unsigned char* __restrict__ Q, float* __restrict__ QS, int N,
-                                                      int n0, int lane) {
-    static_assert(BN == W8_BK, "a quantizing tile covers one scale group");
-    float v[BN / 8][2];
-    if (zero) {
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) v[j][0] = v[j][1] = 0.0f;
-    } else {
-        float g[BN / 8][2], t[BN / 8][2];
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                g[j][k] = moe_round(d[4 * j + 2 * hr + k]);
-                t[j][k] = __fadd_rn(1.0f, fp8_exp(-g[j][k]));
-            }
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                const float u = moe_round(d[4 * (BN / 8 + j) + 2 * hr + k]);
-                v[j][k] = moe_round(__fmul_rn(__fdiv_rn(g[j][k], t[j][k]), u));  // bf16(fp8_swiglu(g, u))
-            }
-    }
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int k = 0; k < 2; ++k)
-            if (n0 + j * 8 + (lane & 3) * 2 + k < N) amax = fmaxf(amax, fabsf(v[j][k]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const float s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.0f);
-    const float r = __frcp_rn(s);
-    unsigned char* row = Q + (long long)dst * N;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-        const int n = n0 + j * 8 + (lane & 3) * 2;
-        if (n < N) *(unsigned short*)(row + n) = (unsigned short)w8_codes2(v[j][0], v[j][1], s, r);
-    }
-    if ((lane & 3) == 0) QS[(long long)dst * ((N + W8_BK - 1) / W8_BK) + n0 / W8_BK] = s;
-}
-
-template <int BM, int BN, int STAGES, int PW, bool QA, bool UP>
+template <int BM, int BN, int STAGES, int PW, bool UP>
 static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__ A, const float* __restrict__ AS,
                                                const unsigned char* __restrict__ B, const float* __restrict__ S,
                                                const int* __restrict__ sorted, const int* __restrict__ block_expert,
-                                               const int* __restrict__ npost, unsigned short* __restrict__ C,
-                                               float* __restrict__ AS_OUT, int TK, int topk, int Kdim, int N) {
+                                               const int* __restrict__ npost, unsigned short* __restrict__ C, int TK,
+                                               int topk, int Kdim, int N) {
     constexpr int GROUPS = BM / 64;
     constexpr int CONSUMERS = 128 * GROUPS;
     constexpr int PT = 32 * PW;  // producer threads
@@ -625,7 +573,6 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     static_assert(STAGES >= 2, "at least two stages");
     static_assert(RSTEP % 4 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "producer rows");
     static_assert(!WIDE || PW == 4, "a wide tile: a producer warpgroup (setmaxnreg)");
-    static_assert(!QA || (UP && BN == W8_BK), "a quantizing tile: an up tile of one scale group");
 
     __shared__ __align__(8) unsigned long long w8p_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
 
@@ -735,10 +682,7 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
         for (int hr = 0; hr < 2; ++hr) {
             const bool real = a[hr] >= 0 && a[hr] < TK;
             const int dst = UP ? mb * BM + r0 + hr * 8 : (real ? a[hr] : -1);
-            if constexpr (QA)
-                w8_store_quant<BN>(acc, hr, dst, !real, (unsigned char*)C, AS_OUT, N, n0, lane);
-            else if (dst >= 0)
-                w8_store_half<BN, UP>(acc, hr, dst, UP && !real, C, N, n0, lane);
+            if (dst >= 0) w8_store_half<BN, UP>(acc, hr, dst, UP && !real, C, N, n0, lane);
         }
     }
 }

@@ -92,12 +92,7 @@ type W8A8Gemm struct {
 	// expert; BN is then 64 or 128 (a warpgroup per 64 columns). Tag suffix
 	// "t".
 	Trans bool
-	// QuantAct makes a wide up tile (BN 128: one scale group of act per
-	// tile) quantize its act rows itself, gpuctx_moe_fp8_quant's rule, into
-	// the codes at Act and the scales at As, so that the chain runs no act
-	// quantizer and never writes act in bf16. Tag suffix "q".
-	QuantAct bool
-	Up       bool // the gate/up + SwiGLU kernel, else the down kernel
+	Up    bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
 // W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
@@ -126,7 +121,6 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 64, Stages: 6, Producers: 2, Up: true},
 	{BM: 128, BN: 128, Stages: 6, Producers: 2},
 	{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true},
-	{BM: 128, BN: 128, Stages: 4, Producers: 4, QuantAct: true, Up: true},
 	{BM: 128, BN: 256, Stages: 4, Producers: 4},
 	{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true},
 	{BM: 64, BN: 128, Stages: 4, Producers: 2},
@@ -150,9 +144,6 @@ func (c W8A8Gemm) Tag() string {
 	}
 	if c.Trans {
 		p += "t"
-	}
-	if c.QuantAct {
-		p += "q"
 	}
 	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
 }
@@ -224,8 +215,6 @@ func (c W8A8Gemm) Check() error {
 		return fmt.Errorf("w8a8 tile %s: BN = %d, want a divisor of 128 of at least 8, or 256 for a persistent down tile (a wgmma of %d columns at most 256)", c.Tag(), c.BN, c.width())
 	case c.Producers > 0 && c.width() > 128 && c.Producers != 4:
 		return fmt.Errorf("w8a8 tile %s: a persistent tile of %d columns takes its registers from a producer warpgroup (Producers 4)", c.Tag(), c.width())
-	case c.QuantAct && (!c.Up || c.Producers == 0 || c.BN != fp8.BlockSize):
-		return fmt.Errorf("w8a8 tile %s: only a persistent up tile of BN %d (one scale group a tile) quantizes its act", c.Tag(), fp8.BlockSize)
 	case c.Stages < 2:
 		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
 	case c.Producers != 0 && c.Producers != 1 && c.Producers != 2 && c.Producers != 4:
@@ -247,8 +236,8 @@ func (c W8A8Gemm) checkTrans() error {
 		return fmt.Errorf("w8a8 tile %s: BN = %d, want 64 or 128 (a warpgroup per 64 columns)", c.Tag(), c.BN)
 	case c.Stages < 2:
 		return fmt.Errorf("w8a8 tile %s: %d stages, want at least 2", c.Tag(), c.Stages)
-	case c.Producers != 0 || c.QuantAct:
-		return fmt.Errorf("w8a8 tile %s: a transposed tile has no producer warps and does not quantize its act", c.Tag())
+	case c.Producers != 0:
+		return fmt.Errorf("w8a8 tile %s: a transposed tile has no producer warps", c.Tag())
 	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
 		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
 	}
@@ -293,25 +282,21 @@ func w8a8Instances() string {
 		fn, t := "moe_w8", fmt.Sprintf("%d, %d, %d", c.BM, c.BN, c.Stages)
 		switch {
 		case c.Producers > 0:
-			fn, t = "moe_w8p", t+fmt.Sprintf(", %d, %v", c.Producers, c.QuantAct)
+			fn, t = "moe_w8p", t+fmt.Sprintf(", %d", c.Producers)
 		case c.Trans:
 			fn = "moe_w8t"
 		}
-		qs := ""
-		if c.Producers > 0 {
-			qs = "act_scales, " // moe_w8p's AS_OUT
-		}
 		if c.Up {
-			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, float* __restrict__ act_scales, int TK, int K, int H, int I) {
-    %s<%s, true>(xq, xs, gu, gus, sorted, block_expert, npost, act, %sTK, K, H, I);
+			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
+    %s<%s, true>(xq, xs, gu, gus, sorted, block_expert, npost, act, TK, K, H, I);
 }
-`, c.Threads(), c.Name(), fn, t, qs)
+`, c.Threads(), c.Name(), fn, t)
 			continue
 		}
 		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ aq, const float* __restrict__ as, const unsigned char* __restrict__ down, const float* __restrict__ downs, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
-    %s<%s, false>(aq, as, down, downs, sorted, block_expert, npost, out, %sTK, 1, I, H);
+    %s<%s, false>(aq, as, down, downs, sorted, block_expert, npost, out, TK, 1, I, H);
 }
-`, c.Threads(), c.Name(), fn, t, map[bool]string{true: "nullptr, ", false: ""}[c.Producers > 0])
+`, c.Threads(), c.Name(), fn, t)
 	}
 	return b.String()
 }
@@ -348,16 +333,14 @@ func (a FP8QuantArgs[P]) args() []any {
 	return []any{a.X, a.Codes, a.Scales, a.Npost, a.R, a.K, a.Bounded}
 }
 
-// W8A8UpArgs are the parameters of every gpuctx_moe_w8a8_up_<tag>. Act is
-// act [cap, I] bf16, or for a QuantAct tile its codes [cap, I] with As their
-// scales [cap, ceil(I/128)] f32; As is not read otherwise (pass any buffer).
+// W8A8UpArgs are the parameters of every gpuctx_moe_w8a8_up_<tag>.
 type W8A8UpArgs[P Pointer] struct {
-	Xq, Xs, Gu, Gus, Sorted, BlockExpert, Npost, Act, As P
-	TK, K, H, I                                          int32
+	Xq, Xs, Gu, Gus, Sorted, BlockExpert, Npost, Act P
+	TK, K, H, I                                      int32
 }
 
 func (a W8A8UpArgs[P]) args() []any {
-	return []any{a.Xq, a.Xs, a.Gu, a.Gus, a.Sorted, a.BlockExpert, a.Npost, a.Act, a.As, a.TK, a.K, a.H, a.I}
+	return []any{a.Xq, a.Xs, a.Gu, a.Gus, a.Sorted, a.BlockExpert, a.Npost, a.Act, a.TK, a.K, a.H, a.I}
 }
 
 // W8A8DownArgs are the parameters of every gpuctx_moe_w8a8_down_<tag>.
@@ -403,9 +386,9 @@ func NewW8A8Down(d *gpuctx.Device, c W8A8Gemm) (Launcher[W8A8Down], error) {
 func init() {
 	ks := []kernels.Kernel{kernels.Twin(FP8QuantName, moeFP8Quant)}
 	for _, c := range W8A8Gemms {
-		bm, q := c.BM, c.QuantAct
+		bm := c.BM
 		if c.Up {
-			ks = append(ks, kernels.Twin(c.Name(), func(m kernels.Memory, a *w8a8UpArgs) error { return moeW8A8Up(m, a, bm, q) }))
+			ks = append(ks, kernels.Twin(c.Name(), func(m kernels.Memory, a *w8a8UpArgs) error { return moeW8A8Up(m, a, bm) }))
 		} else {
 			ks = append(ks, kernels.Twin(c.Name(), func(m kernels.Memory, a *w8a8DownArgs) error { return moeW8A8Down(m, a, bm) }))
 		}
@@ -546,10 +529,8 @@ func FMA32(x, y, z float32) float32 {
 	return r
 }
 
-// moeW8A8Up is the twin of gpuctx_moe_w8a8_up_<tag> for tiles of BM rows;
-// with quant (a QuantAct tile) it quantizes each act row as the quantizer's
-// twin does (QuantizeRow) into the codes at a.Act and the scales at a.As.
-func moeW8A8Up(m kernels.Memory, a *w8a8UpArgs, BM int, quant bool) error {
+// moeW8A8Up is the twin of gpuctx_moe_w8a8_up_<tag> for tiles of BM rows.
+func moeW8A8Up(m kernels.Memory, a *w8a8UpArgs, BM int) error {
 	TK, K, H, I := int(a.TK), int(a.K), int(a.H), int(a.I)
 	if err := fp8Dims("w8a8_up", TK, K, H, I); err != nil {
 		return err
@@ -577,27 +558,12 @@ func moeW8A8Up(m kernels.Memory, a *w8a8UpArgs, BM int, quant bool) error {
 	if err != nil {
 		return err
 	}
-	var act []uint16
-	var codes []uint8
-	var scales []float32
-	if quant {
-		if codes, err = kernels.Slice[uint8](m, "act codes", a.Act, int64(rows)*int64(I)); err != nil {
-			return err
-		}
-		if scales, err = kernels.Slice[float32](m, "act scales", a.As, int64(rows)*int64(nbi)); err != nil {
-			return err
-		}
-	} else if act, err = kernels.Slice[uint16](m, "act", a.Act, int64(rows)*int64(I)); err != nil {
+	act, err := kernels.Slice[uint16](m, "act", a.Act, int64(rows)*int64(I))
+	if err != nil {
 		return err
 	}
 	fp8EachRow(blockExpert, BM, func(p, e int) {
-		var ar []uint16
-		if quant {
-			ar = make([]uint16, I)
-			defer QuantizeRow(codes[p*I:(p+1)*I], scales[p*nbi:(p+1)*nbi], ar)
-		} else {
-			ar = act[p*I : (p+1)*I]
-		}
+		ar := act[p*I : (p+1)*I]
 		s := int(sorted[p])
 		if s >= TK {
 			clear(ar)
