@@ -160,16 +160,16 @@ var (
 	// peak: L2 45-57%, DRAM 19-29%, SM 39-47%, 4.1-4.7 TB/s from the L2 to
 	// the multiprocessors.
 	//
-	// Tried in session 21 and dropped (commit 28330f2, reverted in d236ee0): a wide up
-	// tile that quantized its act rows itself (a tile of 128 columns holds
-	// one scale group of each row: the amax over the row's four lanes, the
-	// quantizer's rule), so that the chain wrote no bf16 act and launched no
-	// act quantizer. Bit for bit the quantizer's twin over the plain wide
-	// tile's act on the H200, but the up tile got slower by more than the
-	// quantizer took: BenchmarkW8A8Expert, DeepSeek-V2-Lite, up 507.3
-	// against 446.3 us at 4096 tokens (the quantizer 40.7) and 181.2 against
-	// 160.5 at 1024 (13.6); the tuner's chains 744.0 against 705.8
-	// (DeepSeek-V2-Lite 4096), 644.7 against 612.7 (Qwen3-30B-A3B 4096).
+	// Tried in session 21 and dropped (commit 28330f2, reverted in d236ee0): a
+	// wide up tile that quantized its act rows itself (a tile of 128 columns
+	// holds one scale group of each row: the amax over the row's four lanes, the
+	// quantizer's rule), so that the chain wrote no bf16 act and launched no act
+	// quantizer. Bit for bit the quantizer's twin over the plain wide tile's act
+	// on the H200, but the up tile got slower by more than the quantizer took:
+	// BenchmarkW8A8Expert, DeepSeek-V2-Lite, up 507.3 against 446.3 us at 4096
+	// tokens (the quantizer 40.7) and 181.2 against 160.5 at 1024 (13.6); the
+	// tuner's chains 744.0 against 705.8 (DeepSeek-V2-Lite 4096), 644.7 against
+	// 612.7 (Qwen3-30B-A3B 4096).
 	w8a8WideUp   = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true}
 	w8a8WideDown = moekernels.W8A8Gemm{BM: 128, BN: 256, Stages: 4, Producers: 4}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
