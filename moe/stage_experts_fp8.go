@@ -146,8 +146,8 @@ var (
 	// got slower: BenchmarkW8A8Expert, DeepSeek-V2-Lite 4096 tokens, up
 	// 563-567 against 526-528 us, down 240-242 against 250-252; the tuner's
 	// chains at 4096 tokens 849.7 against 812.1 (DeepSeek-V2-Lite) and 733.9
-	// against 681.3 (Qwen3-30B-A3B). Two warps took the SwiGLU of eight, and
-	// the down tile's 4% is all that the consumers' own epilogue had cost.
+	// against 681.3 (Qwen3-30B-A3B). Two warps took the SwiGLU of eight; the
+	// down tile, whose epilogue is its stores alone, gained 4%.
 	//
 	// The wide 128-row pair (session 21): 256 columns a tile (the up's 128
 	// gate and 128 up columns), multiplied in two halves of 128, four
@@ -249,11 +249,11 @@ const (
 // each touched expert gets on average: with w8 (the w8a8 tiles are loaded)
 // the w8a8 tiles from w8a8MinRows rows (the transposed 32-row pair up to
 // w8a8TransRows, the plain 64-row pair up to w8a8LargeRows, the wide
-// persistent 128-row pair above); else the transposed 16-row w8a16 tiles (the sweep
-// winners of BenchmarkFP8Expert on the H200 at 1-256 tokens,
-// bench/RESULTS.md), with the 64-column up tile for at most
-// fp8FewAssignments assignments. The w8a16 tile changes no result; the w8a8
-// tiles quantize the activations.
+// persistent 128-row pair above); else the transposed 16-row w8a16 tiles (the
+// sweep winners of BenchmarkFP8Expert on the H200 at 1-256 tokens,
+// bench/RESULTS.md), with the 64-column up tile for at most fp8FewAssignments
+// assignments. The w8a16 tile changes no result; the w8a8 tiles quantize the
+// activations.
 func fp8Tiles(T, K, E int, w8 bool) fp8Pair {
 	m := rowsPerExpert(T, K, E)
 	switch {

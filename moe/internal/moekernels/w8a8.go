@@ -98,23 +98,22 @@ type W8A8Gemm struct {
 // W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
 // wgmma of 128 columns each: an up and a down tile of two warpgroups in
 // moe_wg's form, the same as persistent tiles, wide persistent tiles (256
-// columns in two wgmma halves of 128, a producer warpgroup whose registers
-// the consumers take: a quarter fewer bytes from the L2 per product; on the
-// H200, session 21, 11-16% faster than the narrow persistent pair at
-// DeepSeek-V2-Lite 4096 tokens), and
-// persistent tiles of one warpgroup (64 rows: for batches of 16-64 rows per expert, where a 128-row
-// block would be mostly padding; four stages, so that two blocks share a
-// multiprocessor); then one-warpgroup tiles in moe_wg's form (three
-// stages: three blocks a multiprocessor), the shape of vLLM's FP8 Triton
-// kernel at 256 tokens (64 rows, 128 columns, 4 warps); then transposed
-// tiles of 8, 16 and 32 rows (one warpgroup, 64 columns) for a few rows per
-// expert, the up tiles of 16 and 32 rows with three stages (three blocks a
-// multiprocessor; on the H200, session 14, they beat four stages in every
-// chain the tuner timed, e.g. DeepSeek-V2-Lite 256 tokens 192.0 against
-// 204.2 us for the 32-row pair) and the 8-row one with four. Tried in the
-// same call and dropped: two-warpgroup (128-column) transposed tiles, no
-// faster anywhere (DeepSeek-V2-Lite 64 tokens 167.9 against 168.6 us,
-// Qwen3-30B-A3B 64 tokens 183.5 against 180.6).
+// columns in two wgmma halves of 128, a producer warpgroup whose registers the
+// consumers take: a quarter fewer bytes from the L2 per product; on the H200,
+// session 21, 11-16% faster than the narrow persistent pair at
+// DeepSeek-V2-Lite 4096 tokens), and persistent tiles of one warpgroup (64
+// rows: for batches of 16-64 rows per expert, where a 128-row block would be
+// mostly padding; four stages, so that two blocks share a multiprocessor);
+// then one-warpgroup tiles in moe_wg's form (three stages: three blocks a
+// multiprocessor), the shape of vLLM's FP8 Triton kernel at 256 tokens (64
+// rows, 128 columns, 4 warps); then transposed tiles of 8, 16 and 32 rows (one
+// warpgroup, 64 columns) for a few rows per expert, the up tiles of 16 and 32
+// rows with three stages (three blocks a multiprocessor; on the H200, session
+// 14, they beat four stages in every chain the tuner timed, e.g.
+// DeepSeek-V2-Lite 256 tokens 192.0 against 204.2 us for the 32-row pair) and
+// the 8-row one with four. Tried in the same call and dropped: two-warpgroup
+// (128-column) transposed tiles, no faster anywhere (DeepSeek-V2-Lite 64
+// tokens 167.9 against 168.6 us, Qwen3-30B-A3B 64 tokens 183.5 against 180.6).
 var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 64, Stages: 4, Up: true},
 	{BM: 128, BN: 128, Stages: 4},
@@ -211,7 +210,7 @@ func (c W8A8Gemm) Check() error {
 	switch {
 	case c.BM < 64 || c.BM%64 != 0 || c.BM > 256:
 		return fmt.Errorf("w8a8 tile %s: BM = %d, want 64, 128, 192 or 256", c.Tag(), c.BM)
-	case c.BN < 8 || (fp8.BlockSize%c.BN != 0 && (c.Up || c.BN != 256 || c.Producers == 0)) || c.width() > 256:
+	case c.BN < 8 || (fp8.BlockSize%c.BN != 0 && !c.wideDown()) || c.width() > 256:
 		return fmt.Errorf("w8a8 tile %s: BN = %d, want a divisor of 128 of at least 8, or 256 for a persistent down tile (a wgmma of %d columns at most 256)", c.Tag(), c.BN, c.width())
 	case c.Producers > 0 && c.width() > 128 && c.Producers != 4:
 		return fmt.Errorf("w8a8 tile %s: a persistent tile of %d columns takes its registers from a producer warpgroup (Producers 4)", c.Tag(), c.width())
@@ -243,6 +242,10 @@ func (c W8A8Gemm) checkTrans() error {
 	}
 	return nil
 }
+
+// wideDown reports a persistent down tile of 256 columns (BN 256: two scale
+// blocks, one a wgmma half).
+func (c W8A8Gemm) wideDown() bool { return !c.Up && c.BN == 256 && c.Producers > 0 }
 
 // mmaWidth is the N of the tile's wgmma: width() (the columns), half of it
 // for a wide persistent tile (moe_w8p's two halves of 128), or BM (the
