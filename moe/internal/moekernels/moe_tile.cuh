@@ -88,9 +88,10 @@ static __device__ __forceinline__ bool moe_tile_expert(const int* __restrict__ b
 // (LaunchEarly): a block of the fused shared expert's rows (up kernel,
 // moe_shared_rows) starts at once; every other block waits for the kernels
 // ahead of it (the align, or the up kernel), reads its expert
-// (moe_tile_expert) and fills its row tables (moe_tile_rows). Then it lets the next kernel be scheduled. It
-// sets e to the block's expert and returns true, or returns false for a
-// block without rows (past npost or of no expert), which the caller ends.
+// (moe_tile_expert) and fills its row tables (moe_tile_rows). Then it lets the
+// next kernel be scheduled. It sets e to the block's expert and returns true,
+// or returns false for a block without rows (past npost or of no expert),
+// which the caller ends.
 template <int BM, int THREADS, bool UP>
 static __device__ __forceinline__ bool moe_tile_begin(const int* __restrict__ sorted,
                                                       const int* __restrict__ block_expert,
