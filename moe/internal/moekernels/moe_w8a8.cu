@@ -416,8 +416,11 @@ static __device__ __forceinline__ void moe_w8(const unsigned char* __restrict__ 
 // 256 down columns) keeps 128 accumulators a thread and one block
 // accumulator of 64: each stage multiplies the first 128 columns, scales
 // them in, then the other 128. Its producers are a warpgroup (PW = 4) that
-// gives up registers (setmaxnreg.dec 40) for the consumers' (setmaxnreg.inc
-// 232); the second half of a down tile past N reads no scale (its columns
+// gives up registers (setmaxnreg.dec 56) for the consumers' (setmaxnreg.inc
+// 224: 56 * 128 + 224 * 256 is the 168 * 384 the launch allocates). At 40
+// and 232 ptxas spilled 12-24 bytes of the producers' code (session 21);
+// at 56 and 224 neither side spills (nvcc 13.0 -Xptxas -v, cuobjdump). The
+// second half of a down tile past N reads no scale (its columns
 // are not stored).
 //
 // Shared memory is a ring of STAGES stages (moe_w8's tiles, one K block of
@@ -594,13 +597,13 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     const int NBR = (N + W8_BK - 1) / W8_BK;
     const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
     if (tid >= CONSUMERS) {
-        if constexpr (WIDE) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if constexpr (WIDE) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
         w8p_produce<BM, BN, STAGES, PW, UP>(A, B, sorted, block_expert, TK, topk, Kdim, N, ntiles, tid - CONSUMERS,
                                             sbase, full0, empty0);
         return;
     }
 
-    if constexpr (WIDE) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (WIDE) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     const unsigned long long d0 = w8_desc(sbase);
 
     // Consumers: warpgroup grp multiplies tile rows 64*grp .. 64*grp+63;

@@ -84,7 +84,7 @@ type W8A8Gemm struct {
 	// overlaps the other's wgmma. A persistent tile of 256 columns (Up with
 	// BN 128, or a down tile of BN 256) is wide: it multiplies them in two
 	// wgmma halves of 128 and needs Producers 4, a whole warpgroup, whose
-	// registers the consumers take (setmaxnreg 40 and 232).
+	// registers the consumers take (setmaxnreg 56 and 224).
 	Producers int
 	// Trans makes the weights the wgmma's A operand (moe_w8a8.cu's moe_w8t):
 	// each warpgroup multiplies 64 weight rows by the block's BM sorted rows
