@@ -176,9 +176,8 @@ func Lookup(name string) (k Kernel, file string, ok bool) {
 	return e.k, e.file, ok
 }
 
-// kernelDecl matches an extern "C" __global__ kernel definition, with any
-// __launch_bounds__ and __cluster_dims__ attributes, and captures its name.
-var kernelDecl = regexp.MustCompile(`extern\s+"C"\s+__global__\s+(?:(?:__launch_bounds__|__cluster_dims__)\s*\([^)]*\)\s+)*void\s+(\w+)\s*\(`)
+// kernelDecl matches an extern "C" __global__ kernel definition and captures its name.
+var kernelDecl = regexp.MustCompile(`extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s+)?void\s+(\w+)\s*\(`)
 
 // Index returns the names of the kernels declared extern "C" __global__ in
 // src, in source order.

@@ -65,7 +65,6 @@ func TestIndex(t *testing.T) {
 	}{
 		{`extern "C" __global__ void a(int x) {}`, "a"},
 		{"extern \"C\"\n__global__ __launch_bounds__(256, 2) void b_c(float* y)", "b_c"},
-		{`extern "C" __global__ __launch_bounds__(384, 1) __cluster_dims__(2, 1, 1) void d(float* y)`, "d"},
 		{`__global__ void notexported(int x) {}`, ""},
 		{`extern "C" __device__ float helper(float x)`, ""},
 	}

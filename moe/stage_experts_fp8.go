@@ -172,11 +172,6 @@ var (
 	// 612.7 (Qwen3-30B-A3B 4096).
 	w8a8WideUp   = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true}
 	w8a8WideDown = moekernels.W8A8Gemm{BM: 128, BN: 256, Stages: 4, Producers: 4}
-	// The wide tiles as two-block clusters that share each stage's A rows
-	// (moekernels.W8A8Gemm.Cluster): the L2 delivers 40 KB a stage to each
-	// block instead of 48, for the wide tiles' products. Timed by the tuner.
-	w8a8ClusterUp   = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4, Producers: 4, Cluster: 2, Up: true}
-	w8a8ClusterDown = moekernels.W8A8Gemm{BM: 128, BN: 256, Stages: 4, Producers: 4, Cluster: 2}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
 	// ran them at 17-63 rows per touched expert until session 14): on the
 	// H200 (BenchmarkW8A8Expert, session 9's call 2, the whole chain with the

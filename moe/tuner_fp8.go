@@ -22,8 +22,7 @@ import (
 // w8a8Pairs are the w8a8 tile pairs an FP8 layer loads (fp8Experts.loadKernels)
 // and the tuner times: the one-warpgroup pair, the 128-row pair, the
 // one-warpgroup pair not persistent, the transposed pairs of 8, 16 and 32
-// rows, then the wide 128-row pair and the same as two-block clusters (last,
-// so that a tie keeps the others).
+// rows, then the wide 128-row pair (last, so that a tie keeps the others).
 var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8SmallUp, w8down: w8a8SmallDown},
 	{w8: true, w8up: w8a8Up, w8down: w8a8Down},
@@ -32,7 +31,6 @@ var w8a8Pairs = [...]fp8Pair{
 	{w8: true, w8up: w8a8T16Up, w8down: w8a8T16Down},
 	{w8: true, w8up: w8a8T32Up, w8down: w8a8T32Down},
 	{w8: true, w8up: w8a8WideUp, w8down: w8a8WideDown},
-	{w8: true, w8up: w8a8ClusterUp, w8down: w8a8ClusterDown},
 }
 
 // w8a8TuneRows is the fewest rows per touched expert at which the tuner

@@ -470,105 +470,32 @@ static __device__ __forceinline__ void w8p_wait(unsigned bar, unsigned parity) {
     }
 }
 
-// ---- Two-block clusters (W8A8Gemm.Cluster = 2, moe_w8p's CL): the two
-// blocks of a cluster multiply the same BM rows by adjacent column blocks.
-// Each loads half of the stage's A rows from global memory and copies that
-// half into the other block's shared memory (a bulk copy between the
-// blocks' shared memories, completing on the other's full barrier), so
-// that each A row crosses the L2 once per pair of column blocks instead of
-// once per column block. Stage s of the two blocks fills and empties
-// together: a block's producers refill s only when both blocks' consumers
-// released it (empty[s] counts both), since the refill writes into both.
-
-// w8c_rank is this block's rank in its cluster.
-static __device__ __forceinline__ unsigned w8c_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-
-// w8c_map is the shared::cluster address of shared-memory address addr
-// (this block's window) in block cta of the cluster.
-static __device__ __forceinline__ unsigned w8c_map(unsigned addr, unsigned cta) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(cta));
-    return r;
-}
-
-// w8c_sync is a barrier of every thread of the cluster (release, acquire).
-static __device__ __forceinline__ void w8c_sync() {
-    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
-// w8c_arrive_remote arrives on the mbarrier at shared::cluster address bar
-// (the other block's), releasing at cluster scope.
-static __device__ __forceinline__ void w8c_arrive_remote(unsigned bar) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// w8c_arrive_tx arrives on this block's mbarrier bar and expects bytes more
-// transaction bytes (the other block's copy) before its phase completes.
-static __device__ __forceinline__ void w8c_arrive_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// w8c_copy copies bytes (a multiple of 16) from this block's shared memory
-// at src to shared::cluster address dst, completing them on the mbarrier at
-// shared::cluster address bar.
-static __device__ __forceinline__ void w8c_copy(unsigned dst, unsigned src, unsigned bytes, unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "r"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-
 // w8p_produce is the producers' loop of moe_w8p: lane l of the PW warps
 // (pt = l) copies 16-byte chunk pt%8 of tile rows pt/8 + RSTEP*i of every
-// stage (A rows, then B rows). In a cluster (CL = 2) a block copies only its
-// half of the A rows (rows BM/2 * rank ..) and its own B rows, arriving on
-// landed[s]; producer thread 0 then, W8C_LAG fills behind, waits for the
-// fill to land and copies the A half into the other block's stage (its
-// full[s]), and arrives on its own full[s] expecting the other block's half.
-#define W8C_LAG 2
-template <int BM, int BN, int STAGES, int PW, int CL, bool UP>
+// stage (A rows, then B rows).
+template <int BM, int BN, int STAGES, int PW, bool UP>
 static __device__ __forceinline__ void w8p_produce(const unsigned char* __restrict__ A,
                                                    const unsigned char* __restrict__ B,
                                                    const int* __restrict__ sorted,
                                                    const int* __restrict__ block_expert, int TK, int topk, int Kdim,
                                                    int N, int ntiles, int pt, unsigned sbase, unsigned full0,
-                                                   unsigned empty0, unsigned landed0) {
+                                                   unsigned empty0) {
     constexpr int CH = 8;
     constexpr int RSTEP = 32 * PW / CH;
     constexpr int NB = UP ? 2 : 1;
     constexpr unsigned A_BYTES = BM * 128, ST_BYTES = (BM + NB * BN) * 128;
-    constexpr int A_ROWS = BM / CL;  // the A rows this block copies from global memory
-    constexpr int A_PER = A_ROWS / RSTEP, B_HALF = BN / RSTEP;
-    static_assert(A_ROWS % RSTEP == 0 && A_ROWS % 8 == 0, "producer rows of a cluster's A half");
+    constexpr int A_PER = BM / RSTEP, B_HALF = BN / RSTEP;
     constexpr int SW = RSTEP % 8 == 0 ? 1 : 2;  // period of a lane's swizzle over its rows
     const int NBLK = (N + BN - 1) / BN;
-    const int NPN = CL == 2 ? (NBLK + 1) / 2 : NBLK;  // column blocks, or pairs of them in a cluster
     const int KB = (Kdim + W8_BK - 1) / W8_BK;
     const int q = pt / CH, kch = (pt % CH) * 16;  // byte column of this lane's chunk
-    const unsigned rank = CL == 2 ? w8c_rank() : 0u;
-    const int a0 = (int)rank * A_ROWS;  // this block's first A row
-    // Forward fill g's A half to the other block (producer thread 0).
-    auto forward = [&](int g) {
-        const int sl = g % STAGES;
-        w8p_wait(landed0 + 8u * sl, (unsigned)(g / STAGES) & 1u);
-        // cp.async wrote the half through the generic proxy; the bulk copy
-        // reads it through the async proxy.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        const unsigned src = sbase + (unsigned)sl * ST_BYTES + (unsigned)a0 * 128u;
-        w8c_copy(w8c_map(src, rank ^ 1u), src, A_ROWS * 128u, w8c_map(full0 + 8u * sl, rank ^ 1u));
-        w8c_arrive_tx(full0 + 8u * sl, A_ROWS * 128u);
-    };
     unsigned so[SW];  // shared offset of row q + RSTEP*i's chunk: so[i % SW] + i*RSTEP*128
 #pragma unroll
     for (int j = 0; j < SW; ++j) so[j] = (unsigned)(q * 128 + (((pt % CH) ^ ((q + j * RSTEP) & 7)) << 4));
     int slot = 0, fills = 0;
     unsigned ph = 0;
-    const int t0 = CL == 2 ? (int)blockIdx.x / 2 : (int)blockIdx.x, tstep = CL == 2 ? (int)gridDim.x / 2 : (int)gridDim.x;
-    for (int t = t0; t < ntiles; t += tstep) {
-        const int mb = t / NPN, n0 = (CL * (t - mb * NPN) + (int)rank) * BN;  // past N: no columns (zeros)
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
         const int e = block_expert[mb];
         if (e < 0) continue;
         // Byte offset of row q + RSTEP*i's chunk from At, a multiple of 16;
@@ -578,9 +505,9 @@ static __device__ __forceinline__ void w8p_produce(const unsigned char* __restri
         unsigned ga[A_PER];
 #pragma unroll
         for (int i = 0; i < A_PER; ++i) {
-            const int a = sorted[mb * BM + a0 + q + RSTEP * i];
+            const int a = sorted[mb * BM + q + RSTEP * i];
             const bool real = a >= 0 && a < TK;
-            ga[i] = real ? (unsigned)((UP ? a / topk : a0 + q + RSTEP * i) * Kdim + kch) : ((unsigned)kch | 1u);
+            ga[i] = real ? (unsigned)((UP ? a / topk : q + RSTEP * i) * Kdim + kch) : ((unsigned)kch | 1u);
         }
         const long long b_base = UP ? (long long)e * 2 * N : (long long)e * N;
         const unsigned char* Bt = B + (b_base + n0 + q) * Kdim + kch;
@@ -590,14 +517,13 @@ static __device__ __forceinline__ void w8p_produce(const unsigned char* __restri
             const unsigned st = sbase + (unsigned)slot * ST_BYTES;
             const int k0 = kb * W8_BK;
             const bool kok = k0 + kch < Kdim;
-            const unsigned sa = st + (unsigned)a0 * 128u;  // this block's A rows
             if (kok) {
 #pragma unroll
                 for (int i = 0; i < A_PER; ++i)
-                    w8_cp16(sa + so[i % SW] + i * RSTEP * 128, At + k0 + (ga[i] & ~1u), (ga[i] & 1u) ? 0 : 16);
+                    w8_cp16(st + so[i % SW] + i * RSTEP * 128, At + k0 + (ga[i] & ~1u), (ga[i] & 1u) ? 0 : 16);
             } else {
 #pragma unroll
-                for (int i = 0; i < A_PER; ++i) w8_cp16(sa + so[i % SW] + i * RSTEP * 128, A, 0);
+                for (int i = 0; i < A_PER; ++i) w8_cp16(st + so[i % SW] + i * RSTEP * 128, A, 0);
             }
             // Opaque to the compiler, so that it walks the rows stage by stage
             // instead of keeping every row's address in registers.
@@ -613,24 +539,20 @@ static __device__ __forceinline__ void w8p_produce(const unsigned char* __restri
                     w8_cp16(st + A_BYTES + so[i % SW] + i * RSTEP * 128, ok ? (const void*)src : (const void*)B, ok ? 16 : 0);
                 }
             }
-            w8p_cp_arrive((CL == 2 ? landed0 : full0) + 8u * slot);
+            w8p_cp_arrive(full0 + 8u * slot);
             ++fills;
             if (++slot == STAGES) {
                 slot = 0;
                 ph ^= 1u;
             }
-            if (CL == 2 && pt == 0 && fills > W8C_LAG) forward(fills - 1 - W8C_LAG);
         }
-    }
-    if (CL == 2 && pt == 0) {
-        for (int g = max(fills - W8C_LAG, 0); g < fills; ++g) forward(g);
     }
     // Every fill is consumed (the consumers run the same tiles), but leave no
     // copy in flight behind the warp.
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-template <int BM, int BN, int STAGES, int PW, int CL, bool UP>
+template <int BM, int BN, int STAGES, int PW, bool UP>
 static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__ A, const float* __restrict__ AS,
                                                const unsigned char* __restrict__ B, const float* __restrict__ S,
                                                const int* __restrict__ sorted, const int* __restrict__ block_expert,
@@ -654,52 +576,34 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     static_assert(STAGES >= 2, "at least two stages");
     static_assert(RSTEP % 4 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "producer rows");
     static_assert(!WIDE || PW == 4, "a wide tile: a producer warpgroup (setmaxnreg)");
-    static_assert(CL == 1 || (CL == 2 && WIDE), "a two-block cluster: a wide tile");
 
-    // full[STAGES], empty[STAGES], then (CL = 2) landed[STAGES]
-    __shared__ __align__(8) unsigned long long w8p_bars[(CL == 2 ? 3 : 2) * STAGES];
+    __shared__ __align__(8) unsigned long long w8p_bars[2 * STAGES];  // full[STAGES], then empty[STAGES]
 
     const int tid = threadIdx.x;
-    const unsigned full0 = w8_smem(w8p_bars), empty0 = full0 + 8u * STAGES, landed0 = empty0 + 8u * STAGES;
+    const unsigned full0 = w8_smem(w8p_bars), empty0 = full0 + 8u * STAGES;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            // In a cluster full[s] completes on producer thread 0's arrival
-            // (after landed[s]) and the other block's A half; empty[s]
-            // counts both blocks' consumer warps.
-            w8p_bar_init(full0 + 8u * s, CL == 2 ? 1 : PT);
-            w8p_bar_init(empty0 + 8u * s, CL * CONSUMERS / 32);
-            if (CL == 2) w8p_bar_init(landed0 + 8u * s, PT);
+            w8p_bar_init(full0 + 8u * s, PT);
+            w8p_bar_init(empty0 + 8u * s, CONSUMERS / 32);
         }
-        if (CL == 2) asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    // The other block's barriers are initialised before either block
-    // arrives on them or copies into it.
-    if constexpr (CL == 2) w8c_sync();
     MOE_GRID_WAIT();  // launched early: the quantizer (and the sort before it)
     MOE_GRID_LAUNCH();
 
     const int NBLK = (N + BN - 1) / BN;
-    const int NPN = CL == 2 ? (NBLK + 1) / 2 : NBLK;  // column blocks, or pairs of them in a cluster
-    const int ntiles = NPN * (max(npost[0], 0) / BM);
+    const int ntiles = NBLK * (max(npost[0], 0) / BM);
     const int KB = (Kdim + W8_BK - 1) / W8_BK;
     const int NBR = (N + W8_BK - 1) / W8_BK;
     const unsigned sbase = (w8_smem(w8_dyn) + 1023u) & ~1023u;
     if (tid >= CONSUMERS) {
-        // A cluster's consumers keep a few more values (the other block's
-        // barriers): 232 registers for them, 40 for the producers.
-        if constexpr (WIDE && CL == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-        if constexpr (WIDE && CL == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        w8p_produce<BM, BN, STAGES, PW, CL, UP>(A, B, sorted, block_expert, TK, topk, Kdim, N, ntiles,
-                                                tid - CONSUMERS, sbase, full0, empty0, landed0);
-        // Neither block leaves while the other may still copy into it or
-        // arrive on its barriers.
-        if constexpr (CL == 2) w8c_sync();
+        if constexpr (WIDE) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+        w8p_produce<BM, BN, STAGES, PW, UP>(A, B, sorted, block_expert, TK, topk, Kdim, N, ntiles, tid - CONSUMERS,
+                                            sbase, full0, empty0);
         return;
     }
 
-    if constexpr (WIDE && CL == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-    if constexpr (WIDE && CL == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (WIDE) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     const unsigned long long d0 = w8_desc(sbase);
 
     // Consumers: warpgroup grp multiplies tile rows 64*grp .. 64*grp+63;
@@ -711,12 +615,8 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
     float acc[NW / 2], blk[WN / 2];
 #pragma unroll
     for (int i = 0; i < WN / 2; ++i) blk[i] = 0.0f;
-    const int t0 = CL == 2 ? (int)blockIdx.x / 2 : (int)blockIdx.x, tstep = CL == 2 ? (int)gridDim.x / 2 : (int)gridDim.x;
-    for (int t = t0; t < ntiles; t += tstep) {
-        // In a cluster the pair's second column block may lie past N: that
-        // block multiplies zeros and stores nothing.
-        const int mb = t / NPN, n0 = (CL * (t - mb * NPN) + (CL == 2 ? (int)w8c_rank() : 0)) * BN;
-        const bool cols = n0 < N;
+    for (int t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const int mb = t / NBLK, n0 = (t - mb * NBLK) * BN;
         const int e = block_expert[mb];
         if (e < 0) continue;
         int a[2];
@@ -731,16 +631,15 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
         // The weight block scales of this tile's columns: the gate's (or the
         // down's) and the up's block row; a wide down tile's second half
         // the next block row (none past N: its columns are not stored).
-        const float* sg = cols ? S + ((long long)(e * NB) * NBR + n0 / W8_BK) * KB : nullptr;
-        const float* su = !cols ? nullptr
-                          : WIDE && !UP ? (n0 / W8_BK + 1 < NBR ? sg + KB : nullptr)
-                                        : S + ((long long)(e * NB + NB - 1) * NBR + n0 / W8_BK) * KB;
+        const float* sg = S + ((long long)(e * NB) * NBR + n0 / W8_BK) * KB;
+        const float* su = WIDE && !UP ? (n0 / W8_BK + 1 < NBR ? sg + KB : nullptr)
+                                      : S + ((long long)(e * NB + NB - 1) * NBR + n0 / W8_BK) * KB;
 #pragma unroll
         for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < KB; ++kb) {
             const float sa0 = arow[0] ? __ldg(arow[0] + kb) : 0.0f;
             const float sa1 = arow[1] ? __ldg(arow[1] + kb) : 0.0f;
-            const float sbg = sg ? __ldg(sg + kb) : 0.0f, sbu = su ? __ldg(su + kb) : 0.0f;
+            const float sbg = __ldg(sg + kb), sbu = su ? __ldg(su + kb) : 0.0f;
             w8p_wait(full0 + 8u * slot, ph);
             // The stage's cp.async writes went through the generic proxy;
             // wgmma reads through the async proxy.
@@ -765,10 +664,7 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
                 w8_wait_mma0();
                 if (hh == NH - 1) {
                     // This warp's wgmma of the stage are done: release it.
-                    if (lane == 0) {
-                        w8p_arrive(empty0 + 8u * slot);
-                        if constexpr (CL == 2) w8c_arrive_remote(w8c_map(empty0 + 8u * slot, w8c_rank() ^ 1u));
-                    }
+                    if (lane == 0) w8p_arrive(empty0 + 8u * slot);
                     if (++slot == STAGES) {
                         slot = 0;
                         ph ^= 1u;
@@ -789,10 +685,9 @@ static __device__ __forceinline__ void moe_w8p(const unsigned char* __restrict__
         for (int hr = 0; hr < 2; ++hr) {
             const bool real = a[hr] >= 0 && a[hr] < TK;
             const int dst = UP ? mb * BM + r0 + hr * 8 : (real ? a[hr] : -1);
-            if (dst >= 0 && n0 < N) w8_store_half<BN, UP>(acc, hr, dst, UP && !real, C, N, n0, lane);
+            if (dst >= 0) w8_store_half<BN, UP>(acc, hr, dst, UP && !real, C, N, n0, lane);
         }
     }
-    if constexpr (CL == 2) w8c_sync();
 }
 
 // ---- Transposed tiles (W8A8Gemm.Trans): the weights as wgmma's A operand.

@@ -92,14 +92,7 @@ type W8A8Gemm struct {
 	// expert; BN is then 64 or 128 (a warpgroup per 64 columns). Tag suffix
 	// "t".
 	Trans bool
-	// Cluster 2 runs a wide persistent tile as two-block clusters
-	// (moe_w8a8.cu's moe_w8p with CL = 2): the two blocks multiply the same
-	// rows by adjacent column blocks, each copies half of every stage's A
-	// rows from global memory and hands it to the other through shared
-	// memory, so that the L2 delivers the A rows once per pair of column
-	// blocks. Tag suffix "c2"; the grid is even.
-	Cluster int
-	Up      bool // the gate/up + SwiGLU kernel, else the down kernel
+	Up    bool // the gate/up + SwiGLU kernel, else the down kernel
 }
 
 // W8A8Gemms lists the compiled w8a8 tiles, warpgroups of 64 rows with one
@@ -128,8 +121,6 @@ var W8A8Gemms = []W8A8Gemm{
 	{BM: 128, BN: 128, Stages: 6, Producers: 2},
 	{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true},
 	{BM: 128, BN: 256, Stages: 4, Producers: 4},
-	{BM: 128, BN: 128, Stages: 4, Producers: 4, Cluster: 2, Up: true},
-	{BM: 128, BN: 256, Stages: 4, Producers: 4, Cluster: 2},
 	{BM: 64, BN: 64, Stages: 4, Producers: 2, Up: true},
 	{BM: 64, BN: 128, Stages: 4, Producers: 2},
 	{BM: 64, BN: 64, Stages: 3, Up: true},
@@ -153,9 +144,6 @@ func (c W8A8Gemm) Tag() string {
 	if c.Trans {
 		p += "t"
 	}
-	if c.Cluster > 0 {
-		p += fmt.Sprintf("c%d", c.Cluster)
-	}
 	return fmt.Sprintf("m%dn%ds%d%s", c.BM, c.BN, c.Stages, p)
 }
 
@@ -178,13 +166,9 @@ func (c W8A8Gemm) Threads() int {
 
 // Grid is the launch grid over n output columns (I for up, H for down) and
 // cap sorted rows on a device of sms multiprocessors: (ceil(n/BN), cap/BM),
-// or for a persistent tile (min(sms, ceil(n/BN)*(cap/BM)), 1), or for a
-// tile of two-block clusters twice min(sms/2, ceil(n/BN/2)*(cap/BM)).
+// or for a persistent tile (min(sms, ceil(n/BN)*(cap/BM)), 1).
 func (c W8A8Gemm) Grid(n, cap, sms int) (x, y int) {
 	nx, ny := (n+c.BN-1)/c.BN, cap/c.BM
-	if c.Cluster == 2 {
-		return 2 * max(min(sms/2, (nx+1)/2*ny), 1), 1
-	}
 	if c.Producers > 0 {
 		return max(min(sms, nx*ny), 1), 1
 	}
@@ -205,10 +189,10 @@ func (c W8A8Gemm) SmemBytes() int { return c.Stages*(c.BM+c.width())*fp8.BlockSi
 
 // staticSmem is the static shared memory: the row tables and the staged
 // weight scales (Trans: and the rows' scales), or a persistent tile's
-// mbarriers (two a stage, three in a cluster).
+// mbarriers.
 func (c W8A8Gemm) staticSmem() int {
 	if c.Producers > 0 {
-		return 8 * (2 + c.Cluster/2) * c.Stages
+		return 16 * c.Stages
 	}
 	n := 8*c.BM + 2*4*FP8MaxK/fp8.BlockSize
 	if c.Trans {
@@ -236,8 +220,6 @@ func (c W8A8Gemm) Check() error {
 		return fmt.Errorf("w8a8 tile %s: %d producer warps, want 0 (not persistent), 1, 2 or 4", c.Tag(), c.Producers)
 	case c.Producers > 0 && (c.BN%(4*c.Producers) != 0 || c.BM%(4*c.Producers) != 0):
 		return fmt.Errorf("w8a8 tile %s: BM and BN must be multiples of %d rows (four per producer warp)", c.Tag(), 4*c.Producers)
-	case c.Cluster != 0 && (c.Cluster != 2 || c.Producers != 4 || c.width() <= 128):
-		return fmt.Errorf("w8a8 tile %s: clusters of %d blocks, want 0 or 2 (of a wide persistent tile: Producers 4, 256 columns)", c.Tag(), c.Cluster)
 	case c.SmemBytes()+c.staticSmem() > MoEGemmSmemLimit:
 		return fmt.Errorf("w8a8 tile %s: %d bytes of shared memory, more than %d", c.Tag(), c.SmemBytes()+c.staticSmem(), MoEGemmSmemLimit)
 	}
@@ -307,24 +289,17 @@ func w8a8Instances() string {
 		case c.Trans:
 			fn = "moe_w8t"
 		}
-		if c.Producers > 0 {
-			t += fmt.Sprintf(", %d", max(c.Cluster, 1))
-		}
-		cl := ""
-		if c.Cluster > 0 {
-			cl = fmt.Sprintf(" __cluster_dims__(%d, 1, 1)", c.Cluster)
-		}
 		if c.Up {
-			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1)%s void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
+			fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ xq, const float* __restrict__ xs, const unsigned char* __restrict__ gu, const float* __restrict__ gus, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ act, int TK, int K, int H, int I) {
     %s<%s, true>(xq, xs, gu, gus, sorted, block_expert, npost, act, TK, K, H, I);
 }
-`, c.Threads(), cl, c.Name(), fn, t)
+`, c.Threads(), c.Name(), fn, t)
 			continue
 		}
-		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1)%s void %s(const unsigned char* __restrict__ aq, const float* __restrict__ as, const unsigned char* __restrict__ down, const float* __restrict__ downs, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
+		fmt.Fprintf(&b, `extern "C" __global__ __launch_bounds__(%d, 1) void %s(const unsigned char* __restrict__ aq, const float* __restrict__ as, const unsigned char* __restrict__ down, const float* __restrict__ downs, const int* __restrict__ sorted, const int* __restrict__ block_expert, const int* __restrict__ npost, unsigned short* __restrict__ out, int TK, int H, int I) {
     %s<%s, false>(aq, as, down, downs, sorted, block_expert, npost, out, TK, 1, I, H);
 }
-`, c.Threads(), cl, c.Name(), fn, t)
+`, c.Threads(), c.Name(), fn, t)
 	}
 	return b.String()
 }

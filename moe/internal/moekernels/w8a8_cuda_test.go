@@ -396,7 +396,7 @@ func w8a8Pairs() [][2]W8A8Gemm {
 	var out [][2]W8A8Gemm
 	for _, u := range W8A8Gemms {
 		for _, d := range W8A8Gemms {
-			if u.Up && !d.Up && u.Producers == d.Producers && u.Trans == d.Trans && u.BM == d.BM && u.Cluster == d.Cluster {
+			if u.Up && !d.Up && u.Producers == d.Producers && u.Trans == d.Trans && u.BM == d.BM {
 				out = append(out, [2]W8A8Gemm{u, d})
 			}
 		}

@@ -7,7 +7,6 @@
 #define __shared__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
-#define __cluster_dims__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define __CUDA_ARCH__ 900
 struct uint4 { unsigned x, y, z, w; };
