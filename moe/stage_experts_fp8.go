@@ -170,6 +170,19 @@ var (
 	// tokens (the quantizer 40.7) and 181.2 against 160.5 at 1024 (13.6); the
 	// tuner's chains 744.0 against 705.8 (DeepSeek-V2-Lite 4096), 644.7 against
 	// 612.7 (Qwen3-30B-A3B 4096).
+	//
+	// Tried in session 22 and dropped (commit 892162b, reverted in the next
+	// one): the wide tiles as two-block clusters, the blocks multiplying the
+	// same 128 rows by adjacent column blocks, each copying half of every
+	// stage's A rows from global memory and handing it to the other with a
+	// bulk copy between their shared memories (40 KB a stage from the L2 per
+	// block instead of 48). Bit for bit their twins' on the H200, but ptxas
+	// spilled 396-420 bytes in the consumers' code (at 224 and at 232
+	// registers, where the plain wide tiles spill none) and the kernels ran
+	// 2.4x slower: BenchmarkW8A8Expert, DeepSeek-V2-Lite 4096 tokens, up 1051
+	// against 427 us, down 515 against 223. Not pursued: the spills' cause was
+	// not found, and the A rows are a third of a stage's bytes (the weights,
+	// shared by TMA multicast in DeepGEMM, are two thirds).
 	w8a8WideUp   = moekernels.W8A8Gemm{BM: 128, BN: 128, Stages: 4, Producers: 4, Up: true}
 	w8a8WideDown = moekernels.W8A8Gemm{BM: 128, BN: 256, Stages: 4, Producers: 4}
 	// The persistent one-warpgroup w8a8 tiles (timed by the tuner; the rule
