@@ -195,7 +195,7 @@ func (l *Layer) checkForward(op string, x, y *gpuctx.Buffer, T int, mode Mode, p
 // bucket (tuner.knownMode); where there is none yet, this forward measures it
 // on x and y: Dual and FusedShared each run twice (eagerly, which tunes the
 // tiles, then the capture) and then three times timed (timeForward, each
-// after an L2 flush: openColdL2), waiting for the main stream, and the tuner
+// after an L2 flush: coldTuning), waiting for the main stream, and the tuner
 // keeps the faster (tuner.keepMode).
 func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, mode Mode, part Part) (Mode, error) {
 	m, timed := l.resolveMode(T, mode, part)
@@ -205,30 +205,27 @@ func (l *Layer) autoMode(op string, x, y *gpuctx.Buffer, T int, mode Mode, part 
 	if m, ok := l.tuner.knownMode(T); ok {
 		return m, nil
 	}
-	done, err := l.openColdL2()
-	if err != nil {
-		return 0, err
-	}
-	defer done()
-	var medians [len(autoCandidates)]time.Duration
-	for i, m := range autoCandidates {
-		for range 2 { // eager (tunes the tiles), then the capture
-			if err := l.forward(op, x, y, T, m, part); err != nil {
-				return 0, err
+	return coldTuning(l, func() (Mode, error) {
+		var medians [len(autoCandidates)]time.Duration
+		for i, m := range autoCandidates {
+			for range 2 { // eager (tunes the tiles), then the capture
+				if err := l.forward(op, x, y, T, m, part); err != nil {
+					return 0, err
+				}
 			}
-		}
-		var ds []time.Duration
-		for range 3 {
-			d, err := l.timeForward(op, x, y, T, m, part)
-			if err != nil {
-				return 0, err
+			var ds []time.Duration
+			for range 3 {
+				d, err := l.timeForward(op, x, y, T, m, part)
+				if err != nil {
+					return 0, err
+				}
+				ds = append(ds, d)
 			}
-			ds = append(ds, d)
+			slices.Sort(ds)
+			medians[i] = ds[1]
 		}
-		slices.Sort(ds)
-		medians[i] = ds[1]
-	}
-	return l.tuner.keepMode(T, medians), nil
+		return l.tuner.keepMode(T, medians), nil
+	})
 }
 
 // timeForward times one forward between the tuning events on the main stream
