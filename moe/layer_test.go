@@ -1362,8 +1362,8 @@ func TestRouteAlignOneLaunch(t *testing.T) {
 // on CUDA the selection takes the warp-reduction path (no NaN), which must
 // pick what the shuffle path picks.
 func TestRouteKernelTies(t *testing.T) {
-	// Two, four, five and ten experts per lane (320: more than 256 experts,
-	// the lanes' arrays' upper half).
+	// Two, four, five and ten experts per lane (320: past the first eight
+	// entries of each lane's arrays, which hold MOE_MAX_E/32).
 	for _, E := range []int{64, 128, 160, 320} {
 		t.Run(fmt.Sprintf("E=%d", E), func(t *testing.T) { routeKernelTies(t, E) })
 	}
@@ -1471,8 +1471,8 @@ func routeKernelTies(t *testing.T, E int) {
 					// The weights divide by a softmax sum that the CPU backend
 					// adds in expert order and the kernel lane by lane, then
 					// across the warp: two orders of E positive f32 terms, each
-					// within (E-1) ulp-halves of the exact sum (E=320 "pairs"
-					// differs by 1.2e-6 relative).
+					// within (E-1)·2^-24 of the exact sum, relative (at E=320
+					// "pairs" the two differ by 1.2e-6).
 					tol := max(1e-6, 2*float64(E)*0x1p-24)
 					for i := range ws {
 						if d := math.Abs(float64(ws[i] - wantW[c.name][i])); d > tol*math.Abs(float64(wantW[c.name][i])) {
