@@ -81,7 +81,7 @@ func (l *Layer) sortFused(p *plan, xv *gpuctx.Buffer) error {
 		if err := l.ensureFused(p, p.sortBM); err != nil {
 			return err
 		}
-		if err := l.dispatch.routeAlign(xv, &l.router, p, p.sortBM); err != nil {
+		if err := l.dispatch.routeAlign(xv, &l.router, &l.experts, p, p.sortBM); err != nil {
 			return err
 		}
 	} else if err := l.router.route(xv, p.T, p.ks, true); err != nil {
@@ -154,6 +154,8 @@ func (l *Layer) ensureFused(p *plan, bm int) error {
 	needs := append(sort[:3:3], l.experts.fusedNeeds(cp, TK)...)
 	if p.fp8.w8 {
 		needs = append(needs, l.experts.w8a8Needs(p.T, cp)...)
+	} else if p.xInRoute {
+		needs = append(needs, l.experts.w8a8Needs(p.T, cp)[:2]...) // x's codes and scales
 	}
 	needs = append(needs, sort[3:]...)
 	synced := false

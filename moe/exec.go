@@ -345,6 +345,17 @@ func (l *Layer) fused(T int) bool {
 	return l.fusedOK && !l.smallBatch(T)
 }
 
+// xQuantInRoute reports whether the one-launch routing may quantize x for
+// the w8a8 tiles (plan.xInRoute): an FP8 layer with its w8a8 tiles loaded.
+// A plan uses it where its tiles are w8a8 or not yet tuned, so that the
+// tuner times the w8a8 chains as the forward will run them: without a
+// quantizer launch for x (a w8a16 winner leaves that forward's codes unread,
+// T*ceil(H/128) half-warp steps spread over the routing's blocks).
+func (l *Layer) xQuantInRoute() bool {
+	q := l.experts.q
+	return q != nil && q.w8 && q.quantInRoute
+}
+
 // routeAlignOK reports whether a fused-path batch of T tokens may route and
 // sort in one launch (gpuctx_moe_route_align); the plan also bounds the
 // experts it sorts by MaxExperts.

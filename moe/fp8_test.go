@@ -889,3 +889,68 @@ func TestFP8TilesRule(t *testing.T) {
 		})
 	}
 }
+
+// TestLayerFP8QuantInRoute checks that the one-launch routing quantizes x
+// for the w8a8 tiles (plan.xInRoute: no quantizer launch for x) as the
+// quantizer does: every w8a8 pair, forced at one-launch batch sizes, gives
+// the same bits as a layer that launches the quantizer, and stays within
+// the w8a8 reference's tolerance (codes the routing left unwritten would
+// leave the up tile reading zeros).
+func TestLayerFP8QuantInRoute(t *testing.T) {
+	for _, b := range layerBackends(t) {
+		for name, cfg := range fp8Configs() {
+			w, err := RandomWeights(cfg, 17)
+			if err != nil {
+				t.Fatal(err)
+			}
+			wq := fp8Dequantized(t, cfg, w)
+			t.Run(b.name+"/"+name, func(t *testing.T) {
+				open := func(inRoute bool) *Layer {
+					l, err := NewLayer(b.dev, cfg, w, LayerOptions{DType: gpuctx.BF16, FP8: true, NoGraphs: true})
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { _ = l.Close() })
+					if !l.experts.q.w8 {
+						t.Skipf("%s has no w8a8 tiles (compute capability 9.0 only)", b.dev.Info().Name)
+					}
+					l.experts.q.quantInRoute = inRoute
+					l.tuner.autotune = true // the forced pairs below stand for tuned ones
+					return l
+				}
+				folded, plain := open(true), open(false)
+				for _, T := range []int{1, 5, routeAlignTokens} {
+					x := randomX(T, cfg.HiddenSize, uint64(T)+29)
+					want := referenceW8A8(cfg, wq, roundAll(x), T)
+					for _, tp := range w8a8Pairs {
+						for _, l := range []*Layer{folded, plain} {
+							l.tuner.fp8[tileKey{tileBucket(T), false}] = tp
+						}
+						xb, err := b.dev.Alloc(T * cfg.HiddenSize * folded.es)
+						if err != nil {
+							t.Fatal(err)
+						}
+						pf, pp := folded.plan(xb, xb, T, Single, Whole), plain.plan(xb, xb, T, Single, Whole)
+						xb.Free()
+						if !pf.xInRoute || pp.xInRoute || !pf.oneLaunch || !pf.fp8.w8 {
+							t.Fatalf("T=%d %s: xInRoute %v and %v, oneLaunch %v, w8a8 %v: want the routing to quantize x for the first layer only",
+								T, tp.tags(), pf.xInRoute, pp.xInRoute, pf.oneLaunch, pf.fp8.w8)
+						}
+						got := deviceRun(t, folded, x, T, Single, Whole)
+						if ref := deviceRun(t, plain, x, T, Single, Whole); !bytes.Equal(got, ref) {
+							t.Errorf("T=%d %s: differs from the quantizer launch's forward (relative %.3g)", T, tp.tags(),
+								relErr(folded.decode(got), plain.decode(ref)))
+						}
+						tol := 1e-2 // the CPU backend's twins: f32 block sums
+						if b.dev.Backend() != "cpu" {
+							tol = w8a8DeviceTol
+						}
+						if rel := relErr(folded.decode(got), want); !(rel <= tol) {
+							t.Errorf("T=%d %s: relative error %.3g against the float64 reference quantizing the activations, want <= %g", T, tp.tags(), rel, tol)
+						}
+					}
+				}
+			})
+		}
+	}
+}

@@ -39,6 +39,7 @@ type plan struct {
 	path           routePath
 	place          sharedPlace
 	oneLaunch      bool // the fused path routes and sorts in gpuctx_moe_route_align
+	xInRoute       bool // gpuctx_moe_route_align also quantizes x for the w8a8 tiles (xQuantInRoute)
 	ks             int  // slots per token: K, plus the fused shared expert's chunks
 	experts        int  // experts the fused kernels see: E, plus the fused chunks
 	early          int  // fused shared chunks whose up blocks run before the sort ends
@@ -110,6 +111,7 @@ func (l *Layer) plan(x, y *gpuctx.Buffer, T int, mode Mode, part Part) *plan {
 	p.graph = l.gc.use && p.path != pathGrouped
 	if p.path == pathFused {
 		l.planTiles(p)
+		p.xInRoute = p.oneLaunch && l.xQuantInRoute() && (!p.tilesKnown || p.fp8.w8)
 	}
 	return p
 }

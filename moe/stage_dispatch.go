@@ -153,15 +153,22 @@ func (d *dispatchStage) align(idx *gpuctx.Buffer, p *plan, bm int) error {
 
 // routeAlign queues gpuctx_moe_route_align for p's T tokens of x with tile
 // rows bm (the sort's scratch sized for them) on the main stream: one block
-// per 16 router logits, the last of them routing into r's outputs and sorting.
-func (d *dispatchStage) routeAlign(x *gpuctx.Buffer, r *routerStage, p *plan, bm int) error {
+// per 16 router logits, the last of them routing into r's outputs and
+// sorting; with p.xInRoute the blocks also quantize x into xs's codes and
+// scales for the w8a8 tiles (fusedW8A8 then launches no quantizer for x).
+func (d *dispatchStage) routeAlign(x *gpuctx.Buffer, r *routerStage, xs *expertStage, p *plan, bm int) error {
 	e := d.e
 	c := &e.cfg
 	T, ks := p.T, p.ks
-	grid := gpuctx.Dim3{X: moekernels.RouteAlignBlocks(T * c.NumExperts), Y: 1, Z: 1}
-	return d.kRouteAlign.LaunchEarly(e.main, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, moekernels.RouteAlignSmem(T, c.NumExperts), moekernels.RouteAlign{
+	a := moekernels.RouteAlign{
 		X: x, Router: r.weight, Bias: r.bias, Logits: r.logits, TopkIdx: r.idx, TopkW: r.wts,
 		Sorted: d.sorted, BlockExpert: d.bexp, Npost: d.npost, Ticket: d.ticket,
 		T: int32(T), H: int32(c.HiddenSize), E: int32(c.NumExperts), K: int32(c.TopK), Rule: routeRule(c),
-		Ks: int32(ks), Ns: int32(ks - c.TopK), BM: int32(bm), Cap: int32(moekernels.AlignCap(T*ks, p.experts, bm))})
+		Ks: int32(ks), Ns: int32(ks - c.TopK), BM: int32(bm), Cap: int32(moekernels.AlignCap(T*ks, p.experts, bm)),
+		Xq: r.bias, Xs: r.bias} // unread without QuantX: any buffer (a launch takes no nil)
+	if p.xInRoute {
+		a.Xq, a.Xs, a.QuantX = xs.xq, xs.xs, 1
+	}
+	grid := gpuctx.Dim3{X: moekernels.RouteAlignBlocks(T * c.NumExperts), Y: 1, Z: 1}
+	return d.kRouteAlign.LaunchEarly(e.main, grid, gpuctx.Dim3{X: alignThreads, Y: 1, Z: 1}, moekernels.RouteAlignSmem(T, c.NumExperts), a)
 }

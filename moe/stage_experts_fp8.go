@@ -44,10 +44,14 @@ type fp8Experts struct {
 	kDown                map[moekernels.FP8Gemm]moekernels.Launcher[moekernels.FP8Down]
 	// w8 reports that the w8a8 kernels below are loaded: a CUDA device of
 	// compute capability 9.0, or the CPU backend (the twins).
-	w8      bool
-	kQuant  moekernels.Launcher[moekernels.FP8Quant]
-	kW8Up   map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Up]
-	kW8Down map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Down]
+	w8 bool
+	// quantInRoute lets the one-launch routing quantize x for the w8a8
+	// tiles (Layer.xQuantInRoute); set with w8. Tests clear it to compare
+	// with the quantizer launch it replaces.
+	quantInRoute bool
+	kQuant       moekernels.Launcher[moekernels.FP8Quant]
+	kW8Up        map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Up]
+	kW8Down      map[moekernels.W8A8Gemm]moekernels.Launcher[moekernels.W8A8Down]
 }
 
 // fp8Pair is the FP8 tiles of a forward: the w8a16 tile of the up and of the
@@ -542,7 +546,7 @@ func (q *fp8Experts) loadKernels(dev *gpuctx.Device, w16only bool) error {
 			return fmt.Errorf("w8a8 tile %s: %w", tp.w8down.Tag(), err)
 		}
 	}
-	q.w8 = true
+	q.w8, q.quantInRoute = true, true
 	return nil
 }
 
@@ -607,7 +611,8 @@ func (x *expertStage) fp8Down(c moekernels.FP8Gemm, d *dispatchStage, p *plan) e
 
 // fusedW8A8 queues the w8a8 form of p's tiles on the main stream over p's
 // aligned sort in d (with the tiles' BM; run, or queued just ahead):
-// gpuctx_moe_fp8_quant of x into xq/xs, the w8a8 up tile (gate/up GEMM,
+// gpuctx_moe_fp8_quant of x into xq/xs (unless p.xInRoute: this forward's
+// gpuctx_moe_route_align, queued ahead, wrote them), the w8a8 up tile (gate/up GEMM,
 // SwiGLU into act, bf16), the quantizer of act's sorted rows (below the
 // sort's npost, read on the device; a grid sized for the cap) into aq/as,
 // and the w8a8 down tile into out. Each kernel waits on the device for the
@@ -623,9 +628,11 @@ func (x *expertStage) fusedW8A8(in *gpuctx.Buffer, d *dispatchStage, p *plan) er
 	}
 	cp := moekernels.AlignCap(TK, p.experts, tp.w8up.BM)
 	qb := gpuctx.Dim3{X: moekernels.FP8QuantThreads, Y: 1, Z: 1}
-	if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(p.T, H), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
-		X: in, Codes: x.xq, Scales: x.xs, Npost: d.npost, R: int32(p.T), K: int32(H)}); err != nil {
-		return err
+	if !p.xInRoute { // else gpuctx_moe_route_align quantized x
+		if err := q.kQuant.LaunchEarly(e.main, gpuctx.Dim3{X: moekernels.FP8QuantBlocks(p.T, H), Y: 1, Z: 1}, qb, 0, moekernels.FP8Quant{
+			X: in, Codes: x.xq, Scales: x.xs, Npost: d.npost, R: int32(p.T), K: int32(H)}); err != nil {
+			return err
+		}
 	}
 	sms := e.dev.Info().SMCount
 	gx, gy := tp.w8up.Grid(I, cp, sms)

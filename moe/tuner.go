@@ -357,7 +357,7 @@ func (l *Layer) routedUp(p *plan, x *gpuctx.Buffer, bm int, withRoute bool, up f
 		return up
 	}
 	return func() error {
-		if err := l.dispatch.routeAlign(x, &l.router, p, bm); err != nil {
+		if err := l.dispatch.routeAlign(x, &l.router, &l.experts, p, bm); err != nil {
 			return err
 		}
 		return up()

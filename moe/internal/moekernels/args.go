@@ -158,12 +158,15 @@ type RouteAlignArgs[P Pointer] struct {
 	T, H, E, K                                                                  int32
 	Rule                                                                        RouteRule
 	Ks, Ns, BM, Cap                                                             int32
+	// Xq and Xs receive x's E4M3 codes and scales where QuantX is not 0.
+	Xq, Xs P
+	QuantX int32
 }
 
 func (a RouteAlignArgs[P]) args() []any {
 	return []any{a.X, a.Router, a.Bias, a.Logits, a.TopkIdx, a.TopkW, a.Sorted, a.BlockExpert, a.Npost,
 		a.Ticket, a.T, a.H, a.E, a.K, a.Rule.Scoring, a.Rule.Method, a.Rule.Groups, a.Rule.TopkGroups,
-		a.Rule.HasBias, a.Rule.Norm, a.Rule.NormEps, a.Rule.Scale, a.Ks, a.Ns, a.BM, a.Cap}
+		a.Rule.HasBias, a.Rule.Norm, a.Rule.NormEps, a.Rule.Scale, a.Ks, a.Ns, a.BM, a.Cap, a.Xq, a.Xs, a.QuantX}
 }
 
 // CombineRowsArgs are the parameters of gpuctx_moe_combine_rows.

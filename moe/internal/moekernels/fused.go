@@ -21,8 +21,9 @@ func roundUp(n, m int) int { return (n + m - 1) / m * m }
 
 // moeRouteAlign is gpuctx_moe_route_align: the router logits (bf16 x [T,H]
 // times bf16 router [E,H], f32 sums in ascending h), then the route and the
-// align twins on them, with the arguments the CUDA kernel passes them. The
-// ticket is left as the kernel leaves it: 0.
+// align twins on them, with the arguments the CUDA kernel passes them, and
+// with QuantX the quantizer's twin of x into Xq and Xs. The ticket is left
+// as the kernel leaves it: 0.
 func moeRouteAlign(m kernels.Memory, a *routeAlignArgs) error {
 	T, H, E := a.T, a.H, a.E
 	ks, ns := a.Ks, a.Ns
@@ -58,6 +59,11 @@ func moeRouteAlign(m kernels.Memory, a *routeAlignArgs) error {
 				acc += bf16ToF32(xr[h]) * bf16ToF32(wr[h])
 			}
 			logits[t*int(E)+e] = acc
+		}
+	}
+	if a.QuantX != 0 {
+		if err := moeFP8Quant(m, &fp8QuantArgs{X: a.X, Codes: a.Xq, Scales: a.Xs, R: T, K: H}); err != nil {
+			return fmt.Errorf("route_align: %w", err)
 		}
 	}
 	if err := moeRoute(m, &routeArgs{

@@ -36,7 +36,7 @@ func TestParamCounts(t *testing.T) {
 	got := kernels.ParamCounts()
 	for name, want := range map[string]int{
 		"gpuctx_empty": 0, "gpuctx_fill_f32": 3, "gpuctx_moe_route": 17, "gpuctx_moe_align": 9, "gpuctx_moe_align_scan": 11,
-		"gpuctx_moe_route_align": 26, "gpuctx_moe_combine_rows": 12, MoEGemms[0].UpName(): 12, MoEGemms[0].DownName(): 9,
+		"gpuctx_moe_route_align": 29, "gpuctx_moe_combine_rows": 12, MoEGemms[0].UpName(): 12, MoEGemms[0].DownName(): 9,
 	} {
 		if got[name] != want {
 			t.Errorf("%s: %d parameters, want %d", name, got[name], want)

@@ -164,9 +164,10 @@ func TestLauncherBits(t *testing.T) {
 		b := func(p Ptr) *gpuctx.Buffer { return d.bufs[p] }
 		x, router, bp := upload(t, d, asBytes(xs)), upload(t, d, asBytes(rs)), upload(t, d, asBytes(bias))
 		outs := []Ptr{alloc(t, d, 4*T*E), alloc(t, d, 4*T*K), alloc(t, d, 4*T*K), alloc(t, d, 4*cp), alloc(t, d, 4*cp/BM), alloc(t, d, 4),
-			alloc(t, d, 4*T*K), alloc(t, d, 4*T*K)}
+			alloc(t, d, 4*T*K), alloc(t, d, 4*T*K), alloc(t, d, T*H), alloc(t, d, 4*T*((H+127)/128))}
 		ticket := upload(t, d, make([]byte, 4))
 		logits, idx, w, sorted, bexp, npost, idx2, w2 := outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6], outs[7]
+		xq, xsc := outs[8], outs[9]
 		grid, blk := gpuctx.Dim3{X: RouteAlignBlocks(T * E), Y: 1, Z: 1}, gpuctx.Dim3{X: 512, Y: 1, Z: 1}
 		if typed {
 			ra, err := NewLauncher[RouteAlign](d.dev)
@@ -175,7 +176,8 @@ func TestLauncherBits(t *testing.T) {
 			}
 			if err := ra.LaunchEarly(s, grid, blk, RouteAlignSmem(T, E), RouteAlign{X: b(x), Router: b(router), Bias: b(bp),
 				Logits: b(logits), TopkIdx: b(idx), TopkW: b(w), Sorted: b(sorted), BlockExpert: b(bexp), Npost: b(npost),
-				Ticket: b(ticket), T: T, H: H, E: E, K: K, Rule: rule, Ks: K, Ns: 0, BM: BM, Cap: int32(cp)}); err != nil {
+				Ticket: b(ticket), T: T, H: H, E: E, K: K, Rule: rule, Ks: K, Ns: 0, BM: BM, Cap: int32(cp),
+				Xq: b(xq), Xs: b(xsc), QuantX: 1}); err != nil {
 				t.Fatal(err)
 			}
 			rt, err := NewLauncher[Route](d.dev)
@@ -190,7 +192,8 @@ func TestLauncherBits(t *testing.T) {
 			if err := s.LaunchEarly(mustKernel(t, d, "gpuctx_moe_route_align"), grid, blk, RouteAlignSmem(T, E),
 				b(x), b(router), b(bp), b(logits), b(idx), b(w), b(sorted), b(bexp), b(npost), b(ticket),
 				int32(T), int32(H), int32(E), int32(K), rule.Scoring, rule.Method, rule.Groups, rule.TopkGroups,
-				rule.HasBias, rule.Norm, rule.NormEps, rule.Scale, int32(K), int32(0), int32(BM), int32(cp)); err != nil {
+				rule.HasBias, rule.Norm, rule.NormEps, rule.Scale, int32(K), int32(0), int32(BM), int32(cp),
+				b(xq), b(xsc), int32(1)); err != nil {
 				t.Fatal(err)
 			}
 			if err := s.Launch(mustKernel(t, d, "gpuctx_moe_route"), one, gpuctx.Dim3{X: 32, Y: 1, Z: 1}, 0,

@@ -111,8 +111,9 @@ static __device__ __forceinline__ bool moe_route_args_ok(int E, int K, int metho
 // moe_route_token routes token t (one warp, lane = its lane) from lg = its E
 // logits (read with __ldcg: another block may have written them). Lane l holds
 // the scores of experts l, l+32, ... in registers; the shared arrays of one
-// warp (ch [E], gs and keep [groups]) are used only by the group limit
-// (methods 1 and 2). Expert k's index and weight end in lane k.
+// warp (ch [E], gs [max(E, groups)] and keep [groups]) hold the group limit's
+// scores (methods 1 and 2) and then, in gs, each expert's weight for the
+// top-K to read back. Expert k's index and weight end in lane k.
 #define MOE_RT_PER (MOE_MAX_E / 32)
 static __device__ __forceinline__ void moe_route_token(const float* __restrict__ lg, const float* __restrict__ bias,
                                        int* __restrict__ topk_idx, float* __restrict__ topk_w, int t, int E, int K,
@@ -209,12 +210,16 @@ static __device__ __forceinline__ void moe_route_token(const float* __restrict__
     float my_w = 0.0f;
 #if __CUDA_ARCH__ >= 800
     // Without NaNs the order (larger value, then lower index) is total, and
-    // an orderable unsigned key of each choice (-0 as +0) carries it: each
-    // round a lane's best key (its lowest slot among equals: the lowest
-    // expert), the warp's largest key and the lowest expert holding it come
-    // from two warp reductions (redux.sync), and the owner clears the key of
-    // the expert it gives up. Key 0 is "none" (a slot past E, or taken):
-    // without NaNs every real key is at least 1. The same choices, in the
+    // an orderable unsigned key of each choice (-0 as +0) carries it. Round k
+    // takes the best choice after round k-1's (key pk, expert pi) in that
+    // order: each lane's best key among its slots after it (its lowest slot
+    // among equals: the lowest expert), then the warp's largest key and the
+    // lowest expert holding it from two warp reductions (redux.sync). Key 0
+    // is "none" (a slot past E): without NaNs every real key is at least 1.
+    // Nothing is written to the lanes' arrays and no array is indexed by a
+    // choice: the keys stay in registers (session 22's ncu found the earlier
+    // form, which cleared the chosen key, with its arrays in local memory),
+    // and lane k reads its choice's weight from gs. The same choices, in the
     // same order, as the general loop below.
     bool nan = false;
 #pragma unroll
@@ -227,39 +232,33 @@ static __device__ __forceinline__ void moe_route_token(const float* __restrict__
 #pragma unroll
         for (int j = 0; j < MOE_RT_PER; ++j) {
             if (32 * j >= E) break;
+            const int e = lane + 32 * j;
             const unsigned u = __float_as_uint(cv[j] + 0.0f);
-            key[j] = lane + 32 * j < E ? ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) : 0u;
+            key[j] = e < E ? ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) : 0u;
+            if (e < E) gs[e] = (method == 2) ? sc[j] : cv[j];
         }
+        __syncwarp();  // gs: the weights, read below by other lanes
+        unsigned pk = 0xffffffffu;  // round k-1's key and expert (none before round 0)
+        int pi = -1;
         for (int k = 0; k < K; ++k) {
             unsigned bk = 0u;
             int bj = 0;
 #pragma unroll
             for (int j = 0; j < MOE_RT_PER; ++j) {
                 if (32 * j >= E) break;
-                if (key[j] > bk) {
-                    bk = key[j];
+                const unsigned kj = key[j];
+                const bool after = kj < pk || (kj == pk && lane + 32 * j > pi);
+                if (after && kj > bk) {
+                    bk = kj;
                     bj = j;
                 }
             }
-            const unsigned best = __reduce_max_sync(MOE_FULL, bk);
-            const int bi = (int)__reduce_min_sync(MOE_FULL, bk == best ? (unsigned)(lane + 32 * bj) : 0xffffffffu);
-            float w = 0.0f;
-            if (lane == (bi & 31)) {
-#pragma unroll
-                for (int j = 0; j < MOE_RT_PER; ++j) {
-                    if (32 * j >= E) break;
-                    if (j == (bi >> 5)) {
-                        key[j] = 0u;
-                        w = (method == 2) ? sc[j] : cv[j];
-                    }
-                }
-            }
-            w = __shfl_sync(MOE_FULL, w, bi & 31);
-            if (lane == k) {
-                my_idx = bi;
-                my_w = w;
-            }
+            pk = __reduce_max_sync(MOE_FULL, bk);
+            pi = (int)__reduce_min_sync(MOE_FULL, bk == pk ? (unsigned)(lane + 32 * bj) : 0xffffffffu);
+            if (lane == k) my_idx = pi;
         }
+        if (lane < K) my_w = gs[my_idx];
+        __syncwarp();  // the next token rewrites gs
     } else
 #endif
     {
@@ -913,7 +912,11 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS) void gpuctx_moe_al
 // ticket must be 0 before the first launch. Launch: grid (ceil(T*E/16),1,1)
 // (any grid works), block (512,1,1), dynamic shared memory
 // moe_ra_smem(T, E) bytes (RouteAlignSmem in Go). H a multiple of 8,
-// E + ns <= 512, T*E <= MOE_RA_MAX_DOTS.
+// E + ns <= 512, T*E <= MOE_RA_MAX_DOTS. With quant_x != 0 (sm_89 and later;
+// elsewhere the kernel writes nothing) every block also takes a share of x's
+// quantization for the w8a8 tiles: xq [T, H] E4M3 codes and xs [T,
+// ceil(H/128)] scales, as gpuctx_moe_fp8_quant (x, xq, xs, -, T, H, 0)
+// writes them; xq and xs are not read otherwise.
 #define MOE_RA_ALIGN_BYTES (MOE_ALIGN_WARPS * MOE_MAX_E * 4 + (MOE_MAX_E + 1) * 4)
 
 // Bytes of one routing warp's arrays (ch and gs, then keep) and of the whole
@@ -1003,7 +1006,8 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
     float* __restrict__ logits, int* __restrict__ topk_idx, float* __restrict__ topk_w, int* __restrict__ sorted,
     int* __restrict__ block_expert, int* __restrict__ npost, unsigned int* __restrict__ ticket, int T, int H, int E,
     int K, int scoring, int method, int groups, int topk_groups, int has_bias, int norm, float norm_eps,
-    float scale, int ks, int ns, int BM, int cap) {
+    float scale, int ks, int ns, int BM, int cap, unsigned char* __restrict__ xq, float* __restrict__ xs,
+    int quant_x) {
     extern __shared__ __align__(16) unsigned char ra_dyn[];
     __shared__ bool last;
     MOE_GRID_WAIT();  // x and the ticket come from earlier work
@@ -1017,6 +1021,9 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
         dyn < (unsigned)moe_ra_smem(T, E)) {
         return;
     }
+#ifndef MOE_HAS_E4M3_CVT
+    if (quant_x) return;
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Logits: one warp per (token, expert), 16-byte loads, butterfly sum.
     for (int d = blockIdx.x * MOE_ALIGN_WARPS + warp; d < T * E; d += gridDim.x * MOE_ALIGN_WARPS) {
@@ -1038,6 +1045,27 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
         acc = moe_warp_sum(acc);
         if (lane == 0) logits[(long long)t * E + e] = acc;
     }
+#ifdef MOE_HAS_E4M3_CVT
+    // With quant_x, x's E4M3 codes and scales for the w8a8 tiles, as
+    // gpuctx_moe_fp8_quant (x, xq, xs, -, T, H, 0) gives them (the same
+    // w8_quant8): a half-warp per (token, 128-column group) over every
+    // block, so that the chain needs no quantizer launch of its own.
+    if (quant_x) {
+        const int G = (H + 127) / 128, hl = threadIdx.x & 15;
+        const unsigned mask = 0xffffu << (threadIdx.x & 16);
+        for (int w = blockIdx.x * (32 * MOE_ALIGN_WARPS / 16) + (threadIdx.x >> 4); w < T * G;
+             w += gridDim.x * (32 * MOE_ALIGN_WARPS / 16)) {
+            const int t = w / G, k = (w - t * G) * 128 + 8 * hl;
+            const bool ok = k < H;
+            const long long off = (long long)t * H + k;
+            const uint4 h = ok ? *(const uint4*)(x + off) : make_uint4(0u, 0u, 0u, 0u);
+            float sc;
+            const uint2 c = w8_quant8(h, mask, sc);
+            if (ok) *(uint2*)(xq + off) = c;
+            if (hl == 0) xs[w] = sc;
+        }
+    }
+#endif
     // The last block to get here routes and sorts: every block's logits are
     // in global memory before its ticket, and the last block reads them from
     // L2 after its own. The ticket is one acquire-release atomic of thread 0

@@ -73,15 +73,19 @@
 //	gpuctx_moe_route_align (x, router, bias, logits, topk_idx, topk_w, sorted,
 //	                     block_expert, npost, ticket hal.Ptr, T, H, E, K, scoring,
 //	                     method, groups, topk_groups, has_bias, norm int32,
-//	                     norm_eps, scale float32, ks, ns, BM, cap int32)
+//	                     norm_eps, scale float32, ks, ns, BM, cap int32,
+//	                     xq, xs hal.Ptr, quant_x int32)
 //	    the router logits (bf16 x [T,H] times bf16 router [E,H], f32 sums) ->
 //	    logits, then gpuctx_moe_route and gpuctx_moe_align on them (the align
 //	    over T*ks assignments of E+ns experts, first = E when ns > 0). T*E <= RouteAlignMaxDots. Every
 //	    block computes logits (one warp each, the same sums whatever the grid);
 //	    the last block to finish, found with a ticket (uint32, 0 before the
 //	    first launch, left 0 by every launch), routes (a warp per token) and
-//	    sorts. Grid (RouteAlignBlocks(T*E),1,1), block (512,1,1), dynamic
-//	    shared memory RouteAlignSmem(T, E) bytes.
+//	    sorts. With quant_x != 0 the blocks also quantize x for the w8a8
+//	    tiles into xq [T,H] codes and xs [T,ceil(H/128)] scales, as
+//	    gpuctx_moe_fp8_quant would (sm_89 and later; elsewhere the kernel
+//	    writes nothing). Grid (RouteAlignBlocks(T*E),1,1), block (512,1,1),
+//	    dynamic shared memory RouteAlignSmem(T, E) bytes.
 //	gpuctx_moe_combine_rows (out, w, shared, gate, y hal.Ptr, T, K, H, has_routed,
 //	                     has_shared, has_gate, bf16 int32)
 //	    gpuctx_moe_combine with pos[t,k] = t*K+k: y[t,:] = sum_k w[t,k]*out[t*K+k,:]
@@ -221,9 +225,10 @@ var waitsFirst = sync.OnceValue(func() map[string]bool {
 	return m
 })
 
-// RouteSource returns moe.cu as it is compiled: Prelude and the
-// grid-dependency macros, then the file.
-func RouteSource() string { return Prelude() + gridDeps + routeSource }
+// RouteSource returns moe.cu as it is compiled: Prelude, the
+// grid-dependency macros and the activation quantizer (moe_quant.cuh), then
+// the file.
+func RouteSource() string { return Prelude() + gridDeps + quantSource + routeSource }
 
 // GemmSource returns moe_gemm.cu with every mma.sync tile: the
 // grid-dependency macros, moe_tile.cuh (shared with moe_wgmma.cu), the file,

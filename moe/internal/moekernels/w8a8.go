@@ -21,6 +21,12 @@ const W8A8File = "moe_w8a8.cu"
 //go:embed moe_w8a8.cu
 var w8a8Source string
 
+// quantSource is the activation quantizer's arithmetic, compiled ahead of
+// moe_w8a8.cu and of moe.cu (gpuctx_moe_route_align quantizes x with it).
+//
+//go:embed moe_quant.cuh
+var quantSource string
+
 // FP8QuantName is the activation quantizer of moe_w8a8.cu:
 //
 //	gpuctx_moe_fp8_quant (x, codes, scales, npost hal.Ptr, R, K, bounded int32)
@@ -265,7 +271,7 @@ func (c W8A8Gemm) mmaWidth() int {
 // FP8_MAX_KB; none of its instances), the file, then the wgmma wrappers and
 // the extern "C" instances of every tile of W8A8Gemms.
 func W8A8Source() string {
-	return gridDeps + tileSource + fp8MMASource + w8a8Source + w8a8Instances()
+	return gridDeps + tileSource + fp8MMASource + quantSource + w8a8Source + w8a8Instances()
 }
 
 func w8a8Instances() string {
