@@ -294,10 +294,16 @@ static __device__ __forceinline__ void moe_route_token(const float* __restrict__
             }
         }
     }
-    // Every lane sums the K weights in slot order (lane 0's sum before).
+    // Every lane sums the K weights in slot order (lane 0's sum before): the
+    // shuffles unrolled to MOE_MAX_K, so that they issue back to back and only
+    // the additions wait on one another.
     float s = 0.0f;
     if (norm) {
-        for (int k = 0; k < K; ++k) s += __shfl_sync(MOE_FULL, my_w, k);
+#pragma unroll
+        for (int k = 0; k < MOE_MAX_K; ++k) {
+            const float v = __shfl_sync(MOE_FULL, my_w, k);
+            if (k < K) s += v;
+        }
         s += norm_eps;
     }
     if (lane < K) {
