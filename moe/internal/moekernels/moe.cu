@@ -1017,7 +1017,16 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
     extern __shared__ __align__(16) unsigned char ra_dyn[];
     __shared__ bool last;
     MOE_GRID_WAIT();  // x and the ticket come from earlier work
-    MOE_GRID_LAUNCH();
+    // The kernel behind (the up tile) may be scheduled from here only when
+    // the fused shared expert's chunks are sorted (ns > 0): its blocks of
+    // their rows start before the sort ends (moe_shared_rows). Otherwise
+    // from the last block's routing on, below: an up tile's blocks launched
+    // early wait on their SMs, holding shared memory and registers, for as
+    // long as this kernel runs, and the shared expert's GEMMs on the side
+    // stream (Dual) then found no room (session 23: DeepSeek-V2-Lite FP8
+    // Dual, 1 token, 49.6-50.4 -> 59.0-60.0 us once the w8a8 up tile came
+    // straight behind this kernel, with no quantizer launch between them).
+    if (ns > 0) MOE_GRID_LAUNCH();
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     const int Ex = E + ns;
@@ -1093,6 +1102,7 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
     }
     __syncthreads();
     if (!last) return;
+    if (ns == 0) MOE_GRID_LAUNCH();  // the other blocks have exited (see above)
     // A warp per token reads its logits from L2 (__ldcg in moe_route_token);
     // for a small batch the experts also go to shared memory for the small
     // sort, whose counters are zeroed meanwhile.
