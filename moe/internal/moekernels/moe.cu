@@ -1023,9 +1023,10 @@ extern "C" __global__ __launch_bounds__(32 * MOE_ALIGN_WARPS, 1) void gpuctx_moe
     // from the last block's routing on, below: an up tile's blocks launched
     // early wait on their SMs, holding shared memory and registers, for as
     // long as this kernel runs, and the shared expert's GEMMs on the side
-    // stream (Dual) then found no room (session 23: DeepSeek-V2-Lite FP8
-    // Dual, 1 token, 49.6-50.4 -> 59.0-60.0 us once the w8a8 up tile came
-    // straight behind this kernel, with no quantizer launch between them).
+    // stream (Dual) then found no room (DeepSeek-V2-Lite FP8 Dual, 1 token,
+    // about 50 -> 60 us once the w8a8 up tile came straight behind this
+    // kernel with no quantizer launch between them: bench/RESULTS.md,
+    // session 23).
     if (ns > 0) MOE_GRID_LAUNCH();
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
